@@ -1,0 +1,1 @@
+"""kvmesh.cluster: the ``kvmesh`` CLI, launchers and experiments."""

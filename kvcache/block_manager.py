@@ -1,0 +1,329 @@
+"""Paged KV block ledger with a chained-hash prefix cache (nano-vllm semantics, O(1) ops).
+
+Semantics, as in nano-vllm's BlockManager:
+  - blocks are ref-counted; a full block whose KV is computed is entered in a hash table;
+  - a freed block keeps its hash and stays hittable until it is handed out again;
+  - a prompt's last block is never looked up, so at least one token is always computed;
+  - blocks are freed in reverse order, so a sequence's tail is evicted before its head;
+  - a hit is only taken when the block's stored tokens equal the request's (collision guard).
+
+What differs: the free pool is one insertion-ordered dict (LRU order, O(1) removal of a
+free block that gets a hit, where nano-vllm's ``deque.remove`` is O(n)); hashing walks one
+token buffer per call; and every change to the set of hittable hashes is recorded as a KV
+event so a remote index can mirror it exactly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvmesh.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvcache.fragmentation import FragmentationReport, fragmentation_report
+from kvmesh.kvcache.hashing import hash_chain, token_buffer
+from kvmesh.kvcache.sequence import Sequence
+
+
+class KVCacheError(RuntimeError):
+    """The ledger was used in a way that would corrupt it (double free, no space, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int  # free, but still hittable
+    num_cached_hashes: int  # hashes a new request could hit
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    evictions: int  # hashed blocks handed out again
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+class BlockManager:
+    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens and the prefix hash table.
+
+    Typical engine use per sequence::
+
+        n = bm.can_allocate(seq)         # -1: does not fit now
+        bm.allocate(seq, n)              # reuses n cached blocks, takes fresh ones for the rest
+        ... compute KV, advance seq.num_computed_tokens ...
+        bm.hash_blocks(seq)              # newly full, computed blocks become hittable
+        if bm.can_append(seq): bm.may_append(seq)   # before each decode step
+        bm.deallocate(seq)               # finished, aborted or preempted
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0, enable_events: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.seed = seed
+        self.enable_events = enable_events
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        # Collision guard: a hit needs the same parent hash and the same token bytes.
+        self._parent: list[int | None] = [None] * num_blocks
+        self._tokens: list[bytes | None] = [None] * num_blocks
+        # Free blocks, oldest first: allocation pops the head, freeing appends at the tail.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._table: dict[int, int] = {}  # hash -> the one block holding it
+        self._live: dict[int, Sequence] = {}  # seq_id -> sequences holding blocks
+        self._events: list[KVEvent] = []
+        self._num_cached_free = 0
+        self._mutations = 0
+        self._last_match: tuple[int, int, int, int] | None = None  # (seq, len, mutations, hits)
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.evictions = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash[block_id]
+
+    def cached_hashes(self) -> set[int]:
+        """Hashes a new request could hit right now."""
+        return set(self._table)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_used_blocks=self.num_used_blocks,
+            num_free_blocks=len(self._free),
+            num_cached_free_blocks=self._num_cached_free,
+            num_cached_hashes=len(self._table),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            evictions=self.evictions,
+        )
+
+    def fragmentation(self) -> FragmentationReport:
+        """Allocated vs reserved tokens over the sequences holding blocks now."""
+        return fragmentation_report([len(s) for s in self._live.values()], self.block_size)
+
+    def drain_events(self) -> list[KVEvent]:
+        """KV events since the last drain, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ allocation
+
+    def can_allocate(self, seq: Sequence) -> int:
+        """Number of cached blocks ``seq`` would reuse, or -1 if it cannot fit now."""
+        if seq.block_table:
+            raise KVCacheError(f"sequence {seq.seq_id} already has a block table")
+        hits, hits_free = self._match(seq)
+        self._last_match = (seq.seq_id, len(seq), self._mutations, hits)
+        fits = seq.num_blocks - hits + hits_free <= len(self._free)
+        return hits if fits else -1
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+        """Give ``seq`` its block table: ``num_cached_blocks`` reused, the rest fresh."""
+        if seq.block_table:
+            raise KVCacheError(f"sequence {seq.seq_id} already has a block table")
+        hits = self._verified_hits(seq)
+        if not 0 <= num_cached_blocks <= hits:
+            raise KVCacheError(
+                f"sequence {seq.seq_id}: {num_cached_blocks} cached blocks requested, "
+                f"only {hits} match (call can_allocate right before allocate)"
+            )
+        reused = [self._table[h] for h in seq.block_hashes[:num_cached_blocks]]
+        needed = seq.num_blocks - num_cached_blocks + sum(1 for b in reused if self._ref[b] == 0)
+        if needed > len(self._free):
+            raise KVCacheError(
+                f"sequence {seq.seq_id} needs {needed} free blocks, {len(self._free)} are free"
+            )
+        self._mutations += 1
+        for b in reused:
+            if self._ref[b] == 0:
+                del self._free[b]
+                self._num_cached_free -= 1
+            self._ref[b] += 1
+        removed: list[int] = []
+        fresh = [self._take_free_block(removed) for _ in range(seq.num_blocks - num_cached_blocks)]
+        self._emit_removed(removed)
+        seq.block_table = reused + fresh
+        seq.num_hashed_blocks = num_cached_blocks
+        seq.num_cached_tokens = seq.num_computed_tokens = num_cached_blocks * self.block_size
+        self.prefix_query_tokens += len(seq)
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        self._live[seq.seq_id] = seq
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the blocks ``seq``'s tokens need (at most one more when decoding) are free."""
+        return seq.num_blocks - len(seq.block_table) <= len(self._free)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Grow the block table so every token fits: a new block when len % block_size == 1."""
+        if not seq.block_table:
+            raise KVCacheError(f"sequence {seq.seq_id} has no blocks; allocate it first")
+        missing = seq.num_blocks - len(seq.block_table)
+        if missing <= 0:
+            return
+        if missing > len(self._free):
+            raise KVCacheError(
+                f"sequence {seq.seq_id} needs {missing} more block(s) and none are free "
+                "(check can_append and preempt first)"
+            )
+        self._mutations += 1
+        removed: list[int] = []
+        for _ in range(missing):
+            seq.block_table.append(self._take_free_block(removed))
+        self._emit_removed(removed)
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Enter the full blocks whose KV is now computed into the hash table (hittable)."""
+        bs = self.block_size
+        start = seq.num_hashed_blocks
+        end = min(seq.num_computed_tokens, len(seq)) // bs
+        if end <= start or seq.hash_collided:
+            return
+        if end > len(seq.block_table):
+            raise KVCacheError(f"sequence {seq.seq_id} computed tokens beyond its block table")
+        self._mutations += 1
+        buf = token_buffer(seq.token_ids[start * bs : end * bs])
+        hashes = self._content_hashes(seq, end, buf, start)
+        step = bs * 4
+        run: list[int] = []
+        parent = hashes[start - 1] if start else self.seed
+        run_parent = hashes[start - 1] if start else None  # events name no parent for block 0
+        for i in range(start, end):
+            b, h = seq.block_table[i], hashes[i]
+            tokens = bytes(buf[(i - start) * step : (i - start + 1) * step])
+            holder = self._table.get(h)
+            if holder is None:
+                run.append(h)
+            elif self._holds(holder, parent, tokens):
+                # The same content computed twice: the newer block (freed later, evicted
+                # later) takes over the hash; the hash stays resolvable, so no event.
+                self._emit_stored(run, run_parent)
+                run, run_parent = [], h
+                self._drop_hash(holder)
+            else:
+                # A real collision: this block and every later one of the chain would be
+                # found under another prefix's hashes, so none of them is entered.
+                seq.hash_collided = True
+                break
+            self._table[h] = b
+            self._hash[b], self._parent[b], self._tokens[b] = h, parent, tokens
+            parent = h
+        self._emit_stored(run, run_parent)
+        seq.num_hashed_blocks = end
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first; hashed blocks stay hittable until reused."""
+        if not seq.block_table:
+            raise KVCacheError(f"sequence {seq.seq_id} holds no blocks (freed twice?)")
+        self._mutations += 1
+        for b in reversed(seq.block_table):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+                if self._hash[b] is not None:
+                    self._num_cached_free += 1
+        self._live.pop(seq.seq_id, None)
+        seq.reset_progress()
+
+    def reset(self) -> None:
+        """Forget every cached hash (cold cache). Only allowed while no sequence holds blocks."""
+        if self._live:
+            raise KVCacheError(
+                f"cannot reset the prefix cache while {len(self._live)} sequence(s) hold blocks"
+            )
+        self._mutations += 1
+        self._hash = [None] * self.num_blocks
+        self._parent = [None] * self.num_blocks
+        self._tokens = [None] * self.num_blocks
+        self._table.clear()
+        self._num_cached_free = 0
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+
+    # ------------------------------------------------------------------ internals
+
+    def _content_hashes(self, seq: Sequence, n_blocks: int, buf: memoryview, buf_block: int) -> list[int]:
+        """``seq.block_hashes`` extended to ``n_blocks``; ``buf`` holds blocks from ``buf_block``."""
+        have = len(seq.block_hashes)
+        if have < n_blocks:
+            parent = seq.block_hashes[-1] if have else self.seed
+            step = self.block_size * 4
+            lo = (have - buf_block) * step
+            seq.block_hashes.extend(
+                hash_chain(buf[lo : (n_blocks - buf_block) * step], self.block_size, parent)
+            )
+        return seq.block_hashes
+
+    def _match(self, seq: Sequence) -> tuple[int, int]:
+        """(leading blocks hittable, how many of those are free) for ``seq``."""
+        bs = self.block_size
+        lookable = (len(seq) - 1) // bs  # the last block is never looked up
+        if lookable == 0:
+            return 0, 0
+        buf = token_buffer(seq.token_ids[: lookable * bs])
+        hashes = self._content_hashes(seq, lookable, buf, 0)
+        step = bs * 4
+        hits = hits_free = 0
+        parent = self.seed
+        for i in range(lookable):
+            b = self._table.get(hashes[i])
+            if b is None or not self._holds(b, parent, buf[i * step : (i + 1) * step]):
+                break
+            hits += 1
+            hits_free += self._ref[b] == 0
+            parent = hashes[i]
+        return hits, hits_free
+
+    def _holds(self, b: int, parent: int, tokens: bytes | memoryview) -> bool:
+        return self._parent[b] == parent and self._tokens[b] == tokens
+
+    def _verified_hits(self, seq: Sequence) -> int:
+        """Hits from the last can_allocate if nothing changed since, else a fresh match."""
+        last = self._last_match
+        if last is not None and last[:3] == (seq.seq_id, len(seq), self._mutations):
+            return last[3]
+        return self._match(seq)[0]
+
+    def _take_free_block(self, removed: list[int]) -> int:
+        """Pop the least recently freed block; its hash, if any, stops being resolvable."""
+        b, _ = self._free.popitem(last=False)
+        h = self._hash[b]
+        if h is not None:
+            self.evictions += 1
+            self._drop_hash(b)
+            del self._table[h]
+            removed.append(h)
+        self._ref[b] = 1
+        return b
+
+    def _drop_hash(self, b: int) -> None:
+        if self._ref[b] == 0:
+            self._num_cached_free -= 1
+        self._hash[b] = self._parent[b] = self._tokens[b] = None
+
+    def _emit_stored(self, run: list[int], parent: int | None) -> None:
+        if run and self.enable_events:
+            self._events.append(BlockStored(tuple(run), parent, self.block_size))
+
+    def _emit_removed(self, removed: list[int]) -> None:
+        if removed and self.enable_events:
+            self._events.append(BlockRemoved(tuple(removed)))

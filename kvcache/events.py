@@ -1,0 +1,49 @@
+"""KV events: the stream of changes to the set of block hashes a new request could hit.
+
+Replaying every event from the start of a BlockManager's life (``replay``) gives exactly
+its ``cached_hashes()``. Replicas ship these to the shared prefix index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """``hashes`` (a chain, in order) became resolvable; ``parent_hash`` precedes the first."""
+
+    hashes: tuple[int, ...]
+    parent_hash: int | None
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """``hashes`` stopped being resolvable (their last holder was overwritten)."""
+
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every hash stopped being resolvable (cache reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def replay(events: Iterable[KVEvent], into: set[int] | None = None) -> set[int]:
+    """Apply ``events`` in order to a hash set (a new one unless ``into`` is given)."""
+    hashes = set() if into is None else into
+    for event in events:
+        if isinstance(event, BlockStored):
+            hashes.update(event.hashes)
+        elif isinstance(event, BlockRemoved):
+            hashes.difference_update(event.hashes)
+        elif isinstance(event, AllBlocksCleared):
+            hashes.clear()
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+    return hashes

@@ -1,0 +1,1 @@
+"""kvmesh.protos: the kvmesh.v1 wire contract and its generated Python stubs."""

@@ -1,0 +1,1 @@
+"""kvmesh.replica: the per-accelerator engine, its gRPC service and Ray actor."""

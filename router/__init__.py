@@ -1,0 +1,1 @@
+"""kvmesh.router: the gRPC front door, routing policies and prefix-index client."""

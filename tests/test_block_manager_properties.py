@@ -1,0 +1,195 @@
+"""Random operation sequences against the BlockManager's invariants and a plain oracle.
+
+Two machines share the invariant checks:
+  - ``ChunkedLedger`` drives chunked prefill, decode, preemption, abort and reset;
+  - ``LedgerVsArticle`` runs the article's algorithm (the benchmark's reference ledger)
+    in lockstep and demands the same hits, admissions and free counts.
+After every step: ref counts equal the number of block tables holding each block, free and
+used blocks partition the pool, no block appears twice in a table, replaying every KV
+event gives ``cached_hashes()``, and every reused block holds exactly the KV of the
+reusing sequence's prefix (tracked by a shadow of what each block was computed for).
+"""
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvmesh.cluster.benchmarks.reference_ledger import ReferenceBlockManager
+from kvmesh.kvcache import BlockManager, Sequence, replay
+
+# Small vocabulary and a few shared chunks: lots of sharing, duplicates and equal blocks
+# at different positions, which is where ledgers go wrong.
+CHUNKS = [[0, 1, 2, 3, 0, 1], [0, 1], [2, 2, 2], [3], [1, 0, 3, 2, 1]]
+prompts = st.lists(st.sampled_from(range(len(CHUNKS))), min_size=1, max_size=5).map(
+    lambda ids: [t for i in ids for t in CHUNKS[i]]
+)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Shared state and invariants; subclasses add the rules."""
+
+    def setup(self, num_blocks: int, block_size: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, seed=7)
+        self.live: list[Sequence] = []
+        self.events = []
+        self.written: dict[int, tuple[int, ...]] = {}  # block -> prefix its KV was computed for
+
+    def admit(self, tokens: list[int]) -> Sequence | None:
+        seq = Sequence(tokens, self.bm.block_size)
+        n = self.bm.can_allocate(seq)
+        if n < 0:
+            return None
+        self.bm.allocate(seq, n)
+        self.check_reuse(seq, n)
+        self.live.append(seq)
+        return seq
+
+    def check_reuse(self, seq: Sequence, n: int) -> None:
+        bs = self.bm.block_size
+        for i in range(n):
+            prefix = tuple(seq.token_ids[: (i + 1) * bs])
+            assert self.written[seq.block_table[i]] == prefix, "reused a block computed for another prefix"
+
+    def compute(self, seq: Sequence, upto: int) -> None:
+        bs = self.bm.block_size
+        seq.num_computed_tokens = upto
+        for i in range(upto // bs):
+            if i >= seq.num_hashed_blocks:
+                self.written[seq.block_table[i]] = tuple(seq.token_ids[: (i + 1) * bs])
+        self.bm.hash_blocks(seq)
+
+    @invariant()
+    def ref_counts_and_partition(self):
+        if not hasattr(self, "bm"):
+            return
+        holders = Counter(b for s in self.live for b in s.block_table)
+        for s in self.live:
+            assert len(set(s.block_table)) == len(s.block_table), "block twice in one table"
+            assert len(s.block_table) == s.num_blocks
+        used = {b for b in range(self.bm.num_blocks) if self.bm.ref_count(b) > 0}
+        assert used == set(holders)
+        assert all(self.bm.ref_count(b) == n for b, n in holders.items())
+        assert self.bm.num_used_blocks == len(used)
+        assert self.bm.num_free_blocks == self.bm.num_blocks - len(used)
+
+    @invariant()
+    def events_replay_to_cached_hashes(self):
+        if not hasattr(self, "bm"):
+            return
+        self.events += self.bm.drain_events()
+        assert replay(self.events) == self.bm.cached_hashes()
+        stats = self.bm.stats()
+        cached_free = sum(
+            1
+            for b in range(self.bm.num_blocks)
+            if self.bm.ref_count(b) == 0 and self.bm.block_hash(b) is not None
+        )
+        assert stats.num_cached_free_blocks == cached_free
+
+
+class ChunkedLedger(LedgerMachine):
+    @initialize(num_blocks=st.integers(1, 20), block_size=st.integers(1, 4))
+    def init(self, num_blocks, block_size):
+        self.setup(num_blocks, block_size)
+
+    @rule(tokens=prompts)
+    def add(self, tokens):
+        self.admit(tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 7))
+    def prefill_chunk(self, pick, chunk):
+        seq = self.live[pick % len(self.live)]
+        self.compute(seq, min(len(seq), seq.num_computed_tokens + chunk))
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99), token=st.integers(0, 3))
+    def decode(self, pick, token):
+        seq = self.live[pick % len(self.live)]
+        if seq.num_computed_tokens < len(seq):
+            return  # still prefilling
+        seq.append_token(token)
+        if self.bm.can_append(seq):
+            self.bm.may_append(seq)
+            self.compute(seq, len(seq))
+        else:  # preempt by recompute: free everything, come back later from scratch
+            self.bm.deallocate(seq)
+            self.live.remove(seq)
+            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            if (again := self.admit(seq.token_ids)) is not None:
+                self.compute(again, len(again))
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99))
+    def finish_or_abort(self, pick):
+        self.bm.deallocate(self.live.pop(pick % len(self.live)))
+
+    @precondition(lambda self: not self.live)
+    @rule()
+    def reset(self):
+        self.bm.reset()
+        self.written.clear()
+
+
+class LedgerVsArticle(LedgerMachine):
+    """Whole-prompt prefill (what the article's eager hashing assumes), in lockstep.
+
+    Block size 1 is left out: the article's ``len % block_size == 1`` append rule never
+    fires there (kvmesh's ledger counts missing blocks instead, covered above).
+    """
+
+    @initialize(num_blocks=st.integers(1, 20), block_size=st.integers(2, 4))
+    def init(self, num_blocks, block_size):
+        self.setup(num_blocks, block_size)
+        self.ref = ReferenceBlockManager(num_blocks, block_size)
+        self.ref_live: list[Sequence] = []
+
+    @rule(tokens=prompts)
+    def add(self, tokens):
+        ref_seq = Sequence(tokens, self.bm.block_size)
+        ref_n = self.ref.can_allocate(ref_seq)
+        seq = self.admit(tokens)
+        assert (seq is None) == (ref_n < 0)
+        if seq is None:
+            return
+        self.ref.allocate(ref_seq, ref_n)
+        self.ref_live.append(ref_seq)
+        assert seq.num_cached_tokens == ref_seq.num_cached_tokens
+        self.compute(seq, len(seq))
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99), token=st.integers(0, 3))
+    def decode(self, pick, token):
+        i = pick % len(self.live)
+        seq, ref_seq = self.live[i], self.ref_live[i]
+        seq.append_token(token)
+        ref_seq.append_token(token)
+        assert self.bm.can_append(seq) == self.ref.can_append(ref_seq)
+        if self.bm.can_append(seq):
+            self.bm.may_append(seq)
+            self.ref.may_append(ref_seq)
+            self.compute(seq, len(seq))
+        else:
+            self.bm.deallocate(self.live.pop(i))
+            self.ref.deallocate(self.ref_live.pop(i))
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 99))
+    def finish(self, pick):
+        i = pick % len(self.live)
+        self.bm.deallocate(self.live.pop(i))
+        self.ref.deallocate(self.ref_live.pop(i))
+
+    @invariant()
+    def same_pool_as_article(self):
+        if hasattr(self, "ref"):
+            assert self.bm.num_free_blocks == len(self.ref.free_block_ids)
+
+
+settings_ = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestChunkedLedger = ChunkedLedger.TestCase
+TestChunkedLedger.settings = settings_
+TestLedgerVsArticle = LedgerVsArticle.TestCase
+TestLedgerVsArticle.settings = settings_

@@ -1,0 +1,58 @@
+"""The ``kvmesh`` console script: help, one-line usage errors, and the kvcache benchmark."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_help_lists_commands():
+    out = run("--help")
+    assert out.returncode == 0
+    assert "bench" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("frobnicate",),
+        (),
+        ("bench", "nope"),
+        ("bench", "kvcache", "--repeats", "0"),
+        ("bench", "kvcache", "--repeats", "x"),
+    ],
+    ids=["unknown-command", "no-command", "unknown-bench", "zero-repeats", "bad-int"],
+)
+def test_usage_errors_are_one_line_and_exit_2(args):
+    out = run(*args)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"kvmesh( [\w-]+)*: error: ", lines[0]), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bench_kvcache_writes_json_with_targets(tmp_path):
+    out_file = tmp_path / "bench.json"
+    out = run("bench", "kvcache", "--quick", "--repeats", "1", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out_file.read_text())
+    assert result["statistic"] == "median"
+    cases = {c["case"]: c for c in result["ledger"]}
+    assert {"mixed_1024", "rehit_16384"} <= set(cases)
+    for case in cases.values():
+        assert case["kvmesh_ops_per_s"] > 0 and case["baseline_ops_per_s"] > 0
+        assert 0 < case["prefix_hit_rate"] < 1
+    assert cases["rehit_16384"]["prefix_hit_rate"] > 0.5  # the trace really is re-hit dominated
+    assert {h["num_tokens"] for h in result["hashing"]} == {4096, 32768}
+    assert all("met" in t for t in result["targets"])
+    assert "rehit_16384" in out.stdout  # the printed table
