@@ -39,7 +39,47 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median reported)")
     kv.add_argument("--quick", action="store_true", help="smaller traces, for a smoke run")
     kv.set_defaults(handler=_run_bench_kvcache)
+
+    tiny = commands.add_parser(
+        "make-tiny-model", help="write a small random model + tokenizer folder (offline)"
+    )
+    tiny.add_argument("dir", help="output folder (replaced if it exists)")
+    tiny.add_argument("--arch", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    tiny.add_argument("--hidden", type=int, default=64, help="hidden size")
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size to train")
+    tiny.add_argument("--max-position-embeddings", type=int, default=4096)
+    tiny.add_argument("--tie-embeddings", action="store_true", help="share embedding and lm_head weights")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(handler=_run_make_tiny_model)
     return parser
+
+
+def _run_make_tiny_model(args: argparse.Namespace) -> int:
+    from kvmesh.replica.tiny_model import make_tiny_model
+
+    for name in ("hidden", "layers", "heads", "kv_heads", "vocab_size", "max_position_embeddings"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    try:
+        path = make_tiny_model(
+            args.dir,
+            arch=args.arch,
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            vocab_size=args.vocab_size,
+            max_position_embeddings=args.max_position_embeddings,
+            tie_word_embeddings=args.tie_embeddings,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {path}")
+    return 0
 
 
 def _run_bench_kvcache(args: argparse.Namespace) -> int:

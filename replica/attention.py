@@ -1,0 +1,240 @@
+"""Paged attention backends over one preallocated KV block pool.
+
+Every step is a batch of sequences; sequence *i* contributes ``query_lens[i]`` new tokens
+whose keys/values are stored into its blocks, then attends to its first
+``context_lens[i]`` cached tokens (its whole context, new tokens included) with a causal
+mask aligned to the bottom right. Decode (one query), first prefill, prefill continuing a
+cached prefix and chunked prefill are all that one shape.
+
+- ``TorchPagedAttention``: pure torch, runs anywhere. Keys/values are gathered from the
+  block pool by block table and fed to SDPA with an explicit mask. Decode rows and
+  prefill rows are attended in separate padded groups so a long prefill chunk never pads
+  the decode rows.
+- ``FlashPagedAttention``: CUDA + flash-attn. ``flash_attn_varlen_func`` with a block
+  table for any batch holding a prefill, ``flash_attn_with_kvcache`` for pure decode.
+  flash-attn's paged kernels need a block size that is a multiple of 256.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each scheduled token goes; plain Python, built once per step."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]  # cache slot (block * block_size + offset) of every new token
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write the new tokens' keys/values into their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+@dataclass
+class _Group:
+    """Sequences attended together: queries padded to ``[rows, max_q]``."""
+
+    token_index: torch.Tensor  # [rows * max_q] index into the step's tokens (padding -> 0)
+    valid: torch.Tensor  # [rows * max_q] bool, real query positions
+    block_tables: torch.Tensor  # [rows, max_blocks]
+    mask: torch.Tensor  # [rows, 1, max_q, max_blocks * block_size] bool, True = attend
+    rows: int
+    max_q: int
+
+
+@dataclass
+class TorchPlan:
+    slots: torch.Tensor
+    groups: list[_Group]
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+
+    def plan(self, layout: BatchLayout) -> TorchPlan:
+        decode = [i for i, q in enumerate(layout.query_lens) if q == 1]
+        prefill = [i for i, q in enumerate(layout.query_lens) if q > 1]
+        starts, total = [], 0
+        for q in layout.query_lens:
+            starts.append(total)
+            total += q
+        groups = [self._group(layout, rows, starts) for rows in (decode, prefill) if rows]
+        slots = torch.tensor(layout.slot_mapping, dtype=torch.long, device=self.device)
+        return TorchPlan(slots=slots, groups=groups)
+
+    def _group(self, layout: BatchLayout, rows: list[int], starts: list[int]) -> _Group:
+        q_lens = torch.tensor([layout.query_lens[i] for i in rows])
+        ctx_lens = torch.tensor([layout.context_lens[i] for i in rows])
+        max_q = int(q_lens.max())
+        max_blocks = max(len(layout.block_tables[i]) for i in rows)
+        tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+        for r, i in enumerate(rows):
+            tables[r, : len(layout.block_tables[i])] = torch.tensor(layout.block_tables[i])
+        q_pos = torch.arange(max_q)
+        valid = q_pos[None, :] < q_lens[:, None]  # [rows, max_q]
+        token_index = torch.tensor([starts[i] for i in rows])[:, None] + q_pos[None, :]
+        token_index = torch.where(valid, token_index, torch.zeros_like(token_index))
+        # Query j of a row sits at absolute position ctx - q + j and sees keys up to there.
+        k_pos = torch.arange(max_blocks * self.block_size)
+        last_visible = (ctx_lens - q_lens)[:, None] + q_pos[None, :]  # [rows, max_q]
+        mask = k_pos[None, None, :] <= last_visible[:, :, None]
+        mask[~valid] = False
+        mask[~valid, 0] = True  # padding rows attend to one key so SDPA stays finite
+        return _Group(
+            token_index=token_index.reshape(-1).to(self.device),
+            valid=valid.reshape(-1).to(self.device),
+            block_tables=tables.to(self.device),
+            mask=mask[:, None].to(self.device),
+            rows=len(rows),
+            max_q=max_q,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TorchPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, plan.slots)
+        out = torch.empty_like(q)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        for g in plan.groups:
+            qg = q[g.token_index].view(g.rows, g.max_q, num_heads, head_dim).transpose(1, 2)
+            kg = _gather(k_cache, g.block_tables)
+            vg = _gather(v_cache, g.block_tables)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            og = og.transpose(1, 2).reshape(g.rows * g.max_q, num_heads, head_dim)
+            out[g.token_index[g.valid]] = og[g.valid]
+        return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[rows, kv_heads, max_blocks * block_size, head_dim] view of each row's blocks."""
+    rows, max_blocks = block_tables.shape
+    _, block_size, kv_heads, head_dim = cache.shape
+    return cache[block_tables].view(rows, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+
+
+@dataclass
+class FlashPlan:
+    slots: torch.Tensor
+    block_tables: torch.Tensor  # int32 [batch, max_blocks]
+    context_lens: torch.Tensor  # int32 [batch]
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_q: int
+    max_k: int
+    decode_only: bool
+
+
+class FlashPagedAttention:
+    name = "flash_attn"
+
+    def __init__(self, block_size: int, device: torch.device):
+        if block_size % 256:
+            raise ValueError(
+                f"flash-attn paged KV needs a block size that is a multiple of 256, got {block_size}"
+            )
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self.block_size = block_size
+        self.device = device
+
+    def plan(self, layout: BatchLayout) -> FlashPlan:
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        max_blocks = max(len(t) for t in layout.block_tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in layout.block_tables]
+        cu_q, cu_k = [0], [0]
+        for q, c in zip(layout.query_lens, layout.context_lens, strict=True):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + c)
+        return FlashPlan(
+            slots=torch.tensor(layout.slot_mapping, dtype=torch.long, device=self.device),
+            block_tables=i32(tables).view(len(tables), max_blocks),
+            context_lens=i32(layout.context_lens),
+            cu_seqlens_q=i32(cu_q),
+            cu_seqlens_k=i32(cu_k),
+            max_q=max(layout.query_lens),
+            max_k=max(layout.context_lens),
+            decode_only=all(q == 1 for q in layout.query_lens),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: FlashPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, plan.slots)
+        if plan.decode_only:
+            out = self._with_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=plan.context_lens,
+                block_table=plan.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        return self._varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_q,
+            max_seqlen_k=plan.max_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=plan.block_tables,
+        )
+
+
+AttentionBackend = TorchPagedAttention | FlashPagedAttention
+
+
+def make_backend(name: str | None, block_size: int, device: torch.device) -> AttentionBackend:
+    """The requested backend, or flash-attn when it is usable for this device and block size."""
+    if name == "flash_attn" or (
+        name is None and device.type == "cuda" and flash_attn_available() and block_size % 256 == 0
+    ):
+        if device.type != "cuda" or not flash_attn_available():
+            raise ValueError(
+                "attention_backend='flash_attn' needs CUDA and the flash-attn package (extra 'gpu')"
+            )
+        return FlashPagedAttention(block_size, device)
+    return TorchPagedAttention(block_size, device)

@@ -1,0 +1,273 @@
+"""LLMEngine: requests in, token/text deltas out, one ``step()`` at a time.
+
+    engine = LLMEngine("path/to/model", num_kv_blocks=512, max_num_seqs=32)
+    outputs = engine.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+
+``step()`` schedules a batch, runs one forward, samples, applies stops and returns one
+``RequestOutput`` delta per request that produced something. The block ledger's KV events
+and counters are handed out for the index publisher (``drain_kv_events``, ``stats``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import uuid
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.kvcache import BlockManager, KVCacheStats, KVEvent, namespace_seed
+from kvmesh.replica.config import EngineConfig
+from kvmesh.replica.detokenizer import IncrementalDetokenizer
+from kvmesh.replica.model_runner import ModelRunner
+from kvmesh.replica.models.loader import decoder_spec, load_hf_config
+from kvmesh.replica.request import Request, RequestOutput, Status
+from kvmesh.replica.sampling_params import SamplingParams
+from kvmesh.replica.scheduler import Scheduler
+
+Prompt = str | SequenceABC[int]
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prompt_tokens: int  # admitted prompt tokens, all requests so far
+    generation_tokens: int  # sampled tokens, all requests so far
+    kv: KVCacheStats
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, model_id: str | None = None, **config):
+        self.config = EngineConfig.from_kwargs(**config)
+        self.model_dir = str(model_dir)
+        hf_config = load_hf_config(model_dir)
+        spec = decoder_spec(hf_config)
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
+        if self.max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({spec.max_position_embeddings})"
+            )
+        self.model_id = model_id or Path(model_dir).resolve().name
+        self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec)
+        self.block_size = self.runner.block_size
+        self.tokenizer = _load_tokenizer(Path(model_dir))
+        self.eos_token_ids = _eos_token_ids(Path(model_dir), hf_config, self.tokenizer)
+        self.hash_seed = namespace_seed(self.model_id, self.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.block_size, seed=self.hash_seed)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._rng = random.Random(self.config.seed)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt, or validated ids of a token-id prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model folder {self.model_dir!r} has no tokenizer; send token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        request = self.prepare_request(prompt, params, request_id)
+        self.submit(request)
+        return request.request_id
+
+    def prepare_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks, the pool has {self.block_manager.num_blocks}"
+            )
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
+        )
+        if params.stop and detok is None:
+            raise ValueError("stop strings need a tokenizer")
+        return Request(request_id, ids, self.block_size, params, generator, stop_ids, detok)
+
+    def submit(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        self._prompt_tokens += request.num_prompt_tokens
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes from the next ``step``."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort")
+        self._pending.append(request.output(request.detokenizer.flush() if request.detokenizer else ""))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        tokens = self.runner.run(scheduled)
+        self.scheduler.step_done(scheduled)
+        for request, token in zip(scheduled, tokens, strict=True):
+            if token is not None:
+                outputs.append(request.output(self._append_token(request, token)))
+                if request.status is Status.FINISHED:
+                    del self.requests[request.request_id]
+        return outputs
+
+    def _append_token(self, request: Request, token: int) -> str:
+        """Append a sampled token, apply every stop rule; returns the text it releases."""
+        request.append_token(token)
+        self._generation_tokens += 1
+        text, stop_string = request.detokenizer.push(token) if request.detokenizer else ("", False)
+        reason = None
+        if stop_string or token in request.stop_ids:
+            reason = "stop"
+        elif request.num_completion_tokens >= request.params.max_tokens or len(request) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if request.detokenizer and not stop_string:
+                text += request.detokenizer.flush()
+            self.scheduler.finish(request, reason)
+        return text
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        """Run prompts to completion; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        batch = [self.prepare_request(p, sp, None) for p, sp in zip(prompts, sampling_params, strict=True)]
+        for request in batch:
+            self.submit(request)
+        texts = {r.request_id: [] for r in batch}
+        done = 0
+        bar = _progress(len(batch), use_tqdm)
+        while done < len(batch):
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id].append(out.new_text)
+                    if out.finished:
+                        done += 1
+                        bar.update(1)
+        bar.close()
+        return [
+            CompletionOutput(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=r.completion_token_ids,
+                text="".join(texts[r.request_id]),
+                finish_reason=r.finish_reason or "",
+                num_cached_tokens=r.cached_prompt_tokens or 0,
+            )
+            for r in batch
+        ]
+
+    # ------------------------------------------------------------------ for the index publisher
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.drain_events()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            kv=self.block_manager.stats(),
+        )
+
+    def reset_prefix_cache(self) -> None:
+        """Cold cache (for experiments); refuses while requests hold blocks."""
+        self.block_manager.reset()
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", disable=not enabled)
+
+
+def _load_tokenizer(model_dir: Path):
+    if not any(
+        (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def _eos_token_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:
+    """eos ids from generation_config.json, config.json and the tokenizer, like transformers."""
+    ids: list = [getattr(hf_config, "eos_token_id", None)]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        ids.append(json.loads(gen.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        ids.append(tokenizer.eos_token_id)
+    flat = itertools.chain.from_iterable(i if isinstance(i, list) else [i] for i in ids)
+    return frozenset(i for i in flat if i is not None)

@@ -1,0 +1,161 @@
+"""Owns the model, the KV block pool and the attention backend; runs one step's forward.
+
+The pool is one tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``; each
+attention layer gets views of its K and V slices. On CUDA the number of blocks comes from
+``gpu_memory_utilization`` after a warm-up forward at the full token budget; on CPU from
+``num_kv_blocks`` or ``kv_cache_memory``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvmesh.replica.attention import AttentionBackend, BatchLayout, flash_attn_available, make_backend
+from kvmesh.replica.config import EngineConfig
+from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
+from kvmesh.replica.models.loader import load_model, resolve_dtype
+from kvmesh.replica.request import Request
+from kvmesh.replica.sampler import sample
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return device
+
+
+def default_block_size(device: torch.device, backend: str | None) -> int:
+    """256 where flash-attn's paged kernels will run (they need multiples of 256), else 16."""
+    wants_flash = backend == "flash_attn" or (
+        backend is None and device.type == "cuda" and flash_attn_available()
+    )
+    return 256 if wants_flash else 16
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, config: EngineConfig, hf_config, spec: DecoderSpec):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.block_size = config.block_size or default_block_size(self.device, config.attention_backend)
+        self.spec = spec
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model: DecoderForCausalLM = load_model(model_dir, spec, self.dtype, self.device)
+        self.backend: AttentionBackend = make_backend(config.attention_backend, self.block_size, self.device)
+        self.num_blocks = self._pool_size(config)
+        self.kv_cache = torch.zeros(
+            2, spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.v_cache = self.kv_cache[1, i]
+        log.info(
+            "model runner ready",
+            extra={"device": str(self.device), "dtype": str(self.dtype), "blocks": self.num_blocks,
+                   "block_size": self.block_size, "attention": self.backend.name},
+        )  # fmt: skip
+
+    @property
+    def block_bytes(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.kv_dtype_size
+
+    @property
+    def kv_dtype_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def _pool_size(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(config)
+        blocks = config.kv_cache_memory // self.block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} holds no block of {self.block_bytes} bytes"
+            )
+        return blocks
+
+    def _profile_cuda_blocks(self, config: EngineConfig) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` after a warm-up at the full budget."""
+        tokens = config.max_num_batched_tokens
+        seqs = min(config.max_num_seqs, max(1, tokens // 512))
+        lens = [tokens // seqs] * seqs
+        warm_blocks = sum(-(-n // self.block_size) for n in lens)
+        warm_cache = torch.zeros(
+            2, self.spec.num_layers, warm_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = warm_cache[0, i], warm_cache[1, i]
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tables, next_block = [], 0
+        for n in lens:
+            count = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        self._forward_layout([list(range(n)) for n in lens], [0] * seqs, tables, need_logits=[True] * seqs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - warm_cache.numel() * warm_cache.element_size()
+        del warm_cache
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_for_kv = int(total * config.gpu_memory_utilization) - peak
+        blocks = free_for_kv // self.block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"no room for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} of "
+                f"{total / 2**30:.1f} GiB, {peak / 2**30:.1f} GiB used by weights and activations"
+            )
+        return blocks
+
+    @torch.inference_mode()
+    def run(self, requests: list[Request]) -> list[int | None]:
+        """Compute this step's tokens; returns a sampled token for requests that reached their end."""
+        chunks = [
+            r.token_ids[r.num_computed_tokens : r.num_computed_tokens + r.num_scheduled_tokens]
+            for r in requests
+        ]
+        starts = [r.num_computed_tokens for r in requests]
+        need = [r.num_computed_tokens + r.num_scheduled_tokens == len(r) for r in requests]
+        logits = self._forward_layout(chunks, starts, [r.block_table for r in requests], need)
+        sampling = [r for r, n in zip(requests, need, strict=True) if n]
+        if not sampling:
+            return [None] * len(requests)
+        tokens = iter(sample(logits, [r.params for r in sampling], [r.generator for r in sampling]))
+        return [next(tokens) if n else None for n in need]
+
+    def _forward_layout(
+        self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], need_logits: list[bool]
+    ) -> torch.Tensor:
+        bs = self.block_size
+        per_seq = [np.arange(s, s + len(c)) for s, c in zip(starts, chunks, strict=True)]
+        slots = np.concatenate(
+            [np.asarray(t)[p // bs] * bs + p % bs for t, p in zip(tables, per_seq, strict=True)]
+        )
+        positions = np.concatenate(per_seq)
+        layout = BatchLayout(
+            query_lens=[len(c) for c in chunks],
+            context_lens=[s + len(c) for s, c in zip(starts, chunks, strict=True)],
+            block_tables=tables,
+            slot_mapping=slots.tolist(),
+        )
+        input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
+        hidden = self.model(
+            input_ids, torch.from_numpy(positions).to(self.device), self.backend, self.backend.plan(layout)
+        )
+        last = np.cumsum([len(c) for c in chunks]) - 1
+        rows = torch.tensor(
+            [int(i) for i, n in zip(last, need_logits, strict=True) if n],
+            dtype=torch.long,
+            device=self.device,
+        )
+        return self.model.compute_logits(hidden[rows])

@@ -1,0 +1,1 @@
+"""Model families kvmesh can serve, and their loader."""

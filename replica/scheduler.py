@@ -1,0 +1,100 @@
+"""Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go first, in
+admission order: a decoding request takes one token, a request still prefilling takes
+the next chunk of its prompt. Then waiting requests are admitted while the budget, the
+``max_num_seqs`` limit and free blocks allow; admission reuses cached prefix blocks, so
+only the uncached rest of a prompt is computed. When a running request needs a block and
+none is free, the most recently admitted request is preempted: its blocks are freed
+(their hashes stay hittable) and it waits at the head of the queue to be recomputed,
+usually from its own cached blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvmesh.kvcache import BlockManager
+from kvmesh.replica.request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Request]:
+        """Pick this step's requests and set each one's ``num_scheduled_tokens``."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            while not self.block_manager.can_append(request):
+                self._preempt(self.running.pop())
+                preempted = True
+                if request.status is not Status.RUNNING:
+                    break
+            if request.status is not Status.RUNNING:
+                break
+            self.block_manager.may_append(request)
+            budget -= self._take(request, budget)
+            scheduled.append(request)
+            i += 1
+        if preempted:
+            return scheduled  # memory is tight: no admissions this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_cached_blocks = self.block_manager.can_allocate(request)
+            if num_cached_blocks < 0:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(request, num_cached_blocks)
+            if request.cached_prompt_tokens is None:
+                request.cached_prompt_tokens = request.num_cached_tokens
+            request.status = Status.RUNNING
+            self.running.append(request)
+            budget -= self._take(request, budget)
+            scheduled.append(request)
+        return scheduled
+
+    @staticmethod
+    def _take(request: Request, budget: int) -> int:
+        n = min(len(request) - request.num_computed_tokens, budget)
+        request.num_scheduled_tokens = n
+        return n
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.deallocate(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def step_done(self, scheduled: list[Request]) -> None:
+        """Record the computed tokens; full computed blocks become hittable."""
+        for request in scheduled:
+            request.num_computed_tokens += request.num_scheduled_tokens
+            request.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove ``request`` wherever it is and free its blocks now."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self.block_manager.deallocate(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
