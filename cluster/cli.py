@@ -39,6 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median reported)")
     kv.add_argument("--quick", action="store_true", help="smaller traces, for a smoke run")
     kv.set_defaults(handler=_run_bench_kvcache)
+    eng = benches.add_parser("engine", help="engine throughput and cached TTFT vs transformers generate")
+    eng.add_argument("--out", default="results/bench_engine.json", help="JSON result file")
+    eng.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median reported)")
+    eng.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
+    eng.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: check and time the CUDA path"
+    )
+    eng.add_argument(
+        "--cache-dir", default=".cache/bench-models", help="where the benchmark model is built once"
+    )
+    eng.set_defaults(handler=_run_bench_engine)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a small random model + tokenizer folder (offline)"
@@ -85,9 +96,26 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
 def _run_bench_kvcache(args: argparse.Namespace) -> int:
     from kvmesh.cluster.benchmarks.kvcache_bench import main as bench_main
 
-    if args.repeats < 1:
-        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+    _check_repeats(args.repeats)
     return bench_main(out=args.out, repeats=args.repeats, quick=args.quick)
+
+
+def _run_bench_engine(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvmesh.cluster.benchmarks.engine_bench import main as bench_main
+
+    _check_repeats(args.repeats)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
+    return bench_main(
+        out=args.out, repeats=args.repeats, quick=args.quick, device=args.device, cache_dir=args.cache_dir
+    )
+
+
+def _check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {repeats}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,8 @@ cached prefix and chunked prefill are all that one shape.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,20 @@ class BatchLayout:
     slot_mapping: list[int]  # cache slot (block * block_size + offset) of every new token
 
 
+log = logging.getLogger(__name__)
+
+
+@functools.cache
 def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    """CUDA is present and flash-attn imports (a broken build falls back to torch, with a warning)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as exc:
+        log.warning("flash-attn is not usable, attention falls back to torch: %s", exc)
+        return False
+    return True
 
 
 def store_kv(
@@ -152,6 +165,30 @@ class FlashPlan:
     decode_only: bool
 
 
+def flash_plan(layout: BatchLayout, device: torch.device) -> FlashPlan:
+    """flash-attn's varlen arguments: cumulative query/key lengths and padded block tables."""
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    max_blocks = max(len(t) for t in layout.block_tables)
+    tables = [t + [0] * (max_blocks - len(t)) for t in layout.block_tables]
+    cu_q, cu_k = [0], [0]
+    for q, c in zip(layout.query_lens, layout.context_lens, strict=True):
+        cu_q.append(cu_q[-1] + q)
+        cu_k.append(cu_k[-1] + c)
+    return FlashPlan(
+        slots=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
+        block_tables=i32(tables).view(len(tables), max_blocks),
+        context_lens=i32(layout.context_lens),
+        cu_seqlens_q=i32(cu_q),
+        cu_seqlens_k=i32(cu_k),
+        max_q=max(layout.query_lens),
+        max_k=max(layout.context_lens),
+        decode_only=all(q == 1 for q in layout.query_lens),
+    )
+
+
 class FlashPagedAttention:
     name = "flash_attn"
 
@@ -168,25 +205,7 @@ class FlashPagedAttention:
         self.device = device
 
     def plan(self, layout: BatchLayout) -> FlashPlan:
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-        max_blocks = max(len(t) for t in layout.block_tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in layout.block_tables]
-        cu_q, cu_k = [0], [0]
-        for q, c in zip(layout.query_lens, layout.context_lens, strict=True):
-            cu_q.append(cu_q[-1] + q)
-            cu_k.append(cu_k[-1] + c)
-        return FlashPlan(
-            slots=torch.tensor(layout.slot_mapping, dtype=torch.long, device=self.device),
-            block_tables=i32(tables).view(len(tables), max_blocks),
-            context_lens=i32(layout.context_lens),
-            cu_seqlens_q=i32(cu_q),
-            cu_seqlens_k=i32(cu_k),
-            max_q=max(layout.query_lens),
-            max_k=max(layout.context_lens),
-            decode_only=all(q == 1 for q in layout.query_lens),
-        )
+        return flash_plan(layout, self.device)
 
     def forward(
         self,

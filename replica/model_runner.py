@@ -106,7 +106,10 @@ class ModelRunner:
         self._forward_layout([list(range(n)) for n in lens], [0] * seqs, tables, need_logits=[True] * seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - warm_cache.numel() * warm_cache.element_size()
+        for layer in self.model.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         del warm_cache
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_for_kv = int(total * config.gpu_memory_utilization) - peak
         blocks = free_for_kv // self.block_bytes

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
@@ -41,6 +42,15 @@ def test_usage_errors_are_one_line_and_exit_2(args):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where there is no CUDA")
+def test_bench_engine_cuda_without_cuda_is_a_usage_error():
+    out = run("bench", "engine", "--device", "cuda")
+    assert (
+        out.returncode == 2
+        and out.stderr.strip() == "kvmesh: error: --device cuda needs a CUDA machine (none is visible here)"
+    )
+
+
 def test_bench_kvcache_writes_json_with_targets(tmp_path):
     out_file = tmp_path / "bench.json"
     out = run("bench", "kvcache", "--quick", "--repeats", "1", "--out", str(out_file))
@@ -56,3 +66,20 @@ def test_bench_kvcache_writes_json_with_targets(tmp_path):
     assert {h["num_tokens"] for h in result["hashing"]} == {4096, 32768}
     assert all("met" in t for t in result["targets"])
     assert "rehit_16384" in out.stdout  # the printed table
+
+
+def test_bench_engine_quick_writes_json(tmp_path):
+    out_file = tmp_path / "engine.json"
+    cache = tmp_path / "models"
+    out = run(
+        "bench", "engine", "--quick", "--repeats", "1", "--out", str(out_file), "--cache-dir", str(cache)
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out_file.read_text())
+    t, f = result["throughput"], result["ttft"]
+    assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
+    assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
+    assert {x["target"] for x in result["targets"]} == {
+        "throughput vs transformers generate",
+        "TTFT cold / cached (1.75k of 2k cached)",
+    }

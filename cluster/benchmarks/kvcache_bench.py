@@ -7,20 +7,14 @@ also agree on every prefix hit, so the speed-up is for the same work.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import random
-import statistics
-import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from kvmesh.cluster.benchmarks.common import environment, median_seconds, progress, target, write_result
 from kvmesh.cluster.benchmarks.reference_ledger import ReferenceBlockManager, compute_hash
 from kvmesh.kvcache import BlockManager, Sequence, block_hashes
 
@@ -63,9 +57,31 @@ def rehit_trace(num_blocks: int, rng: random.Random) -> list[Request]:
     ]
 
 
-def replay_kvmesh(trace: list[Request], num_blocks: int) -> tuple[int, int]:
-    """Run the trace on kvmesh's BlockManager; returns (ledger calls, prefix hit tokens)."""
-    bm = BlockManager(num_blocks, BLOCK_SIZE)
+def _kvmesh_computed(bm: BlockManager, seq: Sequence) -> None:
+    """kvmesh hashes a block once its KV is computed, and ships events every step."""
+    seq.num_computed_tokens = len(seq)
+    bm.hash_blocks(seq)
+    bm.drain_events()
+
+
+def _reference_computed(bm: ReferenceBlockManager, seq: Sequence) -> None:
+    """The article's ledger hashed eagerly inside allocate/may_append: nothing left to do."""
+
+
+LEDGERS = {
+    "kvmesh": (BlockManager, _kvmesh_computed),
+    "reference": (ReferenceBlockManager, _reference_computed),
+}
+
+
+def replay(trace: list[Request], num_blocks: int, ledger: str) -> tuple[int, int]:
+    """Run the trace on one ledger; returns (ledger calls, prefix hit tokens).
+
+    Admission frees the oldest held sequences until the new one fits, like a scheduler
+    finishing requests under memory pressure.
+    """
+    make, computed = LEDGERS[ledger]
+    bm = make(num_blocks, BLOCK_SIZE)
     live: deque[Sequence] = deque()
     ops = hits = 0
     for req in trace:
@@ -74,8 +90,7 @@ def replay_kvmesh(trace: list[Request], num_blocks: int) -> tuple[int, int]:
             bm.deallocate(live.popleft())
             ops += 2
         bm.allocate(seq, n)
-        seq.num_computed_tokens = len(seq)
-        bm.hash_blocks(seq)
+        computed(bm, seq)
         ops += 3
         hits += seq.num_cached_tokens
         for t in range(req.decode_tokens):
@@ -84,37 +99,7 @@ def replay_kvmesh(trace: list[Request], num_blocks: int) -> tuple[int, int]:
                 bm.deallocate(live.popleft())
                 ops += 2
             bm.may_append(seq)
-            seq.num_computed_tokens = len(seq)
-            bm.hash_blocks(seq)
-            ops += 3
-        bm.drain_events()
-        if req.hold:
-            live.append(seq)
-        else:
-            bm.deallocate(seq)
-            ops += 1
-    return ops, hits
-
-
-def replay_reference(trace: list[Request], num_blocks: int) -> tuple[int, int]:
-    """The same trace on the nano-vllm-style baseline (eager hashing inside allocate/append)."""
-    bm = ReferenceBlockManager(num_blocks, BLOCK_SIZE)
-    live: deque[Sequence] = deque()
-    ops = hits = 0
-    for req in trace:
-        seq = Sequence(req.tokens, BLOCK_SIZE)
-        while (n := bm.can_allocate(seq)) < 0:
-            bm.deallocate(live.popleft())
-            ops += 2
-        bm.allocate(seq, n)
-        ops += 3
-        hits += seq.num_cached_tokens
-        for t in range(req.decode_tokens):
-            seq.append_token(t)
-            while not bm.can_append(seq):
-                bm.deallocate(live.popleft())
-                ops += 2
-            bm.may_append(seq)
+            computed(bm, seq)
             ops += 3
         if req.hold:
             live.append(seq)
@@ -122,26 +107,17 @@ def replay_reference(trace: list[Request], num_blocks: int) -> tuple[int, int]:
             bm.deallocate(seq)
             ops += 1
     return ops, hits
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_ledger(name: str, trace: list[Request], num_blocks: int, repeats: int) -> dict:
-    ops, hits = replay_kvmesh(trace, num_blocks)
-    ref_ops, ref_hits = replay_reference(trace, num_blocks)
+    ops, hits = replay(trace, num_blocks, "kvmesh")
+    ref_ops, ref_hits = replay(trace, num_blocks, "reference")
     if (ops, hits) != (ref_ops, ref_hits):
         raise RuntimeError(
             f"{name}: ledgers disagree (ops {ops} vs {ref_ops}, hit tokens {hits} vs {ref_hits})"
         )
-    ours = _median_seconds(lambda: replay_kvmesh(trace, num_blocks), repeats)
-    base = _median_seconds(lambda: replay_reference(trace, num_blocks), repeats)
+    ours = median_seconds(lambda: replay(trace, num_blocks, "kvmesh"), repeats)
+    base = median_seconds(lambda: replay(trace, num_blocks, "reference"), repeats)
     query = sum(len(r.tokens) for r in trace)
     return {
         "case": name,
@@ -171,7 +147,7 @@ def bench_hashing(num_tokens: int, repeats: int) -> dict:
     calls = max(20, 200_000 // num_tokens)
 
     def per_call(fn: Callable[[], object]) -> float:
-        return _median_seconds(lambda: [fn() for _ in range(calls)], repeats) / calls * 1e6
+        return median_seconds(lambda: [fn() for _ in range(calls)], repeats) / calls * 1e6
 
     from_numpy = per_call(lambda: block_hashes(arr, HASH_BLOCK_SIZE, 0))
     from_list = per_call(lambda: block_hashes(tokens, HASH_BLOCK_SIZE, 0))
@@ -187,11 +163,6 @@ def bench_hashing(num_tokens: int, repeats: int) -> dict:
     }
 
 
-def _target(name: str, value: float, op: str, bound: float) -> dict:
-    met = value >= bound if op == ">=" else value <= bound
-    return {"target": name, "value": value, "bound": f"{op} {bound}", "met": met}
-
-
 def main(out: str, repeats: int, quick: bool = False) -> int:
     rng = random.Random(0)
     sizes = [1024, 4096] if quick else [1024, 16_384, 131_072]
@@ -199,48 +170,37 @@ def main(out: str, repeats: int, quick: bool = False) -> int:
     cases = []
     for num_blocks in sizes:
         cases.append(bench_ledger(f"mixed_{num_blocks}", mixed_trace(num_blocks, rng), num_blocks, repeats))
-        _progress(cases[-1])
+        progress(f"done: {cases[-1]['case']}")
     cases.append(bench_ledger(f"rehit_{rehit_blocks}", rehit_trace(rehit_blocks, rng), rehit_blocks, repeats))
-    _progress(cases[-1])
+    progress(f"done: {cases[-1]['case']}")
     hashing = [bench_hashing(n, repeats) for n in (4096, 32_768)]
     for h in hashing:
-        _progress(h)
+        progress(f"done: {h['case']}")
 
     by_case = {c["case"]: c for c in cases}
     h32 = hashing[-1]
     targets = [
-        _target(f"rehit_{rehit_blocks} speedup", by_case[f"rehit_{rehit_blocks}"]["speedup"], ">=", 20),
-        _target("block_hashes 32k tokens from numpy (us)", h32["numpy_us"], "<=", 60),
-        _target("block_hashes 32k tokens from list (us)", h32["list_us"], "<=", 400),
-        _target("block_hashes 32k tokens speedup vs baseline", h32["speedup_list"], ">=", 3),
+        target(f"rehit_{rehit_blocks} speedup", by_case[f"rehit_{rehit_blocks}"]["speedup"], ">=", 20),
+        target("block_hashes 32k tokens from numpy (us)", h32["numpy_us"], "<=", 60),
+        target("block_hashes 32k tokens from list (us)", h32["list_us"], "<=", 400),
+        target("block_hashes 32k tokens speedup vs baseline", h32["speedup_list"], ">=", 3),
     ]
     if not quick:
-        targets.insert(0, _target("mixed_16384 speedup", by_case["mixed_16384"]["speedup"], ">=", 1.5))
+        targets.insert(0, target("mixed_16384 speedup", by_case["mixed_16384"]["speedup"], ">=", 1.5))
     result = {
         "benchmark": "kvcache",
         "block_size": BLOCK_SIZE,
         "repeats": repeats,
         "statistic": "median",
         "quick": quick,
-        "environment": {
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
+        "environment": environment(numpy=np.__version__),
         "ledger": cases,
         "hashing": hashing,
         "targets": targets,
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2) + "\n")
     _print_table(result)
-    print(f"\nwrote {out}")
+    write_result(out, result)
     return 0
-
-
-def _progress(case: dict) -> None:
-    print(f"  done: {case['case']}", file=sys.stderr, flush=True)
 
 
 def _print_table(result: dict) -> None:
@@ -257,6 +217,3 @@ def _print_table(result: dict) -> None:
         print(
             f"{h['case']:<22}{h['numpy_us']:>10}{h['list_us']:>10}{h['baseline_us']:>13}{h['speedup_list']:>7.1f}x"
         )
-    print()
-    for t in result["targets"]:
-        print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (target {t['bound']})")

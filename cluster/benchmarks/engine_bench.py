@@ -1,0 +1,215 @@
+"""``kvmesh bench engine``: kvmesh's engine against transformers ``generate``, same run.
+
+1. Throughput: the same 64 requests (mixed prompt and output lengths, greedy) through the
+   engine's continuous batching and through transformers ``generate`` batched with left
+   padding (``max_new_tokens`` = the batch's longest output; only requested tokens count).
+2. Time to first token of a 2k-token prompt whose first 1.75k tokens are cached, against
+   the same prompt on a cold cache.
+With ``--device cuda``: the CUDA path's greedy tokens against the CPU path's, and CUDA
+throughput (flash-attn where installed).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.replica import LLMEngine, SamplingParams
+
+MODEL = dict(
+    arch="qwen3", hidden=512, layers=4, heads=8, kv_heads=4, vocab_size=1024, max_position_embeddings=4096
+)
+
+
+def bench_model_dir(cache: Path) -> Path:
+    from kvmesh.replica.tiny_model import make_tiny_model
+
+    path = cache / "bench-qwen3-h512-l4"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, **MODEL)
+    return path
+
+
+def workload(n: int, rng: random.Random, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: prompts 32-512 tokens, outputs 16-256 tokens."""
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+        for _ in range(n)
+    ]
+
+
+def engine_throughput(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    start = time.perf_counter()
+    outs = engine.generate([p for p, _ in reqs], params)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == sum(n for _, n in reqs)
+    return sum(n for _, n in reqs) / elapsed
+
+
+def hf_throughput(model, reqs: list[tuple[list[int], int]], batch_size: int, device: str) -> float:
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i : i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (p, _) in enumerate(batch):  # left padding, as generate expects
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        config = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in batch), pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
+    elapsed = time.perf_counter() - start
+    return sum(n for _, n in reqs) / elapsed
+
+
+def ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                elapsed = time.perf_counter() - start
+                while engine.has_unfinished_requests():
+                    engine.step()
+                return elapsed
+
+
+def bench_ttft(engine: LLMEngine, rng: random.Random, repeats: int) -> dict:
+    vocab = engine.vocab_size
+    shared = [rng.randrange(3, vocab) for _ in range(1792)]
+    warm, cold = [], []
+    for _ in range(repeats):
+        tail = lambda: [rng.randrange(3, vocab) for _ in range(256)]  # noqa: E731
+        engine.reset_prefix_cache()
+        cold.append(ttft(engine, shared + tail()))  # cold: nothing cached
+        warm.append(ttft(engine, shared + tail()))  # the 1792 shared tokens are cached now
+    return {
+        "prompt_tokens": 2048,
+        "cached_tokens": 1792,
+        "cold_ttft_ms": round(statistics.median(cold) * 1e3, 1),
+        "cached_ttft_ms": round(statistics.median(warm) * 1e3, 1),
+        "speedup": round(statistics.median(cold) / statistics.median(warm), 2),
+    }
+
+
+def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = bench_model_dir(cache)
+    n = 16 if quick else 64
+    rng = random.Random(0)
+    engine = LLMEngine(
+        model_dir, num_kv_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=2048
+    )
+    reqs = workload(n, rng, engine.vocab_size)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
+    ours, base = [], []
+    for i in range(repeats):
+        ours.append(engine_throughput(engine, reqs))
+        engine.reset_prefix_cache()
+        base.append(hf_throughput(hf, reqs, batch_size=64, device="cpu"))
+        progress(
+            f"throughput repeat {i + 1}/{repeats}: kvmesh {ours[-1]:.0f} tok/s, transformers {base[-1]:.0f} tok/s"
+        )
+    throughput = {
+        "requests": n,
+        "output_tokens": sum(k for _, k in reqs),
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "kvmesh_tokens_per_s": round(statistics.median(ours), 1),
+        "transformers_tokens_per_s": round(statistics.median(base), 1),
+        "speedup": round(statistics.median(ours) / statistics.median(base), 2),
+    }
+    ttft_result = bench_ttft(engine, random.Random(1), repeats)
+    progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
+    return {
+        "model": MODEL,
+        "dtype": "float32",
+        "device": "cpu",
+        "throughput": throughput,
+        "ttft": ttft_result,
+        "targets": [
+            target("throughput vs transformers generate", throughput["speedup"], ">=", 2.0),
+            target("TTFT cold / cached (1.75k of 2k cached)", ttft_result["speedup"], ">=", 4.0),
+        ],
+    }
+
+
+def run_cuda(repeats: int, quick: bool, cache: Path) -> dict:
+    """CUDA path vs CPU path greedy tokens, then CUDA throughput (needs a CUDA machine)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda needs a CUDA machine")
+    from kvmesh.replica.attention import flash_attn_available
+
+    model_dir = bench_model_dir(cache)
+    rng = random.Random(0)
+    cpu = LLMEngine(model_dir, num_kv_blocks=2048, block_size=256, device="cpu")
+    reqs = workload(8 if quick else 32, rng, cpu.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) for _ in reqs]
+    reference = [o.token_ids for o in cpu.generate([p for p, _ in reqs], params)]
+    checks = {}
+    variants = {"torch_fp32": dict(dtype="float32", attention_backend="torch")}
+    if flash_attn_available():
+        variants["flash_attn_bf16"] = dict(dtype="bfloat16", attention_backend="flash_attn")
+    engines = {}
+    for name, options in variants.items():
+        engines[name] = LLMEngine(model_dir, block_size=256, device="cuda", max_num_seqs=64, **options)
+        got = [o.token_ids for o in engines[name].generate([p for p, _ in reqs], params)]
+        same = sum(a == b for a, b in zip(got, reference, strict=True))
+        first = sum(a[0] == b[0] for a, b in zip(got, reference, strict=True))
+        checks[name] = {"identical_outputs": same, "first_token_equal": first, "requests": len(reqs)}
+        progress(f"{name}: {same}/{len(reqs)} outputs identical to CPU fp32")
+    fast = engines.get("flash_attn_bf16") or engines["torch_fp32"]
+    big = workload(64 if quick else 256, random.Random(2), cpu.vocab_size)
+    rates = [engine_throughput(fast, big) for _ in range(repeats)]
+    return {
+        "device": torch.cuda.get_device_name(),
+        "flash_attn": flash_attn_available(),
+        "greedy_vs_cpu": checks,
+        "throughput_tokens_per_s": round(statistics.median(rates), 1),
+        "throughput_requests": len(big),
+        "attention_backend": fast.runner.backend.name,
+        "num_kv_blocks": fast.block_manager.num_blocks,
+    }
+
+
+def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str) -> int:
+    cache = Path(cache_dir)
+    result = {
+        "benchmark": "engine",
+        "statistic": "median",
+        "repeats": repeats,
+        "quick": quick,
+        "environment": environment(torch=torch.__version__),
+    }
+    if device == "cuda":
+        result["cuda"] = run_cuda(repeats, quick, cache)
+    else:
+        result.update(run_cpu(out, repeats, quick, cache))
+    _print(result)
+    write_result(out, result)
+    return 0
+
+
+def _print(result: dict) -> None:
+    if "cuda" in result:
+        print(json.dumps(result["cuda"], indent=2))
+        return
+    t, f = result["throughput"], result["ttft"]
+    print(f"\nthroughput, {t['requests']} requests, {t['output_tokens']} output tokens (greedy, fp32, CPU)")
+    print(f"  kvmesh        {t['kvmesh_tokens_per_s']:>9.1f} tok/s")
+    print(f"  transformers  {t['transformers_tokens_per_s']:>9.1f} tok/s   ratio {t['speedup']}x")
+    print(f"time to first token, {f['prompt_tokens']}-token prompt")
+    print(f"  cold          {f['cold_ttft_ms']:>9.1f} ms")
+    print(f"  1792 cached   {f['cached_ttft_ms']:>9.1f} ms   ratio {f['speedup']}x")
