@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench protos venv clean
 
 venv: $(STAMP)
 
@@ -28,8 +28,13 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+protos: venv
+	$(PY) protos/generate.py
+
 bench: venv
 	$(VENV)/bin/kvmesh bench kvcache --out results/bench_kvcache.json
+	$(VENV)/bin/kvmesh bench engine --out results/bench_engine.json
+	$(VENV)/bin/kvmesh bench index --out results/bench_index.json
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .ruff_cache .hypothesis

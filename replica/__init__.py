@@ -1,18 +1,26 @@
-"""kvmesh.replica: the per-accelerator engine, its gRPC service and Ray actor."""
+"""kvmesh.replica: the per-accelerator engine, its gRPC service and Ray actor.
 
-from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError
-from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.engine import CompletionOutput, EngineStats, LLMEngine
-from kvmesh.replica.request import RequestOutput
-from kvmesh.replica.sampling_params import SamplingParams
+Names are imported lazily, so ``kvmesh.replica.sampling_params`` (used by the torch-free
+router) does not pull in torch.
+"""
 
-__all__ = [
-    "AsyncLLMEngine",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineDeadError",
-    "EngineStats",
-    "LLMEngine",
-    "RequestOutput",
-    "SamplingParams",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "AsyncLLMEngine": "kvmesh.replica.async_engine",
+    "EngineDeadError": "kvmesh.replica.async_engine",
+    "EngineConfig": "kvmesh.replica.config",
+    "CompletionOutput": "kvmesh.replica.engine",
+    "EngineStats": "kvmesh.replica.engine",
+    "LLMEngine": "kvmesh.replica.engine",
+    "RequestOutput": "kvmesh.replica.request",
+    "SamplingParams": "kvmesh.replica.sampling_params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvmesh.replica' has no attribute {name!r}")

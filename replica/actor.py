@@ -1,0 +1,40 @@
+"""The Ray actor that hosts one replica (one GPU where there are GPUs)."""
+
+from __future__ import annotations
+
+import ray
+
+from kvmesh.replica.server import ReplicaConfig, ReplicaServer
+
+
+class ReplicaActor:
+    """Ray async actor around ReplicaServer; create with ``replica_actor_class(...)``."""
+
+    def __init__(self, config: ReplicaConfig):
+        self.server = ReplicaServer(config)
+
+    async def start(self) -> str:
+        return await self.server.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.server.stop(grace)
+
+    async def cached_hashes(self) -> list[int]:
+        """The engine's hittable hashes now (for checks against the index)."""
+        return sorted(await self.server.engine.call(lambda e: e.block_manager.cached_hashes()))
+
+    async def index_state(self) -> dict:
+        incarnation, dirty = self.server.index_state()
+        return {"incarnation": incarnation, "dirty": dirty, "syncs": self.server.publisher.syncs}
+
+    def address(self) -> str:
+        return self.server.address
+
+
+def replica_actor_class(use_gpu: bool, num_cpus: float = 1):
+    """The remote class with its resources: one GPU per replica when CUDA is present."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0, max_concurrency=1000)(ReplicaActor)
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0

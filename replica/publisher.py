@@ -1,0 +1,175 @@
+"""Keeps the shared prefix index equal to this replica's cache, whatever Redis does.
+
+- Registers a new incarnation and publishes the whole cache (a *sync*) at start, and
+  again whenever the index may have diverged: a publish or heartbeat failed, Redis lost
+  the incarnation (expired, restarted), the local buffer overflowed, or the cache was reset.
+- In between, publishes the engine's KV events in order, in one call per batch (a batch is
+  whatever the engine produced since the last publish, usually one step).
+- Heartbeats its load with a TTL, sweeps stale entries a little at a time, and
+  deregisters on a graceful stop.
+The engine never waits for any of this: when Redis is away the replica keeps serving and
+is only marked dirty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from redis.exceptions import RedisError
+
+from kvmesh.kvcache import AllBlocksCleared, KVEvent
+from kvmesh.replica.async_engine import AsyncLLMEngine
+from kvmesh.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class IndexPublisher:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        engine: AsyncLLMEngine,
+        replica_id: str,
+        address: str,
+        info: dict[str, object] | None = None,
+        heartbeat_s: float = 1.0,
+        ttl_s: float = 5.0,
+        max_buffered_events: int = 100_000,
+        flush_s: float = 0.005,
+        retry_s: float = 0.5,
+        sweep_s: float = 5.0,
+    ):
+        self.index = index
+        self.engine = engine
+        self.replica_id = replica_id
+        self.address = address
+        self.info = info or {}
+        self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
+        self.max_buffered_events = max_buffered_events
+        self.flush_s, self.retry_s, self.sweep_s = flush_s, retry_s, sweep_s
+        self.incarnation: int | None = None
+        self.dirty = True  # the index may not equal the cache: sync before publishing
+        self.syncs = 0
+        self._buffer: list[KVEvent] = []
+        self._last_sync_attempt = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._tokens_at = (time.monotonic(), 0)
+
+    async def start(self) -> None:
+        """Try a first sync (Redis may be down: then it is retried), start the loops."""
+        await self._try_sync()
+        self._tasks = [
+            asyncio.create_task(self._events_loop(), name="kvmesh-publish"),
+            asyncio.create_task(self._heartbeat_loop(), name="kvmesh-heartbeat"),
+            asyncio.create_task(self._sweep_loop(), name="kvmesh-sweep"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.incarnation is not None:
+            with contextlib.suppress(*_REDIS_ERRORS):
+                await self.index.deregister(self.replica_id, self.incarnation)
+        self.incarnation = None
+
+    # ------------------------------------------------------------------ sync
+
+    async def _try_sync(self) -> None:
+        self._last_sync_attempt = time.monotonic()
+        try:
+            await self._sync()
+        except _REDIS_ERRORS as exc:
+            log.warning("prefix index unreachable, serving without it", extra={"error": str(exc)})
+            self.dirty = True
+
+    async def _sync(self) -> None:
+        await self.index.ensure_settings()
+        hashes = await self.engine.snapshot_cached_hashes()  # later events are relative to it
+        self._buffer.clear()
+        incarnation = await self.index.register(self.replica_id, self.address, self.ttl_s, self._record())
+        self.incarnation = incarnation
+        if await self.index.publish_all(self.replica_id, incarnation, hashes):
+            self.dirty = False
+            self.syncs += 1
+            log.info("prefix index synced", extra={"incarnation": incarnation, "hashes": len(hashes)})
+
+    def _mark_dirty(self, why: str) -> None:
+        if not self.dirty:
+            log.warning("prefix index out of sync, will resync", extra={"reason": why})
+        self.dirty = True
+
+    # ------------------------------------------------------------------ loops
+
+    async def _events_loop(self) -> None:
+        while True:
+            await self.engine.wait_kv_events(self.flush_s if not self.dirty else self.retry_s)
+            self._buffer.extend(self.engine.drain_kv_events())
+            if len(self._buffer) > self.max_buffered_events:
+                self._buffer.clear()
+                self._mark_dirty("event buffer overflow")
+            if any(isinstance(e, AllBlocksCleared) for e in self._buffer):
+                self._buffer.clear()
+                self._mark_dirty("cache reset")
+            if self.dirty:
+                if time.monotonic() - self._last_sync_attempt >= self.retry_s:
+                    await self._try_sync()
+                continue
+            if self._buffer:
+                await self._publish_buffer()
+
+    async def _publish_buffer(self) -> None:
+        batch, self._buffer = self._buffer, []
+        try:
+            if not await self.index.publish(self.replica_id, self.incarnation, batch):
+                self._mark_dirty("incarnation retired")
+        except _REDIS_ERRORS as exc:
+            self._mark_dirty(f"publish failed: {exc}")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.dirty or self.incarnation is None:
+                continue
+            try:
+                if not await self.index.heartbeat(
+                    self.replica_id, self.incarnation, self.ttl_s, self._load()
+                ):
+                    self._mark_dirty("heartbeat refused: incarnation expired")
+            except _REDIS_ERRORS as exc:
+                self._mark_dirty(f"heartbeat failed: {exc}")
+
+    async def _sweep_loop(self) -> None:
+        cursor = 0
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            if not self.dirty:
+                with contextlib.suppress(*_REDIS_ERRORS):
+                    cursor, _ = await self.index.sweep(cursor)
+
+    # ------------------------------------------------------------------ records
+
+    def _record(self) -> dict[str, object]:
+        return {**self.info, **self._load()}
+
+    def _load(self) -> dict[str, object]:
+        stats = self.engine.stats()
+        now = time.monotonic()
+        then, tokens = self._tokens_at
+        rate = (stats.generation_tokens - tokens) / (now - then) if now > then else 0.0
+        self._tokens_at = (now, stats.generation_tokens)
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_blocks": stats.kv.num_blocks,
+            "num_free_blocks": stats.kv.num_free_blocks,
+            "num_cached_free_blocks": stats.kv.num_cached_free_blocks,
+            "tokens_per_s": round(rate, 1),
+            "prefix_hit_rate": round(stats.kv.prefix_hit_rate, 4),
+        }

@@ -1,0 +1,76 @@
+"""One replica process: engine, ``Replica`` gRPC service and index publisher, on one event loop.
+
+The Ray actor (``actor.py``) runs exactly this; tests can run it without Ray too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from kvmesh.protos import pb_grpc
+from kvmesh.replica.async_engine import AsyncLLMEngine
+from kvmesh.replica.engine import LLMEngine
+from kvmesh.replica.publisher import IndexPublisher
+from kvmesh.replica.service import ReplicaService
+from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
+from kvmesh.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaConfig:
+    model_dir: str
+    replica_id: str
+    redis_url: str
+    model_id: str | None = None
+    host: str = "127.0.0.1"  # where gRPC listens
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # the address others dial (default: host)
+    heartbeat_s: float = 1.0
+    ttl_s: float = 5.0
+    engine: dict = field(default_factory=dict)  # LLMEngine options
+
+
+class ReplicaServer:
+    def __init__(self, config: ReplicaConfig):
+        self.config = config
+        self.engine: AsyncLLMEngine | None = None
+        self.publisher: IndexPublisher | None = None
+        self.grpc: GrpcServer | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        """Load the model, serve gRPC, join the index; returns the gRPC address."""
+        c = self.config
+        engine = await asyncio.to_thread(LLMEngine, c.model_dir, model_id=c.model_id, **c.engine)
+        self.engine = AsyncLLMEngine(engine)
+        service = ReplicaService(self.engine, c.replica_id, self.index_state)
+        self.grpc = await start_grpc_server(
+            [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port
+        )
+        self.address = f"{c.advertise_host or c.host}:{self.grpc.port}"
+        index = PrefixIndex.from_url(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
+        info = {"model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed}
+        self.publisher = IndexPublisher(
+            index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
+        )
+        await self.publisher.start()
+        log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
+        return self.address
+
+    def index_state(self) -> tuple[int, bool]:
+        p = self.publisher
+        return (p.incarnation or 0, p.dirty) if p else (0, True)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Leave the index, finish in-flight streams (up to ``grace`` s), stop the engine."""
+        if self.publisher:
+            await self.publisher.stop()
+            await self.publisher.index.close()
+        if self.grpc:
+            await self.grpc.stop(grace)
+        if self.engine:
+            await asyncio.to_thread(self.engine.shutdown)

@@ -1,0 +1,61 @@
+"""A grpc.aio server with the standard extras: health (grpc.health.v1) and reflection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: list[str]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_grpc_server(
+    services: Sequence[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
+    host: str,
+    port: int,
+    serving: bool = True,
+) -> GrpcServer:
+    """Serve ``(add_XServicer_to_server, servicer, full service name)`` triples on host:port (0: any)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    result = GrpcServer(server=server, port=bound, health=health_servicer, service_names=names)
+    await result.set_serving(serving)
+    return result

@@ -1,0 +1,190 @@
+#!lua name=kvmesh_index_v1
+-- kvmesh's shared prefix index as Redis Functions (Redis >= 7, Valkey). Key layout, all
+-- under one hash tag ns = "{k:<8 hex of the model id>}":
+--   ns.."settings"     HASH  model_id, block_size, hash_seed (stored once, checked by all)
+--   ns.."next"         STRING incarnation counter
+--   ns.."replicas"     SET   replica ids ever registered (pruned when records vanish)
+--   ns.."r:"..id       HASH  replica record: address, incarnation, started_at, load...
+--   ns.."i"..inc       STRING replica id of a LIVE incarnation; its TTL is the heartbeat
+--   ns.."b"..<8 bytes> SET   incarnations holding that block hash (an intset)
+-- A block entry counts only while its incarnation's "i" key exists, so retiring a dead
+-- or restarted replica is one DEL (or a TTL expiry); kvmesh_sweep removes the leftovers.
+
+-- live[inc] = replica id, or false; one GET per incarnation per call.
+local function liveness(ns)
+  local cache = {}
+  return function(inc)
+    local known = cache[inc]
+    if known == nil then
+      known = redis.call('GET', ns .. 'i' .. inc) or false
+      cache[inc] = known
+    end
+    return known
+  end
+end
+
+-- ARGV: ns, packed big-endian uint64 hashes. Returns {replica_id, matched_blocks, ...}:
+-- for each live replica, how many leading blocks of the chain it holds consecutively.
+-- H(k), the replicas holding all of the first k blocks, only shrinks as k grows, so the
+-- depths are found by bisection over k with SINTER on block ranges (done in C): when
+-- every candidate holds the whole chain that is two calls, and a long walk is never
+-- needed to find where the holders thin out.
+local function lookup(keys, args)
+  local ns, packed = args[1], args[2]
+  local n = #packed / 8
+  local bkeys = {}
+  for i = 1, n do bkeys[i] = ns .. 'b' .. string.sub(packed, i * 8 - 7, i * 8) end
+  local depth, owner = {}, {}
+
+  -- members of `within` that hold every block in (lo, hi] (1-based key positions)
+  local function holding(within, lo, hi)
+    local out, count = {}, 0
+    for _, inc in ipairs(redis.call('SINTER', unpack(bkeys, lo + 1, hi))) do
+      if within[inc] then out[inc] = true; count = count + 1 end
+    end
+    return out, count
+  end
+
+  -- s_lo = H(lo) (count c_lo), s_hi = H(hi); sets the depth of every member of s_lo \ s_hi.
+  local function solve(lo, hi, s_lo, c_lo, s_hi, c_hi)
+    if c_lo == c_hi then return end
+    if hi == lo + 1 then
+      for inc in pairs(s_lo) do if not s_hi[inc] then depth[inc] = lo end end
+      return
+    end
+    local mid = math.floor((lo + hi) / 2)
+    local s_mid, c_mid = holding(s_lo, lo, mid)
+    solve(lo, mid, s_lo, c_lo, s_mid, c_mid)
+    solve(mid, hi, s_mid, c_mid, s_hi, c_hi)
+  end
+
+  if n == 0 then return {} end
+  -- live holders of the first block: one MGET for all their liveness keys
+  local holders = redis.call('SMEMBERS', bkeys[1])
+  if #holders == 0 then return {} end
+  local ikeys = {}
+  for j, inc in ipairs(holders) do ikeys[j] = ns .. 'i' .. inc end
+  local first, c_first = {}, 0
+  for j, rid in ipairs(redis.call('MGET', unpack(ikeys))) do
+    if rid then first[holders[j]] = true; owner[holders[j]] = rid; c_first = c_first + 1 end
+  end
+  if c_first == 0 then return {} end
+  local all, c_all = first, c_first
+  if n > 1 then all, c_all = holding(first, 1, n) end
+  for inc in pairs(all) do depth[inc] = n end
+  solve(1, n, first, c_first, all, c_all)
+
+  local out = {}
+  for inc, d in pairs(depth) do
+    out[#out + 1] = owner[inc]
+    out[#out + 1] = d
+  end
+  return out
+end
+
+-- ARGV: ns, replica_id, incarnation, then (op, packed hashes) pairs, op "+" or "-".
+-- Applied in order. Returns 0 (and applies nothing) if the incarnation is not live:
+-- the caller must resync under a new one.
+local function publish(keys, args)
+  local ns, rid, inc = args[1], args[2], args[3]
+  if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
+  local applied = 0
+  for j = 4, #args, 2 do
+    local cmd = (args[j] == '+') and 'SADD' or 'SREM'
+    local packed = args[j + 1]
+    for i = 0, #packed / 8 - 1 do
+      redis.call(cmd, ns .. 'b' .. string.sub(packed, i * 8 + 1, i * 8 + 8), inc)
+      applied = applied + 1
+    end
+  end
+  return applied
+end
+
+-- ARGV: ns, replica_id, ttl_ms, then record field/value pairs. Retires the replica's
+-- previous incarnation (O(1)), starts a new live one, returns its number.
+local function register(keys, args)
+  local ns, rid, ttl = args[1], args[2], args[3]
+  local rkey = ns .. 'r:' .. rid
+  local old = redis.call('HGET', rkey, 'incarnation')
+  if old then redis.call('DEL', ns .. 'i' .. old) end
+  local inc = redis.call('INCR', ns .. 'next')
+  redis.call('DEL', rkey)
+  redis.call('HSET', rkey, 'replica_id', rid, 'incarnation', inc, unpack(args, 4))
+  redis.call('SET', ns .. 'i' .. inc, rid, 'PX', ttl)
+  redis.call('SADD', ns .. 'replicas', rid)
+  return inc
+end
+
+-- ARGV: ns, replica_id, incarnation, ttl_ms, then load field/value pairs.
+-- Returns 0 if the incarnation is no longer live (expired or retired).
+local function heartbeat(keys, args)
+  local ns, rid, inc, ttl = args[1], args[2], args[3], args[4]
+  local ikey = ns .. 'i' .. inc
+  if redis.call('GET', ikey) ~= rid then return 0 end
+  redis.call('PEXPIRE', ikey, ttl)
+  if #args > 4 then redis.call('HSET', ns .. 'r:' .. rid, unpack(args, 5)) end
+  return 1
+end
+
+-- ARGV: ns, replica_id, incarnation. Graceful exit: gone from lookups at once.
+local function deregister(keys, args)
+  local ns, rid, inc = args[1], args[2], args[3]
+  if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
+  redis.call('DEL', ns .. 'i' .. inc, ns .. 'r:' .. rid)
+  redis.call('SREM', ns .. 'replicas', rid)
+  return 1
+end
+
+-- ARGV: ns. Returns {record as flat field/value list, remaining TTL ms} for every live
+-- replica; drops ids whose record is gone.
+local function live_replicas(keys, args)
+  local ns = args[1]
+  local out = {}
+  for _, rid in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
+    local rec = redis.call('HGETALL', ns .. 'r:' .. rid)
+    if #rec == 0 then
+      redis.call('SREM', ns .. 'replicas', rid)
+    else
+      local inc
+      for j = 1, #rec, 2 do if rec[j] == 'incarnation' then inc = rec[j + 1] end end
+      local ttl = redis.call('PTTL', ns .. 'i' .. inc)
+      if ttl > 0 and redis.call('GET', ns .. 'i' .. inc) == rid then
+        out[#out + 1] = rec
+        out[#out + 1] = ttl
+      end
+    end
+  end
+  return out
+end
+
+-- ARGV: ns, cursor, count. One SCAN step over block keys, removing entries of
+-- incarnations that are not live. Returns {next cursor, entries removed}.
+local function sweep(keys, args)
+  local ns, cursor, count = args[1], args[2], args[3]
+  local live = liveness(ns)
+  local res = redis.call('SCAN', cursor, 'MATCH', ns .. 'b*', 'COUNT', count)
+  local removed = 0
+  for _, key in ipairs(res[2]) do
+    for _, inc in ipairs(redis.call('SMEMBERS', key)) do
+      if not live(inc) then removed = removed + redis.call('SREM', key, inc) end
+    end
+  end
+  return {res[1], removed}
+end
+
+-- ARGV: ns, then field/value pairs. Stores the settings if none exist; returns the
+-- stored ones (flat) so the caller can compare.
+local function settings(keys, args)
+  local key = args[1] .. 'settings'
+  if redis.call('EXISTS', key) == 0 then redis.call('HSET', key, unpack(args, 2)) end
+  return redis.call('HGETALL', key)
+end
+
+redis.register_function{function_name = 'kvmesh_lookup', callback = lookup, flags = {'no-writes'}}
+redis.register_function('kvmesh_publish', publish)
+redis.register_function('kvmesh_register', register)
+redis.register_function('kvmesh_heartbeat', heartbeat)
+redis.register_function('kvmesh_deregister', deregister)
+redis.register_function('kvmesh_live_replicas', live_replicas)
+redis.register_function('kvmesh_sweep', sweep)
+redis.register_function('kvmesh_settings', settings)

@@ -1,0 +1,211 @@
+"""Client of the shared prefix index (Redis/Valkey), used by replicas and the router.
+
+Every call is one round trip to a server-side function (``router/index.lua``, loaded with
+``FUNCTION LOAD``). Replicas ``register`` (a new incarnation each time), ``heartbeat``
+with their load, ``publish`` their KV events in order and ``deregister``; the router
+``lookup``s a prompt's block hashes and lists ``live_replicas``. The key layout and its
+memory cost are documented in ``index.lua`` and the README.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+
+import numpy as np
+import redis.asyncio as aioredis
+import xxhash
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
+
+from kvmesh.kvcache import BlockRemoved, BlockStored, KVEvent
+
+_LIBRARY = resources.files("kvmesh.router").joinpath("index.lua").read_text()
+_PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
+
+
+class IndexSettingsError(RuntimeError):
+    """This process's model id / block size / hash seed differ from the cluster's."""
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    replica_id: str
+    address: str
+    incarnation: int
+    heartbeat_ttl_ms: int  # time left before the replica stops counting as live
+    fields: Mapping[str, str]  # everything else in its record (load, start time, ...)
+
+    def load(self, name: str, default: float = 0.0) -> float:
+        value = self.fields.get(name)
+        return float(value) if value not in (None, "") else default
+
+
+def pack_hashes(hashes: Iterable[int]) -> bytes:
+    """Block hashes as the index's 8-byte big-endian keys."""
+    return np.fromiter(hashes, dtype=">u8").tobytes()
+
+
+def namespace(model_id: str) -> str:
+    """The hash-tagged key prefix of one model's index (short: it is in every block key)."""
+    return f"{{k:{xxhash.xxh32_intdigest(model_id.encode()):08x}}}"
+
+
+def connect(url: str, timeout: float = 2.0) -> aioredis.Redis:
+    """A client that fails fast: callers decide how to degrade when Redis is away."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=10,
+    )
+
+
+class PrefixIndex:
+    def __init__(self, client: aioredis.Redis, model_id: str, block_size: int, hash_seed: int):
+        self.client = client
+        self.model_id = model_id
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.ns = namespace(model_id)
+        self._loaded = False
+
+    @classmethod
+    def from_url(cls, url: str, model_id: str, block_size: int, hash_seed: int) -> PrefixIndex:
+        return cls(connect(url), model_id, block_size, hash_seed)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _call(self, function: str, *args, read_only: bool = False):
+        """FCALL, (re)loading the library if the server does not have it (new or restarted)."""
+        fcall = self.client.fcall_ro if read_only else self.client.fcall
+        if not self._loaded:
+            await self.client.function_load(_LIBRARY, replace=True)
+            self._loaded = True
+        try:
+            return await fcall(function, 0, self.ns, *args)
+        except ResponseError as exc:
+            if "function" not in str(exc).lower() or "not found" not in str(exc).lower():
+                raise
+            await self.client.function_load(_LIBRARY, replace=True)
+            return await fcall(function, 0, self.ns, *args)
+
+    # ------------------------------------------------------------------ settings
+
+    async def ensure_settings(self) -> None:
+        """Store the cluster settings once; refuse to run with different ones."""
+        mine = {
+            "model_id": self.model_id,
+            "block_size": str(self.block_size),
+            "hash_seed": str(self.hash_seed),
+        }
+        stored = _pairs(await self._call("kvmesh_settings", *[x for kv in mine.items() for x in kv]))
+        wrong = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
+        if wrong:
+            detail = ", ".join(
+                f"{k}: cluster has {have!r}, this process has {want!r}" for k, (have, want) in wrong.items()
+            )
+            raise IndexSettingsError(f"prefix index settings differ ({detail})")
+
+    # ------------------------------------------------------------------ replicas
+
+    async def register(
+        self, replica_id: str, address: str, ttl_s: float, info: Mapping[str, object] = ()
+    ) -> int:
+        """Start a new incarnation (retiring the previous one); returns its number."""
+        fields = {"address": address, "started_at": time.time(), "heartbeat_at": time.time(), **dict(info)}
+        flat = [str(x) for kv in fields.items() for x in kv]
+        return int(await self._call("kvmesh_register", replica_id, int(ttl_s * 1000), *flat))
+
+    async def heartbeat(
+        self, replica_id: str, incarnation: int, ttl_s: float, load: Mapping[str, object] = ()
+    ) -> bool:
+        """Extend liveness and store load; False means the incarnation was retired or expired."""
+        flat = [str(x) for kv in {"heartbeat_at": time.time(), **dict(load)}.items() for x in kv]
+        return bool(await self._call("kvmesh_heartbeat", replica_id, incarnation, int(ttl_s * 1000), *flat))
+
+    async def deregister(self, replica_id: str, incarnation: int) -> bool:
+        return bool(await self._call("kvmesh_deregister", replica_id, incarnation))
+
+    async def live_replicas(self) -> list[ReplicaRecord]:
+        raw = await self._call("kvmesh_live_replicas")
+        records = []
+        for flat, ttl in zip(raw[::2], raw[1::2], strict=True):
+            fields = _pairs(flat)
+            records.append(
+                ReplicaRecord(
+                    replica_id=fields.pop("replica_id"),
+                    address=fields.pop("address"),
+                    incarnation=int(fields.pop("incarnation")),
+                    heartbeat_ttl_ms=int(ttl),
+                    fields=fields,
+                )
+            )
+        return records
+
+    # ------------------------------------------------------------------ blocks
+
+    async def publish(self, replica_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
+        """Apply Stored/Removed events in order, in one call; False: resync under a new incarnation.
+
+        ``AllBlocksCleared`` is not handled here: the publisher starts a new incarnation.
+        """
+        args: list = []
+        for event in events:
+            if isinstance(event, BlockStored):
+                op = "+"
+            elif isinstance(event, BlockRemoved):
+                op = "-"
+            else:
+                raise TypeError(f"publish takes BlockStored/BlockRemoved, got {event!r}")
+            if args and args[-2] == op:
+                args[-1] += pack_hashes(event.hashes)
+            else:
+                args += [op, pack_hashes(event.hashes)]
+        if not args:
+            return True
+        return await self._call("kvmesh_publish", replica_id, incarnation, *args) != 0
+
+    async def publish_all(self, replica_id: str, incarnation: int, hashes: Iterable[int]) -> bool:
+        """Publish a whole cache (resync), in chunks so no single call blocks Redis for long."""
+        hashes = list(hashes)
+        for start in range(0, len(hashes), _PUBLISH_CHUNK):
+            packed = pack_hashes(hashes[start : start + _PUBLISH_CHUNK])
+            if await self._call("kvmesh_publish", replica_id, incarnation, "+", packed) == 0:
+                return False
+        return True
+
+    async def lookup(self, block_hashes: Iterable[int]) -> dict[str, int]:
+        """Matched leading blocks per live replica holding at least the first block."""
+        packed = pack_hashes(block_hashes)
+        if not packed:
+            return {}
+        flat = await self._call("kvmesh_lookup", packed, read_only=True)
+        return {rid.decode(): int(depth) for rid, depth in zip(flat[::2], flat[1::2], strict=True)}
+
+    async def sweep(self, cursor: int = 0, count: int = 500) -> tuple[int, int]:
+        """One step of background cleanup; returns (next cursor, entries removed)."""
+        next_cursor, removed = await self._call("kvmesh_sweep", cursor, count)
+        return int(next_cursor), int(removed)
+
+    async def snapshot(self) -> dict[str, set[int]]:
+        """Every live replica's hashes, read by SCAN (O(index); for tests and debugging)."""
+        live = {str(r.incarnation): r.replica_id for r in await self.live_replicas()}
+        prefix = f"{self.ns}b".encode()
+        out: dict[str, set[int]] = {rid: set() for rid in live.values()}
+        async for key in self.client.scan_iter(match=prefix + b"*", count=1000):
+            (h,) = np.frombuffer(key[len(prefix) :], dtype=">u8").tolist()
+            for inc in await self.client.smembers(key):
+                if inc.decode() in live:
+                    out[live[inc.decode()]].add(h)
+        return out
+
+
+def _pairs(flat: list) -> dict[str, str]:
+    items = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
+    return dict(zip(items[::2], items[1::2], strict=True))

@@ -1,0 +1,58 @@
+"""The embedded server: starts on a free loopback port, restarts, and never outlives us."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_start_stop_restart_with_persistence_off():
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        assert (
+            client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
+        )
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        client.set("k", "v")
+        server.stop()
+        assert not port_open(server.port)
+        server.start()  # same port, empty
+        assert client.get("k") is None
+        client.close()
+    assert not port_open(server.port)
+
+
+def test_server_dies_with_its_parent():
+    code = (
+        "from kvmesh.cluster.embedded_redis import EmbeddedRedis; import time, sys;"
+        "s = EmbeddedRedis().start(); print(s.port, flush=True); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port = int(parent.stdout.readline())
+    assert port_open(port)
+    parent.kill()  # SIGKILL: no atexit, no context manager
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while port_open(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not port_open(port)
+
+
+def test_bad_binary_is_a_clear_error(tmp_path):
+    fake = tmp_path / "redis-server"
+    fake.write_text("#!/bin/sh\necho 'FATAL: cannot start' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="exited at start: FATAL: cannot start"):
+        EmbeddedRedis(binary=str(fake)).start()

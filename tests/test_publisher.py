@@ -1,0 +1,80 @@
+"""The index publisher in-process (no Ray): cache resets and buffer overflow force a resync."""
+
+import asyncio
+import time
+
+import pytest
+from reference import prompts_of_lengths
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.replica import SamplingParams
+from kvmesh.replica.server import ReplicaConfig, ReplicaServer
+
+
+@pytest.fixture
+async def served(qwen3_dir):
+    redis = EmbeddedRedis().start()
+    config = ReplicaConfig(
+        str(qwen3_dir), "pub-test", redis.url, heartbeat_s=0.1, ttl_s=2.0,
+        engine={"num_kv_blocks": 128, "block_size": 16},
+    )  # fmt: skip
+    server = ReplicaServer(config)
+    await server.start()
+    server.publisher.retry_s = 0.1
+    yield server, redis
+    await server.stop(grace=0.5)
+    redis.close()
+
+
+async def run_request(server, salt: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    async for _ in server.engine.generate(prompts_of_lengths([48], salt=salt)[0], params):
+        pass
+
+
+async def eventually(predicate, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def index_matches_cache(server) -> bool:
+    if server.publisher.dirty:
+        return False
+    cache = await server.engine.call(lambda e: e.block_manager.cached_hashes())
+    return (await server.publisher.index.snapshot()).get("pub-test", set()) == cache
+
+
+async def test_events_reach_the_index(served):
+    server, _ = served
+    await run_request(server, 1)
+    assert await eventually(lambda: index_matches_cache(server))
+    assert len(await server.engine.call(lambda e: e.block_manager.cached_hashes())) == 3
+
+
+async def test_cache_reset_resyncs_to_empty(served):
+    server, _ = served
+    await run_request(server, 2)
+    assert await eventually(lambda: index_matches_cache(server))
+    before = server.publisher.incarnation
+    await server.engine.call(lambda e: e.reset_prefix_cache())
+    assert await eventually(lambda: index_matches_cache(server))
+    assert server.publisher.incarnation > before
+    assert (await server.publisher.index.snapshot())["pub-test"] == set()
+
+
+async def test_buffer_overflow_while_redis_is_down_then_resync(served):
+    server, redis = served
+    server.publisher.max_buffered_events = 1
+    redis.stop()
+    await run_request(server, 3)
+    await run_request(server, 4)
+    assert await eventually(lambda: asyncio.sleep(0, result=server.publisher.dirty))
+    await asyncio.sleep(0.3)  # several flush rounds while Redis is away
+    assert len(server.publisher._buffer) <= server.publisher.max_buffered_events  # dropped, not grown
+    redis.start()
+    assert await eventually(lambda: index_matches_cache(server))
+    assert len(await server.engine.call(lambda e: e.block_manager.cached_hashes())) == 6
