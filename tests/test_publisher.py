@@ -1,9 +1,9 @@
 """The index publisher in-process (no Ray): cache resets and buffer overflow force a resync."""
 
 import asyncio
-import time
 
 import pytest
+from helpers import eventually
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -30,15 +30,6 @@ async def run_request(server, salt: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     async for _ in server.engine.generate(prompts_of_lengths([48], salt=salt)[0], params):
         pass
-
-
-async def eventually(predicate, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def index_matches_cache(server) -> bool:

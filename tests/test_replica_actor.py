@@ -1,12 +1,12 @@
 """A Ray replica actor with a tiny model: gRPC streaming, the index it keeps, faults."""
 
 import asyncio
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import eventually
 from reference import hf_greedy, prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -54,15 +54,6 @@ def greedy_request(ids, max_tokens=16, request_id="") -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=ids), sampling=sampling)
 
 
-async def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
 async def stats(address) -> pb.ReplicaStats:
     async with grpc.aio.insecure_channel(address) as channel:
         return await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
@@ -81,7 +72,7 @@ async def test_stream_returns_greedy_tokens_and_index_holds_the_prompt(replica, 
 
     index = index_for(redis, qwen3_dir)
     hashes = block_hashes(prompt, BLOCK, index.hash_seed)
-    assert await wait_for(lambda: _lookup_is(index, hashes, {"replica-a": 70 // BLOCK}))
+    assert await eventually(lambda: _lookup_is(index, hashes, {"replica-a": 70 // BLOCK}))
     again = await generate(address, greedy_request(prompt))
     assert again[-1].complete.usage.cached_tokens == 64  # the replica's own prefix cache
     await index.close()
@@ -110,12 +101,12 @@ async def test_abort_and_client_cancellation_free_blocks(replica):
             rest.append(r)
         assert rest[-1].complete.finish_reason == "abort"
         assert not (await stub.Abort(pb.AbortRequest(request_id="long"))).found
-        assert await wait_for(all_free)
+        assert await eventually(all_free)
 
         call = stub.Generate(greedy_request(prompts_of_lengths([40])[0], max_tokens=2000))
         await call.read()
         call.cancel()  # the client goes away mid-stream
-        assert await wait_for(all_free)
+        assert await eventually(all_free)
 
 
 @pytest.mark.parametrize(
@@ -185,5 +176,5 @@ async def test_redis_outage_then_full_resync(replica, redis, qwen3_dir, ray_clus
         cache = set(await asyncio.to_thread(ray_cluster.get, actor.cached_hashes.remote()))
         return (await index.snapshot()).get("replica-a") == cache and len(cache) > 0
 
-    assert await wait_for(index_equals_cache, timeout=20)
+    assert await eventually(index_equals_cache, timeout=20)
     await index.close()
