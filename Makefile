@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/kvmesh bench kvcache --out results/bench_kvcache.json
+	$(VENV)/bin/kvmesh demo --out-dir results/demo
 
 test: venv lint
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
@@ -35,6 +35,7 @@ bench: venv
 	$(VENV)/bin/kvmesh bench kvcache --out results/bench_kvcache.json
 	$(VENV)/bin/kvmesh bench engine --out results/bench_engine.json
 	$(VENV)/bin/kvmesh bench index --out results/bench_index.json
+	$(VENV)/bin/kvmesh bench router --out results/bench_router.json
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .ruff_cache .hypothesis

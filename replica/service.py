@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError
 from kvmesh.replica.request import RequestOutput
 from kvmesh.replica.sampling_params import sampling_from_proto
-from kvmesh.router.tokenization import render_chat
+from kvmesh.router.tokenization import PromptTokenizer
 
 
-def prompt_from_proto(request: pb.GenerateRequest, tokenizer) -> str | list[int]:
+def prompt_from_proto(request: pb.GenerateRequest, tokenizer: PromptTokenizer | None) -> str | list[int]:
     """The request's prompt: token ids, text, or chat messages rendered by the chat template."""
     kind = request.WhichOneof("input")
     if kind == "token_ids":
@@ -27,7 +28,9 @@ def prompt_from_proto(request: pb.GenerateRequest, tokenizer) -> str | list[int]
     if kind == "text":
         return request.text
     if kind == "chat":
-        return render_chat(tokenizer, ({"role": m.role, "content": m.content} for m in request.chat.messages))
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; send token ids")
+        return tokenizer.render_chat({"role": m.role, "content": m.content} for m in request.chat.messages)
     raise ValueError("request has no input: set text, token_ids or chat")
 
 
@@ -40,8 +43,15 @@ def usage(out: RequestOutput) -> pb.Usage:
 
 
 class ReplicaService(pb_grpc.ReplicaServicer):
-    def __init__(self, engine: AsyncLLMEngine, replica_id: str, index_state: Callable[[], tuple[int, bool]]):
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        replica_id: str,
+        index_state: Callable[[], tuple[int, bool]],
+        tokenizer: PromptTokenizer | None,
+    ):
         self.engine = engine
+        self.tokenizer = tokenizer
         self.replica_id = replica_id
         self.index_state = index_state  # () -> (incarnation, dirty)
 
@@ -50,7 +60,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            prompt = prompt_from_proto(request, self.engine.engine.tokenizer)
+            prompt = prompt_from_proto(request, self.tokenizer)
             params = sampling_from_proto(request.sampling)
             async for out in self.engine.generate(prompt, params, request_id):
                 if out.new_token_ids or out.new_text:
@@ -68,6 +78,15 @@ class ReplicaService(pb_grpc.ReplicaServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def ResetPrefixCache(
+        self, request, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        try:
+            await self.engine.call(lambda engine: engine.reset_prefix_cache())
+        except KVCacheError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.ResetPrefixCacheResponse()
 
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -135,6 +135,14 @@ local function deregister(keys, args)
   return 1
 end
 
+-- ARGV: ns, replica_id. Ends its current incarnation now (its process was seen dead).
+local function retire(keys, args)
+  local ns, rid = args[1], args[2]
+  local inc = redis.call('HGET', ns .. 'r:' .. rid, 'incarnation')
+  if not inc then return 0 end
+  return redis.call('DEL', ns .. 'i' .. inc)
+end
+
 -- ARGV: ns. Returns {record as flat field/value list, remaining TTL ms} for every live
 -- replica; drops ids whose record is gone.
 local function live_replicas(keys, args)
@@ -185,6 +193,7 @@ redis.register_function('kvmesh_publish', publish)
 redis.register_function('kvmesh_register', register)
 redis.register_function('kvmesh_heartbeat', heartbeat)
 redis.register_function('kvmesh_deregister', deregister)
+redis.register_function('kvmesh_retire', retire)
 redis.register_function('kvmesh_live_replicas', live_replicas)
 redis.register_function('kvmesh_sweep', sweep)
 redis.register_function('kvmesh_settings', settings)

@@ -132,6 +132,10 @@ class PrefixIndex:
     async def deregister(self, replica_id: str, incarnation: int) -> bool:
         return bool(await self._call("kvmesh_deregister", replica_id, incarnation))
 
+    async def retire(self, replica_id: str) -> bool:
+        """End a replica's current incarnation now (a supervisor saw its process die)."""
+        return bool(await self._call("kvmesh_retire", replica_id))
+
     async def live_replicas(self) -> list[ReplicaRecord]:
         raw = await self._call("kvmesh_live_replicas")
         records = []

@@ -230,3 +230,12 @@ async def test_lookup_bisection_with_every_replica_at_a_different_depth(index):
         holdings[rid] = held
     for n in (1, 2, 3, 17, 64, 127, 128):
         assert await index.lookup(chain[:n]) == expected_depths(chain[:n], holdings)
+
+
+async def test_retire_ends_the_current_incarnation(index):
+    inc = await index.register("r0", "a:1", ttl_s=30)
+    await index.publish("r0", inc, [BlockStored((7, 8), None, 16)])
+    assert await index.retire("r0")
+    assert await index.lookup([7, 8]) == {} and await index.live_replicas() == []
+    assert not await index.heartbeat("r0", inc, ttl_s=30)
+    assert not await index.retire("nobody")

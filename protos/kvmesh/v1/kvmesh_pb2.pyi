@@ -203,3 +203,11 @@ class ReplicaStats(_message.Message):
     generation_tokens: int
     index_dirty: bool
     def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_cached_hashes: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., index_dirty: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

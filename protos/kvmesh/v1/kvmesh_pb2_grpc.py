@@ -254,6 +254,11 @@ class ReplicaStub:
                 request_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ReplicaStats.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/kvmesh.v1.Replica/ResetPrefixCache',
+                request_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -278,6 +283,13 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forget every cached prefix (for experiments). FAILED_PRECONDITION while requests run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -295,6 +307,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.GetStatsRequest.FromString,
                     response_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ReplicaStats.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -379,6 +396,33 @@ class Replica:
             '/kvmesh.v1.Replica/GetStats',
             kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.GetStatsRequest.SerializeToString,
             kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ReplicaStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Replica/ResetPrefixCache',
+            kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Prefix-aware load-balancing experiments: workloads, load generator, reports, simulator."""

@@ -1,0 +1,257 @@
+"""The routing path shared by the gRPC and HTTP front ends.
+
+tokenize once -> hash the blocks -> ONE index lookup (+ speculative entries)
+-> policy ranks the live replicas -> stream from the first; if it fails before its
+first response, retry once on the next -> relay chunks, add the prediction to Complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.kvcache import block_hashes
+from kvmesh.protos import pb
+from kvmesh.replica.sampling_params import sampling_from_proto
+from kvmesh.router.errors import InvalidRequest, RouterError, Unavailable, from_rpc_error
+from kvmesh.router.index import PrefixIndex
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.policies import Policy, RouteRequest, make_policy
+from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.router.tokenization import PromptTokenizer
+
+log = logging.getLogger(__name__)
+_INLINE_TOKENIZE_CHARS = 8192
+_FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    hash_seed: int
+
+
+@dataclass
+class Decision:
+    """Where a request goes and why (for the caller, metrics and experiments)."""
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    max_tokens: int
+    ranked: list[str]
+    matched: dict[str, int]  # replica -> matched blocks (index + speculative)
+    policy: str
+    decision_s: float
+
+
+class RouterCore:
+    def __init__(
+        self,
+        model: ModelInfo,
+        tokenizer: PromptTokenizer | None,
+        index: PrefixIndex,
+        registry: ReplicaRegistry,
+        default_policy: str = "prefix",
+        speculative_ttl_s: float = 2.0,
+        lookup_timeout_s: float = 0.25,
+        metrics: RouterMetrics | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.index = index
+        self.registry = registry
+        self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
+        self.lookup_timeout_s = lookup_timeout_s
+        self.metrics = metrics or RouterMetrics()
+        self.policies: dict[str, Policy] = {}
+        self.default_policy = self.policy(default_policy).name
+        self._inflight: dict[str, str] = {}  # request id -> replica id
+        self._index_warned = False
+
+    def policy(self, name: str) -> Policy:
+        if name not in self.policies:
+            self.policies[name] = make_policy(name, block_size=self.model.block_size)
+        return self.policies[name]
+
+    # ------------------------------------------------------------------ validation
+
+    async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("request has no input: set text, token_ids or chat")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = next((t for t in ids if t >= self.model.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
+        elif self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer; send token ids")
+        elif kind == "text":
+            ids = self.tokenizer.encode(request.text) if request.text else []
+        else:
+            try:
+                ids = self.tokenizer.render_chat(
+                    {"role": m.role, "content": m.content} for m in request.chat.messages
+                )
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        return ids
+
+    @staticmethod
+    async def _off_loop(fn, arg):
+        """Tokenize long inputs in a thread (the tokenizer releases the GIL) so one long
+        prompt does not stall every other stream; short ones inline (cheaper)."""
+        size = len(arg) if isinstance(arg, str) else sum(len(m["content"]) for m in arg)
+        return await asyncio.to_thread(fn, arg) if size > _INLINE_TOKENIZE_CHARS else fn(arg)
+
+    async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], int, str]:
+        """(prompt ids, max_tokens, policy name) or InvalidRequest with the reason."""
+        ids = await self.prompt_ids(request)
+        try:
+            params = sampling_from_proto(request.sampling)
+            policy = self.policy(request.policy or self.default_policy).name
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if len(ids) + params.max_tokens > self.model.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"({self.model.max_model_len})"
+            )
+        return ids, params.max_tokens, policy
+
+    # ------------------------------------------------------------------ routing
+
+    async def lookup(self, hashes: list[int]) -> dict[str, int]:
+        """Index matches, or {} when Redis is away (logged once per outage)."""
+        if not hashes:
+            return {}
+        start = time.perf_counter()
+        try:
+            found = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s)
+        except Exception as exc:
+            self.metrics.index_errors.inc()
+            if not self._index_warned:
+                log.warning("prefix index lookup failed: routing by load only", extra={"error": str(exc)})
+                self._index_warned = True
+            return {}
+        self._index_warned = False
+        self.metrics.lookup.observe(time.perf_counter() - start)
+        return found
+
+    async def decide(self, request: pb.GenerateRequest) -> Decision:
+        start = time.perf_counter()
+        ids, max_tokens, policy_name = await self.validate(request)
+        hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
+        if not self.registry.live():
+            raise Unavailable("no live replica")
+        matched = await self.lookup(hashes)
+        for entry in self.registry.live():
+            rid = entry.record.replica_id
+            matched[rid] = max(matched.get(rid, 0), self.overlay.matched(rid, hashes))
+        states = self.registry.states(matched)
+        if not states:
+            raise Unavailable("no live replica")
+        route = RouteRequest(ids, hashes, max_tokens, request.affinity_key)
+        ranked = self.policy(policy_name).rank(route, states)
+        elapsed = time.perf_counter() - start
+        self.metrics.decision.observe(elapsed)
+        request_id = request.request_id or uuid.uuid4().hex
+        return Decision(request_id, ids, hashes, max_tokens, ranked, matched, policy_name, elapsed)
+
+    def predicted_cached_tokens(self, decision: Decision, replica_id: str) -> int:
+        """What the replica should reuse: matched blocks, never the prompt's last block."""
+        lookable = (len(decision.token_ids) - 1) // self.model.block_size
+        return min(decision.matched.get(replica_id, 0), lookable) * self.model.block_size
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Route and stream. Raises RouterError before the first response; after it, too."""
+        started = time.perf_counter()
+        decision = await self.decide(request)
+        outcome = "error"
+        try:
+            async for response in self._stream(request, decision, started):
+                yield response
+            outcome = "ok"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(decision.policy, outcome).inc()
+            self.metrics.latency.observe(time.perf_counter() - started)
+
+    async def _stream(self, request: pb.GenerateRequest, decision: Decision, started: float):
+        upstream = pb.GenerateRequest(
+            request_id=decision.request_id,
+            token_ids=pb.TokenIds(ids=decision.token_ids),
+            sampling=request.sampling,
+        )
+        hashes = decision.block_hashes
+        for attempt, replica_id in enumerate(decision.ranked[:2]):
+            entry = self.registry.entries.get(replica_id)
+            if entry is None:
+                continue
+            uncached = len(hashes) - min(decision.matched.get(replica_id, 0), len(hashes))
+            work = uncached + decision.max_tokens / self.model.block_size  # outstanding work, in blocks
+            self.registry.begin(replica_id, work)
+            self.overlay.record(replica_id, hashes)
+            self._inflight[decision.request_id] = replica_id
+            call = entry.stub.Generate(upstream)
+            first = True
+            try:
+                async for response in call:
+                    if first:
+                        first = False
+                        self.metrics.ttft.observe(time.perf_counter() - started)
+                        self.metrics.decisions.labels(replica_id).inc()
+                    if response.WhichOneof("kind") == "complete":
+                        predicted = self.predicted_cached_tokens(decision, replica_id)
+                        response.complete.predicted_cached_tokens = predicted
+                        self.metrics.predicted_cached.inc(predicted)
+                        self.metrics.actual_cached.inc(response.complete.usage.cached_tokens)
+                        self.metrics.prompt_tokens.inc(response.complete.usage.prompt_tokens)
+                    yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                if first and exc.code() in _FAILOVER_CODES and attempt == 0 and len(decision.ranked) > 1:
+                    self.registry.mark_failed(replica_id)
+                    self.metrics.retries.inc()
+                    log.warning(
+                        "replica failed before streaming, retrying elsewhere",
+                        extra={"replica_id": replica_id},
+                    )
+                    continue
+                if exc.code() in _FAILOVER_CODES:
+                    self.registry.mark_failed(replica_id)
+                raise from_rpc_error(exc) from None
+            finally:
+                call.cancel()  # no-op when finished; aborts upstream when the client went away
+                self.registry.end(replica_id, work)
+                self._inflight.pop(decision.request_id, None)
+        raise Unavailable("no replica could take the request")
+
+    async def abort(self, request_id: str) -> bool:
+        replica_id = self._inflight.get(request_id)
+        entry = self.registry.entries.get(replica_id) if replica_id else None
+        if entry is None:
+            return False
+        try:
+            reply = await entry.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return reply.found
+
+
+__all__ = ["Decision", "ModelInfo", "RouterCore", "RouterError"]

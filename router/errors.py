@@ -1,0 +1,34 @@
+"""Errors a client can act on, with their gRPC status and HTTP code."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RouterError(Exception):
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
+class InvalidRequest(RouterError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class Unavailable(RouterError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class Overloaded(RouterError):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError) -> RouterError:
+    """A replica's error, passed on with its code and message."""
+    cls = {
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    }.get(exc.code(), Unavailable)
+    return cls(f"replica error ({exc.code().name}): {exc.details()}")

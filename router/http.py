@@ -1,0 +1,223 @@
+"""OpenAI-compatible HTTP front end (FastAPI) over the same RouterCore as gRPC.
+
+``/v1/completions`` and ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``,
+``/health`` (503 until a replica is live) and ``/metrics`` (Prometheus). Errors use
+OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 for bad input, 404 for an
+unknown model, 429 when overloaded, 503 with no live replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
+
+from kvmesh.protos import pb
+from kvmesh.router.core import RouterCore
+from kvmesh.router.errors import InvalidRequest, RouterError
+
+
+class _Sampling(BaseModel):
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    user: str | None = None  # used as the session affinity key
+    policy: str | None = None  # kvmesh extension: per-request routing policy
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class _UnknownModel(RouterError):
+    http_status = 404
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "code": status}}
+    )
+
+
+def _to_proto(body: _Sampling, core: RouterCore) -> pb.GenerateRequest:
+    if body.n != 1:
+        raise InvalidRequest("only n=1 is supported")
+    if body.model not in (None, "", core.model.model_id):
+        raise _UnknownModel(
+            f"model {body.model!r} is not served here; this router serves {core.model.model_id!r}"
+        )
+    sampling = pb.SamplingParams(ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [])
+    sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    for name, value in (
+        ("temperature", body.temperature),
+        ("top_p", body.top_p),
+        ("top_k", body.top_k),
+        ("seed", body.seed),
+        ("max_tokens", max_tokens),
+    ):
+        if value is not None:
+            if name in ("top_k", "seed", "max_tokens") and value < 0:
+                raise InvalidRequest(f"{name} must be non-negative, got {value}")
+            setattr(sampling, name, value)
+    request = pb.GenerateRequest(sampling=sampling, policy=body.policy or "", affinity_key=body.user or "")
+    if isinstance(body, ChatRequest):
+        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in body.messages)
+    elif isinstance(body.prompt, str):
+        request.text = body.prompt
+    else:
+        request.token_ids.ids.extend(body.prompt)
+    return request
+
+
+def _usage(complete: pb.Complete) -> dict:
+    u = complete.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def build_app(core: RouterCore, live_replicas: Callable[[], int]) -> FastAPI:
+    app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None, openapi_url=None)
+    model = core.model.model_id
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error")
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError):
+        kind = "invalid_request_error" if exc.http_status < 500 else "service_unavailable"
+        return _error(exc.http_status, str(exc), kind)
+
+    @app.get("/health")
+    async def health():
+        n = live_replicas()
+        return JSONResponse(
+            status_code=200 if n else 503, content={"status": "ok" if n else "no live replica", "replicas": n}
+        )
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvmesh",
+            "max_model_len": core.model.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await _serve(body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        return await _serve(body, chat=True)
+
+    async def _serve(body: _Sampling, chat: bool):
+        stream = core.generate(_to_proto(body, core))
+        first = await anext(stream)  # routing errors surface here, before any header is sent
+        prefix = "chatcmpl" if chat else "cmpl"
+        rid = f"{prefix}-{first.request_id}"
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            events = _sse(first, stream, rid, created, model, chat, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        text, complete = [], None
+        async for response in _chain(first, stream):
+            if response.WhichOneof("kind") == "chunk":
+                text.append(response.chunk.text)
+            else:
+                complete = response.complete
+        choice = {"index": 0, "finish_reason": complete.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": _usage(complete),
+            "kvmesh": {
+                "replica_id": complete.replica_id,
+                "predicted_cached_tokens": complete.predicted_cached_tokens,
+            },
+        }
+
+    return app
+
+
+async def _chain(first: pb.GenerateResponse, rest: AsyncIterator[pb.GenerateResponse]):
+    yield first
+    async for response in rest:
+        yield response
+
+
+async def _sse(first, rest, rid: str, created: int, model: str, chat: bool, include_usage: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list, usage: dict | None = None) -> str:
+        payload = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def choice(text: str, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    try:
+        if chat:
+            yield event([choice("", None, role=True)])
+        async for response in _chain(first, rest):
+            if response.WhichOneof("kind") == "chunk":
+                yield event([choice(response.chunk.text, None)])
+            else:
+                yield event([choice("", response.complete.finish_reason)])
+                if include_usage:
+                    yield event([], _usage(response.complete))
+    except RouterError as exc:  # the replica failed mid-stream: tell the client, in band
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'code': exc.http_status}})}\n\n"
+    yield "data: [DONE]\n\n"

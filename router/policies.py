@@ -1,0 +1,195 @@
+"""Routing policies: pure functions of (request, replica states) -> replicas in preference order.
+
+No I/O here, so the same classes run in the router and in the simulator. A policy returns
+every candidate ranked; the router tries the first and fails over to the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import xxhash
+
+from kvmesh.kvcache.hashing import token_buffer
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    token_ids: Sequence[int]
+    block_hashes: Sequence[int]  # the prompt's full-block hash chain
+    max_tokens: int = 16
+    affinity_key: str = ""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows about one live replica when it decides."""
+
+    replica_id: str
+    matched_blocks: int = 0  # leading prompt blocks it holds (index + speculative)
+    inflight_requests: int = 0  # routed by this router and not finished
+    inflight_blocks: float = 0.0  # their outstanding work, in blocks (uncached prefill + decode)
+    num_running: int = 0  # from its heartbeat (all routers' requests)
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.inflight_requests + self.num_waiting
+
+
+def rendezvous(key: bytes, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """Highest-random-weight order: stable per key, moves only 1/n of keys when n changes."""
+    return sorted(replicas, key=lambda r: xxhash.xxh64_intdigest(key + r.replica_id.encode()), reverse=True)
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rank(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+        """Replica ids, best first. ``replicas`` is non-empty."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def rank(self, request, replicas):
+        ids = sorted(r.replica_id for r in replicas)
+        k = next(self._counter) % len(ids)
+        return ids[k:] + ids[:k]
+
+
+class RandomChoice(Policy):
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def rank(self, request, replicas):
+        ids = [r.replica_id for r in replicas]
+        self._rng.shuffle(ids)
+        return ids
+
+
+def _by_load(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    return sorted(replicas, key=lambda r: (r.load, r.inflight_blocks, r.num_running, r.replica_id))
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def rank(self, request, replicas):
+        return [r.replica_id for r in _by_load(replicas)]
+
+
+class PowerOfTwo(Policy):
+    """Two random candidates, the less loaded first (then everyone else by load)."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def rank(self, request, replicas):
+        pair = self._rng.sample(list(replicas), k=min(2, len(replicas)))
+        first = [r.replica_id for r in _by_load(pair)]
+        return first + [r.replica_id for r in _by_load(replicas) if r.replica_id not in first]
+
+
+class ConsistentHash(Policy):
+    """Rendezvous hashing on the first ``prefix_blocks`` blocks (or tokens, for short prompts)."""
+
+    name = "consistent_hash"
+
+    def __init__(self, prefix_blocks: int = 4, block_size: int = 16) -> None:
+        self.prefix_blocks = prefix_blocks
+        self.block_size = block_size
+
+    def rank(self, request, replicas):
+        if request.num_blocks >= self.prefix_blocks:
+            key = request.block_hashes[self.prefix_blocks - 1].to_bytes(8, "little")
+        else:
+            key = bytes(token_buffer(request.token_ids[: self.prefix_blocks * self.block_size]))
+        return [r.replica_id for r in rendezvous(key, replicas)]
+
+
+class Session(Policy):
+    """Same ``affinity_key`` -> same replica (rendezvous); no key -> least loaded."""
+
+    name = "session"
+
+    def rank(self, request, replicas):
+        if not request.affinity_key:
+            return LeastLoaded().rank(request, replicas)
+        return [r.replica_id for r in rendezvous(request.affinity_key.encode(), replicas)]
+
+
+@dataclass
+class PrefixAware(Policy):
+    """Cost-based prefix routing (Dynamo-style), with a bounded-load hot-spot guard.
+
+    cost = prefill_weight * (prompt blocks the replica does not hold)
+           + outstanding work routed to it (blocks) + waiting_weight * its queue.
+    Guard: a replica already holding more than ``hot_spot_factor`` times its fair share of
+    in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
+    shared system prompt can never pile every request on one replica. Equal costs (a
+    prefix nobody holds, idle replicas) are broken by rendezvous hashing of the first
+    block, so cold prefixes spread and repeat visits agree.
+    """
+
+    prefill_weight: float = 2.0
+    waiting_weight: float = 8.0
+    hot_spot_factor: float = 1.25
+    hot_spot_slack: float = 2.0
+    name: ClassVar[str] = "prefix"
+
+    def cost(self, request: RouteRequest, r: ReplicaState) -> float:
+        uncached = request.num_blocks - min(r.matched_blocks, request.num_blocks)
+        return self.prefill_weight * uncached + r.inflight_blocks + self.waiting_weight * r.num_waiting
+
+    def rank(self, request, replicas):
+        total = sum(r.inflight_requests for r in replicas)
+        cap = self.hot_spot_factor * (total + 1) / len(replicas) + self.hot_spot_slack
+        key = (
+            request.block_hashes[0].to_bytes(8, "little")
+            if request.num_blocks
+            else bytes(token_buffer(request.token_ids[:64]))
+        )
+        tiebreak = {r.replica_id: i for i, r in enumerate(rendezvous(key, replicas))}
+        ordered = sorted(
+            replicas,
+            key=lambda r: (r.inflight_requests + 1 > cap, self.cost(request, r), tiebreak[r.replica_id]),
+        )
+        return [r.replica_id for r in ordered]
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p
+    for p in (PrefixAware, RoundRobin, LeastLoaded, PowerOfTwo, RandomChoice, ConsistentHash, Session)
+}
+
+
+def make_policy(name: str, block_size: int = 16, seed: int | None = None) -> Policy:
+    """A policy by name; ``ValueError`` naming the known ones otherwise."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    if cls in (RandomChoice, PowerOfTwo):
+        return cls(seed=seed)
+    if cls is ConsistentHash:
+        return cls(block_size=block_size)
+    return cls()

@@ -1,0 +1,148 @@
+"""The router's view of the replicas: who is live (from the index), how to reach them, and
+how much work this router has in flight on each.
+
+The live set is refreshed in the background. A replica leaves it when its heartbeat
+expires (the index says so) or, for a few seconds, after a call to it failed. When Redis
+is unreachable the last known set is kept (its heartbeats cannot be read) and only
+failed calls take replicas out; routing falls back to load (no prefix matches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.protos import pb_grpc
+from kvmesh.router.grpc_server import MAX_MESSAGE_BYTES
+from kvmesh.router.index import PrefixIndex, ReplicaRecord
+from kvmesh.router.policies import ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaEntry:
+    record: ReplicaRecord
+    channel: grpc.aio.Channel
+    stub: pb_grpc.ReplicaStub
+    live_until: float  # monotonic time its heartbeat expires, as of the last refresh
+    inflight_requests: int = 0
+    inflight_blocks: float = 0.0
+    failed_until: float = 0.0
+    routed: int = 0
+
+
+class ReplicaRegistry:
+    def __init__(self, index: PrefixIndex, refresh_s: float = 0.5, failure_cooldown_s: float = 5.0):
+        self.index = index
+        self.refresh_s = refresh_s
+        self.failure_cooldown_s = failure_cooldown_s
+        self.entries: dict[str, ReplicaEntry] = {}
+        self.index_ok = False
+        self._task: asyncio.Task | None = None
+        self._listeners: list = []
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="kvmesh-registry")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for entry in self.entries.values():
+            await entry.channel.close()
+        self.entries.clear()
+
+    def on_change(self, callback) -> None:
+        """``callback(live_count)`` after every refresh (health status follows it)."""
+        self._listeners.append(callback)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        try:
+            records = await self.index.live_replicas()
+        except Exception as exc:  # Redis away: keep the last known set
+            if self.index_ok:
+                log.warning("prefix index unreachable: routing by load only", extra={"error": str(exc)})
+            self.index_ok = False
+        else:
+            if not self.index_ok:
+                log.info("prefix index reachable", extra={"replicas": len(records)})
+            self.index_ok = True
+            await self._apply(records)
+        for callback in self._listeners:
+            await callback(len(self.live()))
+
+    async def _apply(self, records: list[ReplicaRecord]) -> None:
+        now = time.monotonic()
+        seen = set()
+        for rec in records:
+            seen.add(rec.replica_id)
+            entry = self.entries.get(rec.replica_id)
+            if entry is None or entry.record.address != rec.address:
+                if entry is not None:
+                    await entry.channel.close()
+                channel = grpc.aio.insecure_channel(
+                    rec.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                )
+                entry = ReplicaEntry(rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0)
+                self.entries[rec.replica_id] = entry
+            entry.record = rec
+            entry.live_until = now + rec.heartbeat_ttl_ms / 1000
+        for gone in set(self.entries) - seen:
+            entry = self.entries.pop(gone)
+            await entry.channel.close()
+
+    def live(self) -> list[ReplicaEntry]:
+        """Replicas a request may go to now."""
+        now = time.monotonic()
+        return [
+            e
+            for e in self.entries.values()
+            if e.failed_until <= now and (e.live_until > now or not self.index_ok)
+        ]
+
+    def states(self, matched: dict[str, int]) -> list[ReplicaState]:
+        return [
+            ReplicaState(
+                replica_id=e.record.replica_id,
+                matched_blocks=matched.get(e.record.replica_id, 0),
+                inflight_requests=e.inflight_requests,
+                inflight_blocks=e.inflight_blocks,
+                num_running=int(e.record.load("num_running")),
+                num_waiting=int(e.record.load("num_waiting")),
+                num_free_blocks=int(e.record.load("num_free_blocks")),
+                num_blocks=int(e.record.load("num_blocks")),
+            )
+            for e in self.live()
+        ]
+
+    def begin(self, replica_id: str, blocks: float) -> None:
+        entry = self.entries.get(replica_id)
+        if entry:
+            entry.inflight_requests += 1
+            entry.inflight_blocks += blocks
+            entry.routed += 1
+
+    def end(self, replica_id: str, blocks: float) -> None:
+        entry = self.entries.get(replica_id)
+        if entry:
+            entry.inflight_requests -= 1
+            entry.inflight_blocks -= blocks
+
+    def mark_failed(self, replica_id: str) -> None:
+        entry = self.entries.get(replica_id)
+        if entry:
+            entry.failed_until = time.monotonic() + self.failure_cooldown_s
+            log.warning("replica call failed, cooling down", extra={"replica_id": replica_id})

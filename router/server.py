@@ -1,0 +1,136 @@
+"""One router process: gRPC ``kvmesh.v1.Router`` + OpenAI HTTP, over the shared index.
+
+Reads the model folder only for its tokenizer and config (never loads weights or torch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from kvmesh.kvcache import namespace_seed
+from kvmesh.protos import pb_grpc
+from kvmesh.router.core import ModelInfo, RouterCore
+from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
+from kvmesh.router.http import build_app
+from kvmesh.router.index import IndexSettingsError, PrefixIndex
+from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.service import RouterService
+from kvmesh.router.tokenization import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    model_dir: str
+    redis_url: str
+    model_id: str | None = None  # default: the model folder's name (as replicas use)
+    block_size: int = 16
+    max_model_len: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC; 0 = any free port
+    http_port: int | None = 0  # None: no HTTP front end
+    policy: str = "prefix"
+    refresh_s: float = 0.5
+    speculative_ttl_s: float = 2.0
+
+
+def model_info(config: RouterConfig) -> ModelInfo:
+    path = Path(config.model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model folder {str(path)!r} has no config.json")
+    hf = json.loads((path / "config.json").read_text())
+    model_id = config.model_id or path.resolve().name
+    max_len = config.max_model_len or hf.get("max_position_embeddings") or 4096
+    return ModelInfo(
+        model_id=model_id,
+        block_size=config.block_size,
+        max_model_len=max_len,
+        vocab_size=hf["vocab_size"],
+        hash_seed=namespace_seed(model_id, config.block_size),
+    )
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.model = model_info(config)
+        tokenizer = (
+            PromptTokenizer(config.model_dir)
+            if (Path(config.model_dir) / "tokenizer.json").is_file()
+            else None
+        )
+        self.index = PrefixIndex.from_url(
+            config.redis_url, self.model.model_id, self.model.block_size, self.model.hash_seed
+        )
+        self.registry = ReplicaRegistry(self.index, refresh_s=config.refresh_s)
+        self.core = RouterCore(
+            self.model,
+            tokenizer,
+            self.index,
+            self.registry,
+            config.policy,
+            speculative_ttl_s=config.speculative_ttl_s,
+        )
+        self.grpc: GrpcServer | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task | None = None
+        self.http_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.grpc.port}"
+
+    async def start(self) -> None:
+        try:
+            await self.index.ensure_settings()
+        except IndexSettingsError:
+            raise
+        except Exception as exc:  # Redis away at start: serve anyway, the registry keeps trying
+            log.warning("prefix index unreachable at start", extra={"error": str(exc)})
+        self.grpc = await start_grpc_server(
+            [(pb_grpc.add_RouterServicer_to_server, RouterService(self.core), "kvmesh.v1.Router")],
+            self.config.host,
+            self.config.port,
+            serving=False,
+        )
+        self.registry.on_change(self._health_follows)
+        await self.registry.start()
+        if self.config.http_port is not None:
+            await self._start_http()
+        log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
+
+    async def _health_follows(self, live: int) -> None:
+        await self.grpc.set_serving(live > 0)
+
+    async def _start_http(self) -> None:
+        app = build_app(self.core, lambda: len(self.registry.live()))
+        config = uvicorn.Config(
+            app, host=self.config.host, port=self.config.http_port, log_level="warning", lifespan="off"
+        )
+        self._http = uvicorn.Server(config)
+        self._http_task = asyncio.create_task(self._http.serve(), name="kvmesh-http")
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # re-raise why it could not start
+                raise OSError(f"HTTP server on port {self.config.http_port} did not start")
+            await asyncio.sleep(0.01)
+        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Health goes NOT_SERVING first; in-flight streams get ``grace`` seconds."""
+        if self.grpc:
+            await self.grpc.stop(grace)
+        if self._http:
+            self._http.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._http_task
+        await self.registry.stop()
+        await self.index.close()

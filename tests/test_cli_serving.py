@@ -1,0 +1,101 @@
+"""``kvmesh up``, ``status``, ``router`` and ``demo`` as users run them."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvmesh.protos import pb, pb_grpc
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+
+
+def run(*args, timeout=120):
+    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("up", "--model", "/nonexistent"),
+        ("up", "--model", "{model}", "--policy", "fastest"),
+        ("up", "--model", "{model}", "--replicas", "0"),
+        ("up", "--model", "{model}", "--port", "70000"),
+        ("router", "--model", "{model}"),
+        ("status", "--redis-url", "redis://127.0.0.1:1"),
+    ],
+    ids=["no-model", "bad-policy", "zero-replicas", "bad-port", "router-needs-redis", "redis-unreachable"],
+)
+def test_serving_commands_reject_bad_input_in_one_line(args, qwen3_dir):
+    out = run(*[a.format(model=qwen3_dir) for a in args])
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
+    proc = subprocess.Popen(
+        [KVMESH, "up", "--model", str(qwen3_dir), "--replicas", "2", "--port", "0", "--http-port", "-1", "--num-kv-blocks", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        text = "".join(lines)
+        assert "Ctrl-C" in text, text + proc.stderr.read() if proc.poll() is not None else text
+        address = re.search(r"router gRPC\s+(\S+)", text).group(1)
+        redis_url = re.search(r"redis\s+(\S+)", text).group(1)
+
+        with grpc.insecure_channel(address) as channel:
+            request = pb.GenerateRequest(
+                text="the cache", sampling=pb.SamplingParams(temperature=0, max_tokens=3)
+            )
+            responses = list(pb_grpc.RouterStub(channel).Generate(request, timeout=60))
+        assert responses[-1].complete.usage.completion_tokens <= 3
+
+        status = run("status", "--redis-url", redis_url)
+        assert status.returncode == 0, status.stderr
+        assert (
+            "replicas live: 2" in status.stdout
+            and "replica-0" in status.stdout
+            and "replica-1" in status.stdout
+        )
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "draining" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
+    from kvmesh.cluster import demo
+
+    results = await demo.run(
+        tmp_path,
+        replicas=2,
+        cache_dir=Path(__file__).resolve().parent.parent / ".cache" / "tiny-models",
+        verbose=False,
+    )
+    written = json.loads((tmp_path / "demo.json").read_text())
+    assert set(written) >= {"round_robin", "prefix", "elapsed_s"}
+    for policy in ("round_robin", "prefix"):
+        summary = written[policy]["summary"]
+        assert summary["errors"] == 0 and summary["requests"] == 64
+        assert sum(summary["requests_per_replica"].values()) == 64
+    assert results["prefix"]["summary"]["hit_rate"] > results["round_robin"]["summary"]["hit_rate"]
+    assert (tmp_path / "demo.png").stat().st_size > 10_000

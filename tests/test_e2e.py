@@ -1,0 +1,281 @@
+"""End to end: real Ray, real valkey-server, real gRPC and HTTP, 3 tiny-model replicas."""
+
+import asyncio
+import collections
+
+import grpc
+import openai
+import pytest
+import pytest_asyncio
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import eventually
+from reference import hf_greedy, prompts_of_lengths
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+from kvmesh.protos import pb, pb_grpc
+from kvmesh.router.server import RouterConfig, RouterServer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(ray_cluster, qwen3_dir):
+    config = ClusterConfig(
+        str(qwen3_dir),
+        replicas=3,
+        heartbeat_s=0.2,
+        ttl_s=1.5,
+        engine={"num_kv_blocks": 512, "max_num_seqs": 16},
+    )
+    async with LocalCluster(config) as c:
+        yield c
+
+
+def greedy(ids, max_tokens=8, policy="", request_id="", affinity=""):
+    sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=sampling,
+        policy=policy,
+        affinity_key=affinity,
+    )
+
+
+async def call(cluster, request) -> list[pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        return [r async for r in pb_grpc.RouterStub(channel).Generate(request, timeout=60)]
+
+
+def complete(responses) -> pb.Complete:
+    return next(r.complete for r in responses if r.WhichOneof("kind") == "complete")
+
+
+async def test_router_streams_the_engines_greedy_tokens(cluster, qwen3_dir):
+    prompt = prompts_of_lengths([45], salt=1)[0]
+    responses = await call(cluster, greedy(prompt, max_tokens=12, request_id="e2e-1"))
+    tokens = [t for r in responses if r.WhichOneof("kind") == "chunk" for t in r.chunk.token_ids]
+    assert tokens == hf_greedy(qwen3_dir, prompt, 12)
+    done = complete(responses)
+    assert done.finish_reason == "length" and done.replica_id.startswith("replica-")
+    assert done.usage.prompt_tokens == 45 and all(r.request_id == "e2e-1" for r in responses)
+
+
+async def test_shared_prefix_lands_together_under_prefix_and_spreads_under_round_robin(cluster):
+    shared = prompts_of_lengths([200], salt=2)[0]
+    replicas, cached, predicted = set(), [], []
+    for i in range(6):  # one after another, as a conversation would
+        done = complete(await call(cluster, greedy(shared + [10 + i, 20 + i], policy="prefix")))
+        replicas.add(done.replica_id)
+        cached.append(done.usage.cached_tokens)
+        predicted.append(done.predicted_cached_tokens)
+    assert len(replicas) == 1
+    assert cached[0] == 0 and all(c >= 192 for c in cached[1:])
+    assert predicted[1:] == cached[1:]  # the index predicted exactly what the engine reused
+    other = prompts_of_lengths([200], salt=3)[0]
+    spread = {
+        complete(await call(cluster, greedy(other + [i], policy="round_robin"))).replica_id for i in range(6)
+    }
+    assert len(spread) == 3
+
+
+async def test_a_burst_sharing_one_new_prefix_is_not_piled_on_one_replica(cluster):
+    shared = prompts_of_lengths([300], salt=4)[0]
+    results = await asyncio.gather(
+        *(call(cluster, greedy(shared + [i, i + 1], max_tokens=24)) for i in range(30))
+    )
+    placed = collections.Counter(complete(r).replica_id for r in results)
+    assert sum(placed.values()) == 30
+    assert max(placed.values()) <= 15, placed
+
+
+async def test_client_cancellation_frees_blocks_on_the_replica(cluster):
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stream = pb_grpc.RouterStub(channel).Generate(
+            greedy(prompts_of_lengths([30], salt=5)[0], max_tokens=3000)
+        )
+        first = await stream.read()
+        assert first.WhichOneof("kind") == "chunk"
+        stream.cancel()
+
+    async def all_idle():
+        for address in cluster.supervisor.addresses.values():
+            async with grpc.aio.insecure_channel(address) as channel:
+                s = await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest())
+                if s.num_running or s.num_free_blocks != s.num_blocks:
+                    return False
+        return True
+
+    assert await eventually(all_idle)
+
+
+async def test_abort_through_the_router(cluster):
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = pb_grpc.RouterStub(channel)
+        stream = stub.Generate(
+            greedy(prompts_of_lengths([30], salt=6)[0], max_tokens=3000, request_id="to-abort")
+        )
+        await stream.read()
+        assert (await stub.Abort(pb.AbortRequest(request_id="to-abort"))).found
+        rest = []
+        while (r := await stream.read()) is not grpc.aio.EOF:
+            rest.append(r)
+        assert rest[-1].complete.finish_reason == "abort"
+        assert not (await stub.Abort(pb.AbortRequest(request_id="unknown"))).found
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (pb.GenerateRequest(), "no input"),
+        (pb.GenerateRequest(text=""), "prompt is empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 10**6])), "outside the vocabulary"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 4090)), "exceeds max_model_len"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-2)), "temperature"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+        (pb.GenerateRequest(text="hi", policy="fastest"), "unknown policy 'fastest'"),
+        (pb.GenerateRequest(chat=pb.ChatMessages()), "chat has no messages"),
+    ],
+    ids=[
+        "no-input",
+        "empty",
+        "vocab",
+        "too-long",
+        "temperature",
+        "top-p",
+        "max-tokens",
+        "policy",
+        "empty-chat",
+    ],
+)
+async def test_bad_input_is_invalid_argument(cluster, request_, message):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(cluster, request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+async def test_model_info_replicas_health(cluster, qwen3_dir):
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = pb_grpc.RouterStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert (info.model, info.block_size, info.max_model_len, info.vocab_size) == ("qwen3", 16, 4096, 1024)
+        listed = await stub.ListReplicas(pb.ListReplicasRequest())
+        assert sorted(r.replica_id for r in listed.replicas) == ["replica-0", "replica-1", "replica-2"]
+        assert all(r.address and r.num_blocks == 512 for r in listed.replicas)
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="kvmesh.v1.Router")
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_openai_client_streams_through_http(cluster):
+    client = openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["qwen3"]
+    stream = await client.completions.create(
+        model="qwen3", prompt="the cache block prefix", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    texts, finish, usage = [], None, None
+    async for chunk in stream:
+        if chunk.choices:
+            texts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert finish == "length" and usage.completion_tokens == 8 and "".join(texts)
+    whole = await client.completions.create(
+        model="qwen3",
+        prompt="the cache block prefix",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].text == "".join(texts)
+    chat = await client.chat.completions.create(
+        model="qwen3", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 5
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await client.completions.create(model="qwen3", prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="gpt-9", prompt="x")
+    await client.close()
+
+
+async def test_http_metrics_and_health(cluster):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=cluster.http_url) as http:
+        assert (await http.get("/health")).json()["replicas"] == 3
+        text = (await http.get("/metrics")).text
+        assert "kvmesh_router_requests_total" in text and "kvmesh_router_index_lookup_seconds_bucket" in text
+        bad = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+
+
+async def test_requests_are_served_while_redis_is_down(cluster):
+    cluster.redis.stop()
+    try:
+        for i in range(4):
+            done = complete(await call(cluster, greedy(prompts_of_lengths([40], salt=50 + i)[0])))
+            assert done.finish_reason == "length"
+    finally:
+        cluster.redis.start()
+    assert await eventually(lambda: _registry_ok(cluster), timeout=20)
+
+
+async def _registry_ok(cluster) -> bool:
+    await cluster.router.registry.refresh()
+    return cluster.router.registry.index_ok and len(cluster.router.registry.live()) == 3
+
+
+async def test_a_killed_replica_drops_out_and_is_replaced(cluster):
+    victim = "replica-1"
+    old_incarnation = next(
+        e.record.incarnation for e in cluster.router.registry.live() if e.record.replica_id == victim
+    )
+    ray.kill(cluster.supervisor.actors[victim])
+    for i in range(6):  # failover: every request still succeeds
+        done = complete(
+            await call(cluster, greedy(prompts_of_lengths([40], salt=80 + i)[0], policy="round_robin"))
+        )
+        assert done.finish_reason == "length"
+
+    async def replaced():
+        await cluster.router.registry.refresh()
+        live = {e.record.replica_id: e.record.incarnation for e in cluster.router.registry.live()}
+        return len(live) == 3 and live.get(victim, old_incarnation) != old_incarnation
+
+    assert await eventually(replaced, timeout=60)
+    assert cluster.supervisor.restarts >= 1
+
+
+async def test_no_live_replica_is_unavailable(ray_cluster, qwen3_dir):
+    import httpx
+
+    with EmbeddedRedis() as redis:
+        router = RouterServer(RouterConfig(str(qwen3_dir), redis.url))
+        await router.start()
+        try:
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [r async for r in pb_grpc.RouterStub(channel).Generate(pb.GenerateRequest(text="hi"))]
+                assert (
+                    err.value.code() == grpc.StatusCode.UNAVAILABLE
+                    and "no live replica" in err.value.details()
+                )
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="")
+                )
+                assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as http:
+                assert (await http.get("/health")).status_code == 503
+                r = await http.post("/v1/completions", json={"prompt": "hi"})
+                assert r.status_code == 503 and "no live replica" in r.json()["error"]["message"]
+        finally:
+            await router.stop(grace=0.1)
