@@ -12,11 +12,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvmesh.cluster.errors import UsageError
+
 EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A problem with what the user asked for; printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--tie-embeddings", action="store_true", help="share embedding and lm_head weights")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=_run_make_tiny_model)
+    from kvmesh.cluster.experiments.commands import add_parsers
+
+    add_parsers(commands, benches)
     return parser
 
 

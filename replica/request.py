@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvmesh.kvcache import Sequence
-from kvmesh.replica.detokenizer import IncrementalDetokenizer
 from kvmesh.replica.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the simulator schedules these without torch
+    import torch
+
+    from kvmesh.replica.detokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -40,7 +43,7 @@ class Request(Sequence):
         prompt_token_ids: list[int],
         block_size: int,
         params: SamplingParams,
-        generator: torch.Generator,
+        generator: torch.Generator | None,
         stop_ids: frozenset[int],
         detokenizer: IncrementalDetokenizer | None,
     ):

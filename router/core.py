@@ -22,7 +22,7 @@ from kvmesh.replica.sampling_params import sampling_from_proto
 from kvmesh.router.errors import InvalidRequest, RouterError, Unavailable, from_rpc_error
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policies import Policy, RouteRequest, make_policy
+from kvmesh.router.policies import Policy, RequestWork, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.router.tokenization import PromptTokenizer
@@ -158,9 +158,8 @@ class RouterCore:
         if not self.registry.live():
             raise Unavailable("no live replica")
         matched = await self.lookup(hashes)
-        for entry in self.registry.live():
-            rid = entry.record.replica_id
-            matched[rid] = max(matched.get(rid, 0), self.overlay.matched(rid, hashes))
+        for rid, depth in self.overlay.matched(hashes).items():
+            matched[rid] = max(matched.get(rid, 0), depth)
         states = self.registry.states(matched)
         if not states:
             raise Unavailable("no live replica")
@@ -203,8 +202,8 @@ class RouterCore:
             entry = self.registry.entries.get(replica_id)
             if entry is None:
                 continue
-            uncached = len(hashes) - min(decision.matched.get(replica_id, 0), len(hashes))
-            work = uncached + decision.max_tokens / self.model.block_size  # outstanding work, in blocks
+            matched = decision.matched.get(replica_id, 0)
+            work = RequestWork.estimate(len(hashes), matched, decision.max_tokens, self.model.block_size)
             self.registry.begin(replica_id, work)
             self.overlay.record(replica_id, hashes)
             self._inflight[decision.request_id] = replica_id
@@ -214,11 +213,13 @@ class RouterCore:
                 async for response in call:
                     if first:
                         first = False
+                        self.registry.prefill_done(replica_id, work)
                         self.metrics.ttft.observe(time.perf_counter() - started)
                         self.metrics.decisions.labels(replica_id).inc()
                     if response.WhichOneof("kind") == "complete":
                         predicted = self.predicted_cached_tokens(decision, replica_id)
                         response.complete.predicted_cached_tokens = predicted
+                        response.complete.router_decision_us = int(decision.decision_s * 1e6)
                         self.metrics.predicted_cached.inc(predicted)
                         self.metrics.actual_cached.inc(response.complete.usage.cached_tokens)
                         self.metrics.prompt_tokens.inc(response.complete.usage.prompt_tokens)

@@ -37,15 +37,76 @@ class ReplicaState:
     replica_id: str
     matched_blocks: int = 0  # leading prompt blocks it holds (index + speculative)
     inflight_requests: int = 0  # routed by this router and not finished
-    inflight_blocks: float = 0.0  # their outstanding work, in blocks (uncached prefill + decode)
+    inflight_prefill_blocks: float = 0.0  # their uncached prefill not yet done (no first token yet)
+    inflight_decode_blocks: float = 0.0  # their decode work (max_tokens), until they end
     num_running: int = 0  # from its heartbeat (all routers' requests)
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    recent_blocks: float = 0.0  # uncached prefill routed to it lately (decaying), for tie-breaks
 
     @property
     def load(self) -> int:
         return self.inflight_requests + self.num_waiting
+
+    @property
+    def inflight_blocks(self) -> float:
+        return self.inflight_prefill_blocks + self.inflight_decode_blocks
+
+
+class DecayingSum:
+    """A sum whose past contributions halve every ``half_life_s`` (recent work per replica)."""
+
+    def __init__(self, half_life_s: float = 60.0):
+        self.half_life_s = half_life_s
+        self._value = 0.0
+        self._at = 0.0
+
+    def value(self, now: float) -> float:
+        return self._value * 0.5 ** ((now - self._at) / self.half_life_s) if self._value else 0.0
+
+    def add(self, amount: float, now: float) -> None:
+        self._value = self.value(now) + amount
+        self._at = now
+
+
+@dataclass
+class RequestWork:
+    """What one routed request still owes a replica, in blocks: its uncached prefill (paid
+    off at its first token) and its decode (paid off when it ends)."""
+
+    prefill: float
+    decode: float
+
+    @classmethod
+    def estimate(cls, num_blocks: int, matched_blocks: int, max_tokens: int, block_size: int) -> RequestWork:
+        return cls(num_blocks - min(matched_blocks, num_blocks), max_tokens / block_size)
+
+
+class ReplicaLoad:
+    """A router's own accounting of the work it sent one replica (the router and the
+    simulator both keep one per replica, so they see load the same way)."""
+
+    def __init__(self, half_life_s: float = 60.0):
+        self.requests = 0
+        self.prefill_blocks = 0.0
+        self.decode_blocks = 0.0
+        self.recent = DecayingSum(half_life_s)
+
+    def begin(self, work: RequestWork, now: float) -> None:
+        self.requests += 1
+        self.prefill_blocks += work.prefill
+        self.decode_blocks += work.decode
+        self.recent.add(work.prefill, now)
+
+    def prefill_done(self, work: RequestWork) -> None:
+        self.prefill_blocks -= work.prefill
+        work.prefill = 0.0
+
+    def end(self, work: RequestWork) -> None:
+        self.requests -= 1
+        self.prefill_blocks -= work.prefill
+        self.decode_blocks -= work.decode
 
 
 def rendezvous(key: bytes, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
@@ -143,15 +204,18 @@ class PrefixAware(Policy):
     """Cost-based prefix routing (Dynamo-style), with a bounded-load hot-spot guard.
 
     cost = prefill_weight * (prompt blocks the replica does not hold)
-           + outstanding work routed to it (blocks) + waiting_weight * its queue.
+           + prefill it still owes requests routed to it (blocks)
+           + decode_weight * decode it still owes them (blocks) + waiting_weight * its queue.
     Guard: a replica already holding more than ``hot_spot_factor`` times its fair share of
     in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
     shared system prompt can never pile every request on one replica. Equal costs (a
-    prefix nobody holds, idle replicas) are broken by rendezvous hashing of the first
-    block, so cold prefixes spread and repeat visits agree.
+    prefix nobody holds, idle replicas) go to the replica that got the least prefill work
+    lately, then by rendezvous hashing of the first block: at low load a heavy-tailed
+    stream of cold prompts still spreads evenly, and repeat visits agree.
     """
 
-    prefill_weight: float = 2.0
+    prefill_weight: float = 16.0
+    decode_weight: float = 0.25
     waiting_weight: float = 8.0
     hot_spot_factor: float = 1.25
     hot_spot_slack: float = 2.0
@@ -159,7 +223,12 @@ class PrefixAware(Policy):
 
     def cost(self, request: RouteRequest, r: ReplicaState) -> float:
         uncached = request.num_blocks - min(r.matched_blocks, request.num_blocks)
-        return self.prefill_weight * uncached + r.inflight_blocks + self.waiting_weight * r.num_waiting
+        return (
+            self.prefill_weight * uncached
+            + r.inflight_prefill_blocks
+            + self.decode_weight * r.inflight_decode_blocks
+            + self.waiting_weight * r.num_waiting
+        )
 
     def rank(self, request, replicas):
         total = sum(r.inflight_requests for r in replicas)
@@ -172,7 +241,12 @@ class PrefixAware(Policy):
         tiebreak = {r.replica_id: i for i, r in enumerate(rendezvous(key, replicas))}
         ordered = sorted(
             replicas,
-            key=lambda r: (r.inflight_requests + 1 > cap, self.cost(request, r), tiebreak[r.replica_id]),
+            key=lambda r: (
+                r.inflight_requests + 1 > cap,
+                self.cost(request, r),
+                round(r.recent_blocks),
+                tiebreak[r.replica_id],
+            ),
         )
         return [r.replica_id for r in ordered]
 

@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from kvmesh.protos import pb_grpc
 from kvmesh.router.grpc_server import MAX_MESSAGE_BYTES
 from kvmesh.router.index import PrefixIndex, ReplicaRecord
-from kvmesh.router.policies import ReplicaState
+from kvmesh.router.policies import ReplicaLoad, ReplicaState, RequestWork
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,8 @@ class ReplicaEntry:
     channel: grpc.aio.Channel
     stub: pb_grpc.ReplicaStub
     live_until: float  # monotonic time its heartbeat expires, as of the last refresh
-    inflight_requests: int = 0
-    inflight_blocks: float = 0.0
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failed_until: float = 0.0
-    routed: int = 0
 
 
 class ReplicaRegistry:
@@ -114,12 +112,15 @@ class ReplicaRegistry:
         ]
 
     def states(self, matched: dict[str, int]) -> list[ReplicaState]:
+        now = time.monotonic()
         return [
             ReplicaState(
                 replica_id=e.record.replica_id,
                 matched_blocks=matched.get(e.record.replica_id, 0),
-                inflight_requests=e.inflight_requests,
-                inflight_blocks=e.inflight_blocks,
+                inflight_requests=e.load.requests,
+                inflight_prefill_blocks=e.load.prefill_blocks,
+                inflight_decode_blocks=e.load.decode_blocks,
+                recent_blocks=e.load.recent.value(now),
                 num_running=int(e.record.load("num_running")),
                 num_waiting=int(e.record.load("num_waiting")),
                 num_free_blocks=int(e.record.load("num_free_blocks")),
@@ -128,18 +129,20 @@ class ReplicaRegistry:
             for e in self.live()
         ]
 
-    def begin(self, replica_id: str, blocks: float) -> None:
+    def begin(self, replica_id: str, work: RequestWork) -> None:
         entry = self.entries.get(replica_id)
         if entry:
-            entry.inflight_requests += 1
-            entry.inflight_blocks += blocks
-            entry.routed += 1
+            entry.load.begin(work, time.monotonic())
 
-    def end(self, replica_id: str, blocks: float) -> None:
+    def prefill_done(self, replica_id: str, work: RequestWork) -> None:
         entry = self.entries.get(replica_id)
         if entry:
-            entry.inflight_requests -= 1
-            entry.inflight_blocks -= blocks
+            entry.load.prefill_done(work)
+
+    def end(self, replica_id: str, work: RequestWork) -> None:
+        entry = self.entries.get(replica_id)
+        if entry:
+            entry.load.end(work)
 
     def mark_failed(self, replica_id: str) -> None:
         entry = self.entries.get(replica_id)

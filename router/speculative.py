@@ -17,35 +17,48 @@ class SpeculativeOverlay:
     def __init__(self, ttl_s: float = 2.0, max_entries: int = 200_000):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, int], float] = OrderedDict()  # (replica, hash) -> expiry
+        self._expiry: OrderedDict[tuple[str, int], float] = OrderedDict()  # oldest first
+        self._holders: dict[int, set[str]] = {}  # hash -> replicas with a live entry
 
     def record(self, replica_id: str, block_hashes: Sequence[int], now: float | None = None) -> None:
         expiry = (time.monotonic() if now is None else now) + self.ttl_s
         for h in block_hashes:
             key = (replica_id, h)
-            self._entries.pop(key, None)
-            self._entries[key] = expiry
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._expiry.pop(key, None)
+            self._expiry[key] = expiry
+            self._holders.setdefault(h, set()).add(replica_id)
+        while len(self._expiry) > self.max_entries:
+            self._drop(*self._expiry.popitem(last=False)[0])
 
-    def matched(self, replica_id: str, block_hashes: Sequence[int], now: float | None = None) -> int:
-        """Leading blocks of the chain this replica is expected to hold."""
-        now = time.monotonic() if now is None else now
-        self._expire(now)
-        depth = 0
-        for h in block_hashes:
-            expiry = self._entries.get((replica_id, h))
-            if expiry is None or expiry <= now:
+    def matched(self, block_hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
+        """Leading blocks of the chain each replica is expected to hold (only those with any)."""
+        self._expire(time.monotonic() if now is None else now)
+        if not block_hashes or block_hashes[0] not in self._holders:
+            return {}
+        cand = set(self._holders[block_hashes[0]])
+        depth = dict.fromkeys(cand, 1)
+        for i in range(1, len(block_hashes)):
+            cand &= self._holders.get(block_hashes[i], set())
+            if not cand:
                 break
-            depth += 1
+            for r in cand:
+                depth[r] = i + 1
         return depth
 
     def _expire(self, now: float) -> None:
-        while self._entries:
-            key, expiry = next(iter(self._entries.items()))
+        while self._expiry:
+            key, expiry = next(iter(self._expiry.items()))
             if expiry > now:
                 break
-            del self._entries[key]
+            del self._expiry[key]
+            self._drop(*key)
+
+    def _drop(self, replica_id: str, h: int) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(replica_id)
+            if not holders:
+                del self._holders[h]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._expiry)

@@ -99,3 +99,30 @@ async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
         assert sum(summary["requests_per_replica"].values()) == 64
     assert results["prefix"]["summary"]["hit_rate"] > results["round_robin"]["summary"]["hit_rate"]
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_bench_serve_then_report(qwen3_dir, tmp_path):
+    run_file = tmp_path / "run.jsonl"
+    serve = run(
+        "bench", "serve", "--model", str(qwen3_dir), "--replicas", "2", "--workload", "shared_prefix",
+        "--num-groups", "2", "--prompts-per-group", "4", "--system-prompt-len", "64", "--question-len", "8",
+        "--output-len", "4", "--rate", "20", "--policy", "prefix", "-q", "--out", str(run_file),
+        timeout=300,
+    )  # fmt: skip
+    assert serve.returncode == 0, serve.stderr[-2000:]
+    lines = run_file.read_text().splitlines()
+    meta = json.loads(lines[0])["meta"]
+    records = [json.loads(line) for line in lines[1:]]
+    assert meta["workload"] == "shared_prefix" and meta["policy"] == "prefix" and len(records) == 8
+    assert all(r["error"] is None and r["completion_tokens"] == 4 and r["replica_id"] for r in records)
+    assert all(r["first_token_s"] >= r["sent_s"] and r["router_decision_us"] > 0 for r in records)
+    assert sum(r["cached_tokens"] for r in records) > 0
+
+    out_dir = tmp_path / "report"
+    rep = run("report", str(run_file), "--out-dir", str(out_dir), "--slo-ttft-ms", "5000")
+    assert rep.returncode == 0, rep.stderr
+    table = (out_dir / "report.md").read_text()
+    assert "shared_prefix / prefix @ 20.0/s" in table and "hit rate" in table
+    assert (out_dir / "policies.png").is_file() and (out_dir / "run-load.png").is_file()
+    missing = run("report", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and "no such run file" in missing.stderr

@@ -92,17 +92,17 @@ def test_session_affinity():
 def test_prefix_prefers_the_longest_cached_prefix():
     reps = [ReplicaState("a", matched_blocks=2), ReplicaState("b", matched_blocks=9), ReplicaState("c")]
     assert PrefixAware().rank(request(prompt(1)), reps)[0] == "b"
+    assert PrefixAware().rank(request(prompt(1)), reps)[1] == "a"
 
 
 def test_prefix_weighs_load_against_cache():
     req = request(prompt(1))  # 10 blocks
-    reps = [
-        ReplicaState("hot", matched_blocks=10, inflight_blocks=40),
-        ReplicaState("idle", matched_blocks=0),
-    ]
-    assert PrefixAware().rank(req, reps)[0] == "idle"  # 10 blocks of prefill beat 40 queued
-    reps[0].inflight_blocks = 5
-    assert PrefixAware().rank(req, reps)[0] == "hot"
+    reps = [ReplicaState("hot", matched_blocks=10, inflight_prefill_blocks=200), ReplicaState("idle")]
+    assert PrefixAware().rank(req, reps)[0] == "idle"  # recomputing 10 blocks beats 200 queued
+    reps[0].inflight_prefill_blocks = 100
+    assert PrefixAware().rank(req, reps)[0] == "hot"  # but not 100: a cached block is worth 16 queued
+    reps[0].inflight_prefill_blocks, reps[0].inflight_decode_blocks = 0, 800
+    assert PrefixAware().rank(req, reps)[0] == "idle"  # decode load counts too, at a lower weight
 
 
 def test_prefix_cold_prompts_spread_but_repeat_visits_agree():
@@ -120,12 +120,14 @@ def test_prefix_hot_spot_guard_with_speculative_entries():
     placed = collections.Counter()
     for i in range(30):
         req = request(shared + [i, i + 1, i + 2])
+        spec = overlay.matched(req.block_hashes, now=0)
         for r in reps.values():
-            r.matched_blocks = overlay.matched(r.replica_id, req.block_hashes, now=0)
+            r.matched_blocks = spec.get(r.replica_id, 0)
         choice = p.rank(req, list(reps.values()))[0]
         overlay.record(choice, req.block_hashes, now=0)
         reps[choice].inflight_requests += 1
-        reps[choice].inflight_blocks += req.num_blocks - reps[choice].matched_blocks + 1
+        reps[choice].inflight_prefill_blocks += req.num_blocks - reps[choice].matched_blocks
+        reps[choice].inflight_decode_blocks += 1
         placed[choice] += 1
     assert max(placed.values()) <= 15
     assert placed.most_common(1)[0][1] >= 8  # still mostly where the prefix is
@@ -138,8 +140,9 @@ def test_prefix_sequential_shared_prefix_stays_on_one_replica():
     chosen = set()
     for i in range(10):  # one at a time: nothing in flight when the next arrives
         req = request(shared + [i])
+        spec = overlay.matched(req.block_hashes, now=0)
         for r in reps:
-            r.matched_blocks = overlay.matched(r.replica_id, req.block_hashes, now=0)
+            r.matched_blocks = spec.get(r.replica_id, 0)
         choice = p.rank(req, reps)[0]
         overlay.record(choice, req.block_hashes, now=0)
         chosen.add(choice)
@@ -149,11 +152,13 @@ def test_prefix_sequential_shared_prefix_stays_on_one_replica():
 def test_speculative_overlay_expires_and_is_bounded():
     o = SpeculativeOverlay(ttl_s=1.0, max_entries=5)
     o.record("a", [1, 2, 3], now=0)
-    assert o.matched("a", [1, 2, 3, 4], now=0.5) == 3 and o.matched("b", [1], now=0.5) == 0
-    assert o.matched("a", [2, 3], now=0.5) == 2
-    assert o.matched("a", [1, 2, 3], now=1.5) == 0 and len(o) == 0
+    o.record("b", [1, 2], now=0.2)
+    assert o.matched([1, 2, 3, 4], now=0.5) == {"a": 3, "b": 2}
+    assert o.matched([2, 3], now=0.5) == {"a": 2, "b": 1}
+    assert o.matched([1, 2, 3], now=1.1) == {"b": 2}  # a's entries expired first
+    assert o.matched([1, 2, 3], now=1.5) == {} and len(o) == 0
     o.record("a", range(10), now=2)
-    assert len(o) == 5 and o.matched("a", [0], now=2) == 0 and o.matched("a", [5, 6], now=2) == 2
+    assert len(o) == 5 and o.matched([0], now=2) == {} and o.matched([5, 6], now=2) == {"a": 2}
 
 
 def test_every_policy_ranks_every_replica_once():

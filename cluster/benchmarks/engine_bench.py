@@ -103,6 +103,57 @@ def bench_ttft(engine: LLMEngine, rng: random.Random, repeats: int) -> dict:
     }
 
 
+def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -> tuple[float, float]:
+    """(seconds of the prefill step, median seconds of a decode step) for one batch."""
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    start = time.perf_counter()
+    while not any(r.num_completion_tokens for r in engine.requests.values()):
+        engine.step()
+    prefill = time.perf_counter() - start
+    decode = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        decode.append(time.perf_counter() - start)
+    return prefill, statistics.median(decode[:-1] or decode)
+
+
+def calibrate(engine: LLMEngine, rng: random.Random) -> dict:
+    """Fit the simulator's cost model to this engine: t = base + a*prefill_tokens +
+    b*decode_seqs + c*context_tokens, least squares over prefill and decode measurements."""
+    import numpy as np
+
+    rows, times = [], []
+    vocab = engine.vocab_size
+    for n in (128, 512, 1024, 2000):
+        engine.reset_prefix_cache()
+        prefill, _ = _step_time(engine, [[rng.randrange(3, vocab) for _ in range(n)]], 1)
+        rows.append([1, n, 0, n])
+        times.append(prefill)
+    for batch in (1, 8, 32):
+        for context in (64, 512):
+            engine.reset_prefix_cache()
+            prompts = [[rng.randrange(3, vocab) for _ in range(context)] for _ in range(batch)]
+            _, step = _step_time(engine, prompts, 8)
+            rows.append([1, 0, batch, batch * (context + 4)])
+            times.append(step)
+    coef, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times), rcond=None)
+    base, prefill_token, decode_seq, context_token = (max(0.0, float(c)) for c in coef)
+    return {
+        "name": "calibrated-cpu",
+        "base_s": base,
+        "prefill_token_s": prefill_token,
+        "decode_seq_s": decode_seq,
+        "context_token_s": context_token,
+        "kv_tokens_per_replica": engine.block_manager.num_blocks * engine.block_size,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "source": f"kvmesh bench engine calibration, {MODEL}",
+    }
+
+
 def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +184,12 @@ def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
     }
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
+    cost_model = calibrate(engine, random.Random(2))
+    progress(
+        f"cost model: {cost_model['prefill_token_s'] * 1e6:.1f} us per prefill token, base {cost_model['base_s'] * 1e3:.2f} ms"
+    )
     return {
+        "cost_model": cost_model,
         "model": MODEL,
         "dtype": "float32",
         "device": "cpu",

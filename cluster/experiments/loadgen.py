@@ -29,6 +29,7 @@ class RequestRecord:
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0
     replica_id: str = ""
+    router_decision_us: int = 0
     sent_s: float = 0.0
     first_token_s: float | None = None
     done_s: float | None = None
@@ -45,10 +46,11 @@ class RequestRecord:
 async def _one(
     stub, index: int, req: WorkloadRequest, policy: str, t0: float, timeout_s: float
 ) -> RequestRecord:
-    record = RequestRecord(index=index, group=req.group, policy=policy, prompt_tokens=len(req.prompt))
+    prompt = req.tokens()
+    record = RequestRecord(index=index, group=req.group, policy=policy, prompt_tokens=len(prompt))
     sampling = pb.SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
     message = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=req.prompt), sampling=sampling, policy=policy, affinity_key=req.session
+        token_ids=pb.TokenIds(ids=prompt), sampling=sampling, policy=policy, affinity_key=req.session
     )
     record.sent_s = time.perf_counter() - t0
     try:
@@ -62,6 +64,7 @@ async def _one(
                 record.cached_tokens = c.usage.cached_tokens
                 record.predicted_cached_tokens = c.predicted_cached_tokens
                 record.replica_id = c.replica_id
+                record.router_decision_us = c.router_decision_us
         record.done_s = time.perf_counter() - t0
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"

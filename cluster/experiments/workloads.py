@@ -1,27 +1,91 @@
 """Workloads as token-id requests, deterministic by seed (no tokenizer needed).
 
+A prompt is a list of *segments*: (key, length) pairs whose tokens are a fixed pseudo-
+random stream per key. Equal keys give equal tokens, so sharing is exactly what the
+workload says it is, and nothing is materialized until a request is sent or simulated
+(100k requests of 10k tokens would not fit in memory as Python lists).
 Token ids are drawn from [3, vocab) so they never hit a tiny model's special tokens.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import random
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvmesh.kvcache import block_hashes
 
 FIRST_ID = 3
+DEFAULT_VOCAB = 1000
+MOONCAKE_BLOCK = 512
+MOONCAKE_TRACE = (
+    Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+)
+
+Segment = tuple[int, int]  # (key, length)
+
+
+_CHUNK = 512
+
+
+@functools.lru_cache(maxsize=131072)
+def _chunk(key: int, index: int, vocab: int) -> np.ndarray:
+    return np.random.default_rng([key, index]).integers(FIRST_ID, vocab, size=_CHUNK, dtype=np.int64)
+
+
+def segment_tokens(segment: Segment, vocab: int = DEFAULT_VOCAB) -> np.ndarray:
+    """The first ``length`` tokens of the key's stream (a shorter segment is a prefix of a longer one)."""
+    key, length = segment
+    chunks = [_chunk(key, i, vocab) for i in range(-(-length // _CHUNK))]
+    return np.concatenate(chunks)[:length] if len(chunks) > 1 else chunks[0][:length]
+
+
+def _key(*parts: object) -> int:
+    """A 63-bit segment key from its identity (stable across runs and processes)."""
+    return xxhash.xxh64_intdigest("|".join(map(str, parts)).encode()) >> 1
 
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    prompt: list[int]
+    segments: tuple[Segment, ...]
     max_tokens: int
-    arrival_s: float = 0.0  # offset from the start (trace replay); 0 for closed-loop runs
+    arrival_s: float = 0.0  # offset from the start (open loop); 0 for closed-loop runs
     group: str = ""  # what it shares a prefix with (for reports)
     session: str = ""  # conversation id (session affinity)
+    answer: Segment | None = None  # the tokens a simulated engine generates (multi-turn history)
+    vocab: int = field(default=DEFAULT_VOCAB, repr=False)
+
+    @property
+    def prompt_len(self) -> int:
+        return sum(n for _, n in self.segments)
+
+    def tokens(self) -> list[int]:
+        return np.concatenate([segment_tokens(s, self.vocab) for s in self.segments]).tolist()
+
+    def answer_tokens(self) -> list[int]:
+        return segment_tokens(self.answer, self.vocab).tolist() if self.answer else []
 
 
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
+def poisson_arrivals(requests: list[WorkloadRequest], rate: float, seed: int = 0) -> list[WorkloadRequest]:
+    """The same requests (in order) with Poisson arrival times at ``rate`` per second."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for r in requests:
+        t += rng.expovariate(rate)
+        out.append(_with(r, arrival_s=t))
+    return out
+
+
+def _with(r: WorkloadRequest, **changes) -> WorkloadRequest:
+    from dataclasses import replace
+
+    return replace(r, **changes)
 
 
 def shared_prefix(
@@ -30,20 +94,150 @@ def shared_prefix(
     system_prompt_len: int = 2048,
     question_len: int = 128,
     output_len: int = 256,
-    vocab: int = 1000,
+    vocab: int = DEFAULT_VOCAB,
     seed: int = 0,
+    zipf: float | None = None,
 ) -> list[WorkloadRequest]:
     """SGLang's generated-shared-prefix benchmark: groups share a system prompt, questions differ.
 
-    Requests are shuffled, so groups interleave as they would from many users.
+    Requests are shuffled so groups interleave. With ``zipf`` = s, the number of requests
+    per group follows a Zipf(s) popularity instead (same total): a hot-spot test.
     """
     rng = random.Random(seed)
+    total = num_groups * prompts_per_group
+    if zipf is None:
+        counts = [prompts_per_group] * num_groups
+    else:
+        weights = [1 / (g + 1) ** zipf for g in range(num_groups)]
+        picks = rng.choices(range(num_groups), weights=weights, k=total)
+        counts = [picks.count(g) for g in range(num_groups)]
     requests = []
-    for g in range(num_groups):
-        system = _tokens(rng, system_prompt_len, vocab)
-        for _ in range(prompts_per_group):
-            requests.append(
-                WorkloadRequest(system + _tokens(rng, question_len, vocab), output_len, group=f"g{g}")
-            )
+    for g, count in enumerate(counts):
+        system = (_key("sys", seed, g), system_prompt_len)
+        for i in range(count):
+            question = (_key("q", seed, g, i), question_len)
+            requests.append(WorkloadRequest((system, question), output_len, group=f"g{g}", vocab=vocab))
     rng.shuffle(requests)
     return requests
+
+
+def no_sharing(
+    num_requests: int = 1024,
+    prompt_len: int = 2176,
+    output_len: int = 256,
+    vocab: int = DEFAULT_VOCAB,
+    seed: int = 0,
+) -> list[WorkloadRequest]:
+    """The control: nothing is shared, so routing can only balance load."""
+    return [
+        WorkloadRequest(((_key("solo", seed, i), prompt_len),), output_len, group=f"r{i}", vocab=vocab)
+        for i in range(num_requests)
+    ]
+
+
+def multi_turn(
+    num_sessions: int = 64,
+    turns: int = 6,
+    system_prompt_len: int = 512,
+    user_len: int = 128,
+    answer_len: int = 128,
+    think_s: float = 10.0,
+    session_rate: float = 1.0,
+    vocab: int = DEFAULT_VOCAB,
+    seed: int = 0,
+) -> list[WorkloadRequest]:
+    """Conversations: each turn's prompt is the whole history (system, users, answers) plus
+    a new user message. Sessions start at Poisson ``session_rate``; turns ``think_s`` apart."""
+    rng = random.Random(seed)
+    requests, start = [], 0.0
+    for s in range(num_sessions):
+        start += rng.expovariate(session_rate)
+        history: list[Segment] = [(_key("sys", seed, s % 8), system_prompt_len)]  # 8 shared system prompts
+        for t in range(turns):
+            history.append((_key("user", seed, s, t), user_len))
+            answer = (_key("answer", seed, s, t), answer_len)
+            at = start + t * think_s * rng.uniform(0.5, 1.5)
+            requests.append(
+                WorkloadRequest(
+                    tuple(history), answer_len, at, group=f"s{s}", session=f"s{s}", answer=answer, vocab=vocab
+                )
+            )
+            history.append(answer)
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+def mooncake(
+    path: str | Path = MOONCAKE_TRACE,
+    speedup: float = 1.0,
+    limit: int | None = None,
+    vocab: int = DEFAULT_VOCAB,
+) -> list[WorkloadRequest]:
+    """Replay a Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids`` of 512-token blocks): each hash id becomes one fixed 512-token segment (the
+    last one cut to the input length), so prompts share exactly what the trace shares.
+    ``speedup`` divides the timestamps."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trace {str(path)!r} does not exist")
+    if speedup <= 0:
+        raise ValueError(f"speedup must be positive, got {speedup}")
+    requests = []
+    with path.open() as f:
+        for n, line in enumerate(f):
+            if limit is not None and n >= limit:
+                break
+            row = json.loads(line)
+            ids, length = row["hash_ids"], row["input_length"]
+            if not ids or length <= 0 or length > len(ids) * MOONCAKE_BLOCK:
+                raise ValueError(f"{path.name}:{n + 1}: input_length {length} does not fit {len(ids)} blocks")
+            segments = [(_key("mooncake", h), MOONCAKE_BLOCK) for h in ids[:-1]]
+            segments.append((_key("mooncake", ids[-1]), length - MOONCAKE_BLOCK * (len(ids) - 1)))
+            requests.append(
+                WorkloadRequest(
+                    tuple(segments),
+                    max(1, row["output_length"]),
+                    row["timestamp"] / 1000 / speedup,
+                    group=f"h{ids[0]}",
+                    vocab=vocab,
+                )
+            )
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+def infinite_cache_hit_rate(requests: Sequence[WorkloadRequest], block_size: int) -> float:
+    """The ceiling: prefix hits of an infinite cache replayed in arrival order (prompt and
+    generated blocks become hittable after each request; a prompt's last block never hits)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        tokens = r.tokens()
+        hashes = block_hashes(tokens, block_size, 0)
+        lookable = (len(tokens) - 1) // block_size
+        depth = 0
+        while depth < lookable and hashes[depth] in seen:
+            depth += 1
+        hit += depth * block_size
+        total += len(tokens)
+        seen.update(block_hashes(tokens + r.answer_tokens(), block_size, 0))
+    return hit / total if total else 0.0
+
+
+WORKLOADS = {
+    "shared_prefix": shared_prefix,
+    "no_sharing": no_sharing,
+    "multi_turn": multi_turn,
+    "zipf": lambda **kw: shared_prefix(zipf=kw.pop("zipf", 1.1), **kw),
+    "mooncake": mooncake,
+}
+
+
+def make_workload(name: str, **kwargs) -> list[WorkloadRequest]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](**kwargs)
+
+
+def total_tokens(requests: Iterable[WorkloadRequest]) -> int:
+    return sum(r.prompt_len for r in requests)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvmesh/protos/kvmesh/v1/kvmesh.proto\x12\tkvmesh.v1\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x06 \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"w\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x04 \x01(\r\"z\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.ChunkH\x00\x12\'\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.CompleteH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"l\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\thash_seed\x18\x05 \x01(\x04\"\x15\n\x13ListReplicasRequest\"\xcd\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\"@\n\x14ListReplicasResponse\x12(\n\x08replicas\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ReplicaInfo\"\x11\n\x0fGetStatsRequest\"\xf5\x02\n\x0cReplicaStats\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x1e\n\x16num_cached_free_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11num_cached_hashes\x18\t \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x15\n\rprompt_tokens\x18\r \x01(\x04\x12\x19\n\x11generation_tokens\x18\x0e \x01(\x04\x12\x13\n\x0bindex_dirty\x18\x0f \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse2\xa2\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12O\n\x0cListReplicas\x12\x1e.kvmesh.v1.ListReplicasRequest\x1a\x1f.kvmesh.v1.ListReplicasResponse2\xaa\x02\n\x07Replica\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12?\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x17.kvmesh.v1.ReplicaStats\x12[\n\x10ResetPrefixCache\x12\".kvmesh.v1.ResetPrefixCacheRequest\x1a#.kvmesh.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvmesh/protos/kvmesh/v1/kvmesh.proto\x12\tkvmesh.v1\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x06 \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x93\x01\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x04 \x01(\r\x12\x1a\n\x12router_decision_us\x18\x05 \x01(\r\"z\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.ChunkH\x00\x12\'\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.CompleteH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"l\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x11\n\thash_seed\x18\x05 \x01(\x04\"\x15\n\x13ListReplicasRequest\"\xcd\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\"@\n\x14ListReplicasResponse\x12(\n\x08replicas\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ReplicaInfo\"\x11\n\x0fGetStatsRequest\"\xf5\x02\n\x0cReplicaStats\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x1e\n\x16num_cached_free_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11num_cached_hashes\x18\t \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x15\n\rprompt_tokens\x18\r \x01(\x04\x12\x19\n\x11generation_tokens\x18\x0e \x01(\x04\x12\x13\n\x0bindex_dirty\x18\x0f \x01(\x08\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse2\xa2\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12O\n\x0cListReplicas\x12\x1e.kvmesh.v1.ListReplicasRequest\x1a\x1f.kvmesh.v1.ListReplicasResponse2\xaa\x02\n\x07Replica\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12?\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x17.kvmesh.v1.ReplicaStats\x12[\n\x10ResetPrefixCache\x12\".kvmesh.v1.ResetPrefixCacheRequest\x1a#.kvmesh.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,34 +45,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=738
   _globals['_CHUNK']._serialized_start=740
   _globals['_CHUNK']._serialized_end=780
-  _globals['_COMPLETE']._serialized_start=782
-  _globals['_COMPLETE']._serialized_end=901
-  _globals['_GENERATERESPONSE']._serialized_start=903
-  _globals['_GENERATERESPONSE']._serialized_end=1025
-  _globals['_ABORTREQUEST']._serialized_start=1027
-  _globals['_ABORTREQUEST']._serialized_end=1061
-  _globals['_ABORTRESPONSE']._serialized_start=1063
-  _globals['_ABORTRESPONSE']._serialized_end=1093
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1095
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1116
-  _globals['_MODELINFO']._serialized_start=1118
-  _globals['_MODELINFO']._serialized_end=1226
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1228
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1249
-  _globals['_REPLICAINFO']._serialized_start=1252
-  _globals['_REPLICAINFO']._serialized_end=1457
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1459
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1523
-  _globals['_GETSTATSREQUEST']._serialized_start=1525
-  _globals['_GETSTATSREQUEST']._serialized_end=1542
-  _globals['_REPLICASTATS']._serialized_start=1545
-  _globals['_REPLICASTATS']._serialized_end=1918
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1920
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1945
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1947
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1973
-  _globals['_ROUTER']._serialized_start=1976
-  _globals['_ROUTER']._serialized_end=2266
-  _globals['_REPLICA']._serialized_start=2269
-  _globals['_REPLICA']._serialized_end=2567
+  _globals['_COMPLETE']._serialized_start=783
+  _globals['_COMPLETE']._serialized_end=930
+  _globals['_GENERATERESPONSE']._serialized_start=932
+  _globals['_GENERATERESPONSE']._serialized_end=1054
+  _globals['_ABORTREQUEST']._serialized_start=1056
+  _globals['_ABORTREQUEST']._serialized_end=1090
+  _globals['_ABORTRESPONSE']._serialized_start=1092
+  _globals['_ABORTRESPONSE']._serialized_end=1122
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1124
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1145
+  _globals['_MODELINFO']._serialized_start=1147
+  _globals['_MODELINFO']._serialized_end=1255
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1257
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1278
+  _globals['_REPLICAINFO']._serialized_start=1281
+  _globals['_REPLICAINFO']._serialized_end=1486
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1488
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1552
+  _globals['_GETSTATSREQUEST']._serialized_start=1554
+  _globals['_GETSTATSREQUEST']._serialized_end=1571
+  _globals['_REPLICASTATS']._serialized_start=1574
+  _globals['_REPLICASTATS']._serialized_end=1947
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1949
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1974
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1976
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2002
+  _globals['_ROUTER']._serialized_start=2005
+  _globals['_ROUTER']._serialized_end=2295
+  _globals['_REPLICA']._serialized_start=2298
+  _globals['_REPLICA']._serialized_end=2596
 # @@protoc_insertion_point(module_scope)

@@ -83,16 +83,18 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "replica_id", "predicted_cached_tokens")
+    __slots__ = ("finish_reason", "usage", "replica_id", "predicted_cached_tokens", "router_decision_us")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_DECISION_US_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     replica_id: str
     predicted_cached_tokens: int
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ...) -> None: ...
+    router_decision_us: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., router_decision_us: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")

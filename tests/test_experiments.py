@@ -1,0 +1,222 @@
+"""Workloads and the simulator: sharing structure, timing model, fidelity shortcuts."""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cluster.experiments import workloads as wl
+from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel, load_cost_model
+from kvmesh.cluster.experiments.simulator import Simulation
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+FLAT = CostModel(
+    "flat",
+    base_s=0.01,
+    prefill_token_s=0.001,
+    decode_seq_s=0.002,
+    context_token_s=0.0,
+    kv_tokens_per_replica=100_000,
+    max_num_batched_tokens=100_000,
+)
+
+
+def test_shared_prefix_structure_and_determinism():
+    reqs = wl.shared_prefix(
+        num_groups=3, prompts_per_group=4, system_prompt_len=40, question_len=8, output_len=5
+    )
+    assert len(reqs) == 12 and all(r.prompt_len == 48 and r.max_tokens == 5 for r in reqs)
+    by_group = {}
+    for r in reqs:
+        by_group.setdefault(r.group, []).append(r.tokens())
+    for prompts in by_group.values():
+        assert len({tuple(p[:40]) for p in prompts}) == 1 and len({tuple(p[40:]) for p in prompts}) == 4
+    assert len({tuple(p[0][:40]) for p in by_group.values()}) == 3
+    again = wl.shared_prefix(
+        num_groups=3, prompts_per_group=4, system_prompt_len=40, question_len=8, output_len=5
+    )
+    assert [r.tokens() for r in again] == [r.tokens() for r in reqs]
+    assert all(3 <= t < 1000 for r in reqs for t in r.tokens())
+
+
+def test_zipf_skews_groups_and_keeps_the_total():
+    reqs = wl.shared_prefix(num_groups=20, prompts_per_group=10, zipf=1.2)
+    counts = sorted((sum(1 for r in reqs if r.group == g) for g in {r.group for r in reqs}), reverse=True)
+    assert len(reqs) == 200 and counts[0] > 3 * 200 / 20
+
+
+def test_segments_are_prefixes_of_each_other():
+    short, long = wl.segment_tokens((123, 700)), wl.segment_tokens((123, 1500))
+    assert long[:700].tolist() == short.tolist()
+
+
+def test_mooncake_keeps_the_traces_sharing():
+    reqs = wl.mooncake()
+    rows = [json.loads(line) for line in wl.MOONCAKE_TRACE.read_text().splitlines()]
+    assert len(reqs) == len(rows) == 3993
+    by_time = sorted(rows, key=lambda r: r["timestamp"])
+    assert [r.prompt_len for r in reqs] == [r["input_length"] for r in by_time]
+    pairs = [
+        (i, j)
+        for i in range(300)
+        for j in range(i + 1, 300)
+        if by_time[i]["hash_ids"][:2] == by_time[j]["hash_ids"][:2]
+    ]
+    i, j = pairs[0]
+    a, b = by_time[i]["hash_ids"], by_time[j]["hash_ids"]
+    common = next(k for k in range(min(len(a), len(b)) + 1) if k == min(len(a), len(b)) or a[k] != b[k])
+    ta, tb = reqs[i].tokens(), reqs[j].tokens()
+    assert ta[: common * 512] == tb[: common * 512]
+    if common < min(len(a), len(b)) - 1:
+        assert ta[common * 512 : (common + 1) * 512] != tb[common * 512 : (common + 1) * 512]
+    fast = wl.mooncake(speedup=2.0)
+    assert fast[-1].arrival_s == pytest.approx(reqs[-1].arrival_s / 2)
+
+
+def test_mooncake_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        wl.mooncake(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1]}) + "\n"
+    )
+    with pytest.raises(ValueError, match="does not fit"):
+        wl.mooncake(bad)
+
+
+def test_multi_turn_history_grows_with_answers():
+    reqs = [r for r in wl.multi_turn(num_sessions=2, turns=3) if r.session == "s0"]
+    assert len(reqs) == 3
+    for prev, nxt in itertools.pairwise(reqs):
+        assert (
+            nxt.tokens()[: prev.prompt_len + len(prev.answer_tokens())]
+            == prev.tokens() + prev.answer_tokens()
+        )
+
+
+def test_infinite_cache_ceiling_by_hand():
+    a = wl.WorkloadRequest(((1, 64), (2, 16)), 4, 0.0)
+    b = wl.WorkloadRequest(((1, 64), (3, 16)), 4, 1.0)
+    # block 16: b's first 4 blocks (64 tokens) were seen; its 5th is new and its last anyway
+    assert wl.infinite_cache_hit_rate([a, b], 16) == pytest.approx(64 / 160)
+    assert wl.infinite_cache_hit_rate(wl.no_sharing(num_requests=20, prompt_len=64), 16) == 0.0
+
+
+def test_simulated_time_follows_the_cost_model():
+    req = wl.WorkloadRequest(((7, 100),), 5, 0.0)
+    sim = Simulation([req], 1, "round_robin", FLAT, block_size=16)
+    result = sim.run()
+    [done] = sim.done
+    prefill = FLAT.step_seconds(100, 0, 100)
+    assert done.first_token_s == pytest.approx(prefill)
+    decode = sum(FLAT.step_seconds(0, 1, 0) for _ in range(4))
+    assert done.done_s == pytest.approx(prefill + decode)
+    assert result["num_requests"] == 1 and result["hit_rate"] == 0.0
+
+
+@pytest.mark.parametrize("policy", ["prefix", "round_robin", "session"])
+def test_decode_windows_change_nothing_but_speed(policy):
+    reqs = wl.poisson_arrivals(
+        wl.shared_prefix(
+            num_groups=6, prompts_per_group=6, system_prompt_len=300, question_len=40, output_len=60
+        ),
+        30,
+        seed=1,
+    )
+    reqs += wl.multi_turn(num_sessions=6, turns=3, think_s=0.5, session_rate=10)
+    fast = Simulation(reqs, 3, policy, H100_LLAMA3_8B, block_size=32).run()
+    slow = Simulation(reqs, 3, policy, H100_LLAMA3_8B, block_size=32, decode_windows=False).run()
+    assert fast.keys() == slow.keys()
+    for key in fast:
+        assert fast[key] == pytest.approx(slow[key], rel=1e-6), key
+
+
+def test_index_mirrors_every_replicas_ledger_and_prefix_beats_round_robin():
+    reqs = wl.poisson_arrivals(
+        wl.shared_prefix(
+            num_groups=8, prompts_per_group=8, system_prompt_len=512, question_len=32, output_len=16
+        ),
+        50,
+        seed=2,
+    )
+    results = {}
+    for policy in ("prefix", "round_robin"):
+        sim = Simulation(reqs, 4, policy, H100_LLAMA3_8B, block_size=64)
+        results[policy] = sim.run()
+        for rep in sim.replicas:
+            held = {h for h, holders in sim.index.holders.items() if rep.index in holders}
+            assert held == rep.bm.cached_hashes()
+    assert results["prefix"]["hit_rate"] > results["round_robin"]["hit_rate"] + 0.2
+    assert results["prefix"]["hit_rate"] <= wl.infinite_cache_hit_rate(reqs, 64) + 1e-9
+    assert results["prefix"]["predicted_hit_rate"] == pytest.approx(results["prefix"]["hit_rate"], abs=0.05)
+
+
+def test_tiny_pools_preempt_and_still_finish():
+    reqs = wl.poisson_arrivals(wl.no_sharing(num_requests=40, prompt_len=300, output_len=200), 100, seed=3)
+    result = Simulation(reqs, 2, "least_loaded", FLAT, block_size=16, blocks_per_replica=64).run()
+    assert result["num_requests"] == 40 and result["preemptions"] > 0
+
+
+def test_requests_that_can_never_fit_are_counted_not_lost():
+    reqs = [wl.WorkloadRequest(((1, 5000),), 10, 0.0), wl.WorkloadRequest(((2, 50),), 10, 0.1)]
+    result = Simulation(reqs, 1, "prefix", FLAT, block_size=16, blocks_per_replica=32).run()
+    assert (result["num_requests"], result["rejected"]) == (1, 1)
+
+
+def test_cost_model_presets_and_files(tmp_path):
+    assert load_cost_model("h100-llama3-8b") is H100_LLAMA3_8B
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps({"cost_model": FLAT.as_dict()}))
+    assert load_cost_model(str(f)) == FLAT
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_cost_model("tpu-v9")
+
+
+def test_simulate_cli_writes_every_policy(tmp_path):
+    out = tmp_path / "sim.json"
+    run = subprocess.run(
+        [KVMESH, "simulate", "--workload", "shared_prefix", "--num-groups", "4", "--prompts-per-group", "4",
+         "--rate", "20", "--replicas", "2", "--policy", "prefix,round_robin", "-q", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    keys = {
+        "hit_rate",
+        "ttft_p50",
+        "ttft_p90",
+        "ttft_p99",
+        "throughput_tok_s",
+        "load_imbalance_max_over_mean",
+        "num_requests",
+    }
+    assert set(result["policies"]) == {"prefix", "round_robin"}
+    assert all(keys <= set(s) and s["num_requests"] == 16 for s in result["policies"].values())
+    bad = subprocess.run(
+        [KVMESH, "simulate", "--trace", str(tmp_path / "missing.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "does not exist" in bad.stderr
+    )
+
+
+def test_experiment_suite_quick(tmp_path):
+    run = subprocess.run(
+        [KVMESH, "experiments", "--quick", "--no-real", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = (tmp_path / "experiments.md").read_text()
+    for section in ("## Targets", "## W1", "## W2", "## W3", "## W4", "## W5"):
+        assert section in doc
+    data = json.loads((tmp_path / "experiments.json").read_text())
+    assert data["targets"] and all("met" in t for t in data["targets"])
+    assert (tmp_path / "img" / "w3_ttft_p90.png").is_file()
