@@ -105,6 +105,7 @@ _COLUMNS = [
     ("goodput", "goodput_req_per_s", "{:.2f}/s"),
     ("max/mean load", "load_imbalance_max_over_mean", "{:.2f}"),
     ("index acc.", "index_accuracy", "{:.3f}"),
+    ("decision p99", "router_decision_p99_us", "{} us"),
     ("errors", "errors", "{}"),
 ]
 
