@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-num-seqs", type=int, default=64)
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
     up.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
+    up.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory for the engine (CUDA)")
+    up.add_argument(
+        "--replica-host", default="127.0.0.1", help="where replicas listen (0.0.0.0: all, advertise node IP)"
+    )
+    up.add_argument(
+        "--no-router", action="store_true", help="replicas and supervisor only (the chart's controller)"
+    )
     up.set_defaults(handler=_run_up)
 
     router = commands.add_parser("router", help="the router alone (Kubernetes), over an existing Redis")
@@ -150,13 +157,14 @@ def _run_up(args: argparse.Namespace) -> int:
     _check_serving(args)
     setup_logging(args.verbose)
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    for name in ("num_kv_blocks", "dtype", "max_model_len"):
+    for name in ("num_kv_blocks", "dtype", "max_model_len", "gpu_memory_utilization"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
     config = ClusterConfig(
         args.model, replicas=args.replicas, redis_url=args.redis_url, ray_address=args.ray_address, host=args.host,
         port=args.port, http_port=None if args.http_port < 0 else args.http_port, policy=args.policy,
         block_size=args.block_size, model_id=args.model_id, engine=engine, verbose=args.verbose,
+        replica_host=args.replica_host, router=not args.no_router,
     )  # fmt: skip
     asyncio.run(serve_cluster(config))
     return 0

@@ -31,7 +31,11 @@ class ClusterConfig:
     replicas: int = 2
     redis_url: str | None = None  # None: an embedded valkey-server
     ray_address: str | None = None  # None: a local Ray
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the router listens
+    replica_host: str = (
+        "127.0.0.1"  # where replicas listen (0.0.0.0 on Kubernetes: they advertise their node IP)
+    )
+    router: bool = True  # False: replicas and supervisor only (the chart's controller)
     port: int = 0  # router gRPC
     http_port: int | None = 0  # router HTTP (None: off)
     policy: str = "prefix"
@@ -86,12 +90,15 @@ class LocalCluster:
 
         def replica_config(replica_id: str) -> ReplicaConfig:
             return ReplicaConfig(
-                c.model_dir, replica_id, self.redis_url, model_id=model_id, host=c.host, heartbeat_s=c.heartbeat_s,
+                c.model_dir, replica_id, self.redis_url, model_id=model_id, host=c.replica_host, heartbeat_s=c.heartbeat_s,
                 ttl_s=c.ttl_s, torch_threads=threads, engine=engine,
             )  # fmt: skip
 
         self.supervisor = Supervisor(replica_config, c.replicas, use_gpu, self._index)
         await self.supervisor.start()
+        if not c.router:
+            await self.wait_for_replicas(c.replicas, ready_timeout_s)
+            return self
         self.router = RouterServer(
             RouterConfig(
                 c.model_dir, self.redis_url, model_id=model_id, block_size=c.block_size, host=c.host, port=c.port,
@@ -103,13 +110,18 @@ class LocalCluster:
         return self
 
     async def wait_for_replicas(self, count: int, timeout_s: float = 60.0) -> None:
-        """Until the router sees ``count`` live replicas."""
+        """Until ``count`` replicas are live (in the router's view, or the index's without a router)."""
         deadline = time.monotonic() + timeout_s
-        while len(self.router.registry.live()) < count:
+        while (live := await self._live_count()) < count:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"router sees {len(self.router.registry.live())} of {count} replicas")
-            await self.router.registry.refresh()
+                raise TimeoutError(f"{live} of {count} replicas are live")
             await asyncio.sleep(0.1)
+
+    async def _live_count(self) -> int:
+        if self.router is None:
+            return len(await self._index.live_replicas())
+        await self.router.registry.refresh()
+        return len(self.router.registry.live())
 
     async def stop(self, grace: float = 5.0) -> None:
         """Drain the router, stop the replicas, then Redis and Ray (if we started them)."""
@@ -148,8 +160,9 @@ async def serve_cluster(config: ClusterConfig, grace: float = 10.0) -> None:
     try:
         await cluster.start()
         print(f"kvmesh up: {config.replicas} replicas of {config.model_dir}", flush=True)
-        print(f"  router gRPC  {cluster.router_address}", flush=True)
-        if cluster.http_url:
+        if cluster.router is not None:
+            print(f"  router gRPC  {cluster.router_address}", flush=True)
+        if cluster.router is not None and cluster.http_url:
             print(
                 f"  router HTTP  {cluster.http_url}/v1 (OpenAI-compatible), {cluster.http_url}/metrics",
                 flush=True,

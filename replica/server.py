@@ -29,11 +29,25 @@ class ReplicaConfig:
     model_id: str | None = None
     host: str = "127.0.0.1"  # where gRPC listens
     port: int = 0  # 0: any free port
-    advertise_host: str | None = None  # the address others dial (default: host)
+    advertise_host: str | None = (
+        None  # the address others dial (default: host; this node's IP if host is 0.0.0.0)
+    )
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
     torch_threads: int | None = None  # CPU replicas sharing a machine should not oversubscribe it
     engine: dict = field(default_factory=dict)  # LLMEngine options
+
+
+def advertised_host(config: ReplicaConfig) -> str:
+    """Where the router should dial: explicit, else the listen address, else (listening on
+    every interface, as in Kubernetes) this Ray node's IP."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host in ("0.0.0.0", "::", ""):
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return config.host
 
 
 class ReplicaServer:
@@ -58,7 +72,7 @@ class ReplicaServer:
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port
         )
-        self.address = f"{c.advertise_host or c.host}:{self.grpc.port}"
+        self.address = f"{advertised_host(c)}:{self.grpc.port}"
         index = PrefixIndex.from_url(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
         info = {"model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed}
         self.publisher = IndexPublisher(

@@ -23,12 +23,15 @@ class GrpcServer:
     service_names: list[str]
 
     async def set_serving(self, serving: bool) -> None:
+        """Readiness of the named services ("" stays SERVING while the process runs: liveness)."""
         status = SERVING if serving else NOT_SERVING
-        for name in ["", *self.service_names]:
+        for name in self.service_names:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None) -> None:
+        """Drain: everything NOT_SERVING, in-flight calls get ``grace`` seconds."""
         await self.set_serving(False)
+        await self.health.set("", NOT_SERVING)
         await self.server.stop(grace)
 
 

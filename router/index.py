@@ -9,10 +9,12 @@ memory cost are documented in ``index.lua`` and the README.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
+from urllib.parse import urlsplit
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -55,13 +57,26 @@ def namespace(model_id: str) -> str:
 
 
 def connect(url: str, timeout: float = 2.0) -> aioredis.Redis:
-    """A client that fails fast: callers decide how to degrade when Redis is away."""
+    """A client that fails fast: callers decide how to degrade when Redis is away.
+
+    ``redis://`` or ``rediss://`` (TLS). A password (and ACL user) not in the URL comes from
+    ``KVMESH_REDIS_PASSWORD`` / ``KVMESH_REDIS_USERNAME``, so secrets stay out of flags and logs.
+    """
+    extra = {}
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"not a Redis URL (redis://, rediss:// or unix://): {parts.scheme}://...")
+    if not parts.password and os.environ.get("KVMESH_REDIS_PASSWORD"):
+        extra["password"] = os.environ["KVMESH_REDIS_PASSWORD"]
+        if os.environ.get("KVMESH_REDIS_USERNAME"):
+            extra["username"] = os.environ["KVMESH_REDIS_USERNAME"]
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
         health_check_interval=10,
+        **extra,
     )
 
 

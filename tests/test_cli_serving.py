@@ -126,3 +126,39 @@ def test_bench_serve_then_report(qwen3_dir, tmp_path):
     assert (out_dir / "policies.png").is_file() and (out_dir / "run-load.png").is_file()
     missing = run("report", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "no such run file" in missing.stderr
+
+
+def test_up_without_router_is_the_charts_controller(qwen3_dir):
+    proc = subprocess.Popen(
+        [KVMESH, "up", "--no-router", "--model", str(qwen3_dir), "--replicas", "1", "--num-kv-blocks", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        text = ""
+        deadline = time.monotonic() + 180
+        while "Ctrl-C" not in text and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            text += line
+        assert "Ctrl-C" in text and "router gRPC" not in text, text
+        redis_url = re.search(r"redis\s+(\S+)", text).group(1)
+        status = run("status", "--redis-url", redis_url)
+        assert "replicas live: 1" in status.stdout
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_replicas_listening_everywhere_advertise_their_node_ip(ray_cluster):
+    from kvmesh.replica.server import ReplicaConfig, advertised_host
+
+    assert advertised_host(ReplicaConfig("m", "r", "redis://x", host="127.0.0.1")) == "127.0.0.1"
+    assert (
+        advertised_host(ReplicaConfig("m", "r", "redis://x", host="0.0.0.0", advertise_host="10.1.2.3"))
+        == "10.1.2.3"
+    )
+    node_ip = advertised_host(ReplicaConfig("m", "r", "redis://x", host="0.0.0.0"))
+    assert node_ip == ray_cluster.util.get_node_ip_address() and node_ip != "0.0.0.0"

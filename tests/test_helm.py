@@ -1,0 +1,328 @@
+"""The Helm chart, offline: Helm's own Go SDK lints and renders it, jsonschema checks the
+values, kubernetes-validate checks core kinds, and Python asserts what a reviewer would."""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "kvmesh"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "helm"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+DEFAULT = CHART / "ci" / "default-values.yaml"
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+CORE_KINDS = {
+    "ConfigMap", "Deployment", "Service", "StatefulSet", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+    "NetworkPolicy", "Ingress", "PersistentVolumeClaim", "ServiceAccount",
+}  # fmt: skip
+KUBE_VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
+
+
+@pytest.fixture(scope="module")
+def chart():
+    return helm.Chart.load(str(CHART))
+
+
+def values_of(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def render(chart, values: dict) -> list[dict]:
+    out = chart.render(values, name="llm", namespace="serving")
+    docs = []
+    for name, text in sorted(out.items()):
+        if name.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def pods(docs: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(owner name, pod template metadata, pod spec) of every pod the chart would create."""
+    out = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            out.append(
+                (d["metadata"]["name"], d["spec"]["template"]["metadata"], d["spec"]["template"]["spec"])
+            )
+        elif d["kind"] == "RayCluster":
+            head = d["spec"]["headGroupSpec"]["template"]
+            out.append(("ray-head", head["metadata"], head["spec"]))
+            for g in d["spec"]["workerGroupSpecs"]:
+                out.append((f"ray-{g['groupName']}", g["template"]["metadata"], g["template"]["spec"]))
+    return out
+
+
+@pytest.fixture(scope="module", params=CI_VALUES, ids=lambda p: p.stem)
+def rendered(request, chart):
+    return request.param, render(chart, values_of(request.param))
+
+
+# ---------------------------------------------------------------------- Helm itself
+
+
+@pytest.mark.parametrize("kube", ["v1.27.0", "v1.33.0"])
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_helm_lint_strict(values_file, kube):
+    report = helm.lint(str(CHART), values_of(values_file), strict=True, kube_version=kube)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], problems
+
+
+def test_chart_metadata(chart):
+    meta = chart.metadata
+    assert meta["kubeVersion"] == ">=1.27.0-0" and meta["apiVersion"] == "v2"
+
+
+def test_golden_renders(rendered):
+    path, docs = rendered
+    text = yaml.safe_dump_all(docs, sort_keys=True)
+    golden = GOLDEN / f"{path.stem}.yaml"
+    if os.environ.get("KVMESH_UPDATE_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.is_file(), f"no golden file for {path.name}: run with KVMESH_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), f"{path.name} renders differently: review, then KVMESH_UPDATE_GOLDEN=1"
+
+
+# ---------------------------------------------------------------------- values schema
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_merged_values_satisfy_the_schema(chart, values_file):
+    jsonschema.validate(chart.merge_values(values_of(values_file)), SCHEMA)
+
+
+BAD_VALUES = [
+    ({"router": {"policy": "fastest"}}, "/router/policy"),
+    ({"router": {"grpcPort": 0}}, "/router/grpcPort"),
+    ({"router": {"surprise": 1}}, "surprise"),
+    ({"model": {"blockSize": -16}}, "/model/blockSize"),
+    ({"model": {"path": "relative/path"}}, "/model/path"),
+    ({"controller": {"engine": {"gpuMemoryUtilization": 1.5}}}, "gpuMemoryUtilization"),
+    ({"redis": {"external": {"url": "redis://user:hunter2@redis:6379/0"}}}, "/redis/external/url"),
+    ({"ray": {"workerGroups": [{"name": "Bad_Name", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpusPerWorker": 0, "resources": {"requests": {}, "limits": {}}}]}}, "/ray/workerGroups/0/name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("override", "needle"), BAD_VALUES, ids=[n.strip("/") for _, n in BAD_VALUES])
+def test_schema_rejects_bad_values(chart, override, needle):
+    values = merge(values_of(DEFAULT), override)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(chart.merge_values(values), SCHEMA)
+    with pytest.raises(helm.HelmError) as err:  # and Helm refuses to render them
+        chart.render(values, name="llm", namespace="serving")
+    assert needle in str(err.value)
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+FAILS = [
+    ({"redis": {"external": {"url": "redis://r:6379/0"}}}, "not both"),
+    ({"redis": {"bundled": {"enabled": False}}}, "no index"),
+    ({"model": {"cache": {"create": True}}}, "existingClaim or create, not both"),
+    ({"model": {"cache": {"existingClaim": ""}}}, "the model needs a volume"),
+    ({"model": {"path": "/data/model"}}, "not under model.cache.mountPath"),
+    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 3, "maxReplicas": 2, "gpusPerWorker": 1, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "minReplicas 3 > maxReplicas 2"),
+    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 5, "minReplicas": 1, "maxReplicas": 2, "gpusPerWorker": 1, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "replicas 5 outside"),
+    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerWorker": 1, "resources": {"requests": {}, "limits": {}}}]}}, "need shmSize"),
+    ({"router": {"autoscaling": {"minReplicas": 9, "maxReplicas": 3}}}, "minReplicas > maxReplicas"),
+    ({"router": {"autoscaling": {"enabled": False}, "replicas": 1, "pdb": {"minAvailable": 1}}}, "below router.replicas"),
+    ({"router": {"pdb": {"minAvailable": 2}}}, "below router.autoscaling.minReplicas"),
+    ({"ingress": {"enabled": True, "host": ""}}, "needs ingress.host"),
+    ({"grpcRoute": {"enabled": True}}, "needs grpcRoute.parentRefs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("override", "message"), FAILS, ids=[m for _, m in FAILS])
+def test_every_validation_fail_fires(chart, override, message):
+    with pytest.raises(helm.HelmError, match=message.replace(">", ".")):
+        chart.render(merge(values_of(DEFAULT), override), name="llm", namespace="serving")
+
+
+# ---------------------------------------------------------------------- Kubernetes schemas
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_core_kinds_validate(rendered, kube):
+    _, docs = rendered
+    checked = 0
+    for d in docs:
+        if d["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(d, kube, strict=True)
+            checked += 1
+    assert checked >= 6
+
+
+# ---------------------------------------------------------------------- what a reviewer checks
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_router_probes_drain_and_spread(rendered):
+    _, docs = rendered
+    [router] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-router")]
+    spec = router["spec"]["template"]["spec"]
+    [c] = spec["containers"]
+    assert c["readinessProbe"]["grpc"]["service"] == "kvmesh.v1.Router"
+    assert c["livenessProbe"]["grpc"]["service"] == "" and c["startupProbe"]["grpc"]["port"] == 50051
+    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    assert spec["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert {p["name"] for p in c["ports"]} == {"grpc", "http"}
+    if "topologySpreadConstraints" in spec:
+        assert (
+            spec["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"].items()
+            <= router["spec"]["template"]["metadata"]["labels"].items()
+        )
+
+
+def test_every_container_has_resources_and_a_restricted_context(rendered):
+    _, docs = rendered
+    for owner, _, spec in pods(docs):
+        pod_ctx = spec.get("securityContext", {})
+        assert pod_ctx.get("runAsNonRoot") is True and pod_ctx.get("runAsUser", 0) != 0, owner
+        assert pod_ctx.get("seccompProfile", {}).get("type") == "RuntimeDefault", owner
+        assert spec.get("automountServiceAccountToken") is False, owner
+        for c in spec["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"], owner
+            assert c["resources"]["requests"] and c["resources"]["limits"], owner
+            assert c["resources"]["limits"].get("memory"), owner
+
+
+def test_gpu_workers_get_gpus_and_shared_memory(rendered):
+    path, docs = rendered
+    [ray] = by_kind(docs, "RayCluster")
+    assert ray["apiVersion"] == "ray.io/v1"
+    assert ray["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
+    for name, wanted in (
+        (g["name"], g)
+        for g in yaml.safe_load((CHART / "values.yaml").read_text())["ray"]["workerGroups"]
+        + values_of(path).get("ray", {}).get("workerGroups", [])
+    ):
+        if name not in groups:
+            continue
+        g = groups[name]
+        spec = g["template"]["spec"]
+        [c] = spec["containers"]
+        gpus = c["resources"]["limits"].get("nvidia.com/gpu", 0)
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+        if wanted["gpusPerWorker"]:
+            assert gpus == wanted["gpusPerWorker"] and g["rayStartParams"]["num-gpus"] == str(gpus)
+            shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+            assert shm["emptyDir"]["medium"] == "Memory"
+            assert any(m["mountPath"] == "/dev/shm" and m["name"] == "dshm" for m in c["volumeMounts"])
+        else:
+            assert gpus == 0
+
+
+def test_selectors_match_their_pods(rendered):
+    _, docs = rendered
+    labels = {owner: meta["labels"] for owner, meta, _ in pods(docs)}
+    workloads = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    for svc in by_kind(docs, "Service"):
+        sel = svc["spec"]["selector"]
+        assert any(sel.items() <= lab.items() for lab in labels.values()), svc["metadata"]["name"]
+    for pdb in by_kind(docs, "PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= workloads[pdb["metadata"]["name"]].items()
+    for hpa in by_kind(docs, "HorizontalPodAutoscaler"):
+        assert hpa["spec"]["scaleTargetRef"]["name"] in workloads
+    for np in by_kind(docs, "NetworkPolicy"):
+        selector = np["spec"]["podSelector"]
+        matched = [o for o, lab in labels.items() if _selects(selector, lab)]
+        assert matched, np["metadata"]["name"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        if expr["operator"] == "In" and labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_no_plain_text_secrets(rendered):
+    _, docs = rendered
+    text = yaml.safe_dump_all(docs)
+    assert "hunter2" not in text and "kind: Secret" not in text
+    for _, _, spec in pods(docs):
+        for c in spec["containers"]:
+            for e in c.get("env", []):
+                if any(word in e["name"].upper() for word in ("PASSWORD", "TOKEN", "SECRET")):
+                    assert "valueFrom" in e and "value" not in e, e["name"]
+    [cm] = by_kind(docs, "ConfigMap")
+    assert "@" not in cm["data"]["KVMESH_REDIS_URL"]
+
+
+def test_router_controller_and_workers_read_one_configmap(rendered):
+    _, docs = rendered
+    [cm] = by_kind(docs, "ConfigMap")
+    assert {"KVMESH_MODEL_ID", "KVMESH_BLOCK_SIZE", "KVMESH_MODEL_PATH", "KVMESH_REDIS_URL"} <= set(
+        cm["data"]
+    )
+    for owner, _, spec in pods(docs):
+        if "valkey" in owner:
+            continue
+        [c] = spec["containers"]
+        assert [e["configMapRef"]["name"] for e in c["envFrom"]] == [cm["metadata"]["name"]], owner
+    for d in by_kind(docs, "Deployment"):
+        args = " ".join(d["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert "--model-id=$(KVMESH_MODEL_ID)" in args and "--block-size=$(KVMESH_BLOCK_SIZE)" in args
+
+
+def test_controller_drives_the_ray_cluster(rendered):
+    _, docs = rendered
+    [ctrl] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
+    [ray] = by_kind(docs, "RayCluster")
+    args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["up", "--no-router"]
+    assert f"--ray-address=ray://{ray['metadata']['name']}-head-svc:10001" in args
+    assert ctrl["spec"]["replicas"] == 1 and ctrl["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_redis_choice(chart):
+    default = render(chart, values_of(CHART / "ci" / "default-values.yaml"))
+    external = render(chart, values_of(CHART / "ci" / "external-redis-values.yaml"))
+    assert by_kind(default, "StatefulSet") and not by_kind(external, "StatefulSet")
+    [cm] = by_kind(external, "ConfigMap")
+    assert (
+        cm["data"]["KVMESH_REDIS_URL"].startswith("rediss://")
+        and cm["data"]["KVMESH_REDIS_USERNAME"] == "kvmesh"
+    )
+
+
+def test_notes_name_the_endpoints_and_a_health_check(chart):
+    out = chart.render(values_of(DEFAULT), name="llm", namespace="serving")
+    notes = out["kvmesh/templates/NOTES.txt"]
+    assert (
+        "llm-kvmesh-router.serving.svc:50051" in notes and "grpc_health_probe" in notes and "/health" in notes
+    )
+
+
+def test_dockerfile_builds_cpu_and_cuda_variants_as_the_charts_user():
+    text = (ROOT / "helm" / "Dockerfile").read_text()
+    assert "ARG VARIANT=cpu" in text and "FROM build-${VARIANT}" in text and "FROM run-${VARIANT}" in text
+    assert text.count("torch==2.13.0") == 2 and ".[gpu]" in text
+    assert "USER 1000:1000" in text and 'ENTRYPOINT ["kvmesh"]' in text
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert chart_values["podSecurityContext"]["runAsUser"] == 1000
