@@ -269,10 +269,11 @@ async def test_no_live_replica_is_unavailable(ray_cluster, qwen3_dir):
                     err.value.code() == grpc.StatusCode.UNAVAILABLE
                     and "no live replica" in err.value.details()
                 )
-                health = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service="")
-                )
-                assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                health = health_pb2_grpc.HealthStub(channel)
+                ready = await health.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.Router"))
+                assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING  # readiness: no replica
+                alive = await health.Check(health_pb2.HealthCheckRequest(service=""))
+                assert alive.status == health_pb2.HealthCheckResponse.SERVING  # liveness: the process is fine
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as http:
                 assert (await http.get("/health")).status_code == 503
                 r = await http.post("/v1/completions", json={"prompt": "hi"})
