@@ -1,5 +1,6 @@
 """Workloads and the simulator: sharing structure, timing model, fidelity shortcuts."""
 
+import gzip
 import itertools
 import json
 import subprocess
@@ -55,7 +56,8 @@ def test_segments_are_prefixes_of_each_other():
 
 def test_mooncake_keeps_the_traces_sharing():
     reqs = wl.mooncake()
-    rows = [json.loads(line) for line in wl.MOONCAKE_TRACE.read_text().splitlines()]
+    with gzip.open(wl.MOONCAKE_TRACE, "rt") as f:
+        rows = [json.loads(line) for line in f]
     assert len(reqs) == len(rows) == 3993
     by_time = sorted(rows, key=lambda r: r["timestamp"])
     assert [r.prompt_len for r in reqs] == [r["input_length"] for r in by_time]

@@ -10,6 +10,7 @@ Token ids are drawn from [3, vocab) so they never hit a tiny model's special tok
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -24,9 +25,8 @@ from kvmesh.kvcache import block_hashes
 FIRST_ID = 3
 DEFAULT_VOCAB = 1000
 MOONCAKE_BLOCK = 512
-MOONCAKE_TRACE = (
-    Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
-)
+# A gzipped copy of ../shared/data/mooncake/synthetic_trace.jsonl (see MOONCAKE_TRACE.md).
+MOONCAKE_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 Segment = tuple[int, int]  # (key, length)
 
@@ -183,7 +183,7 @@ def mooncake(
     if speedup <= 0:
         raise ValueError(f"speedup must be positive, got {speedup}")
     requests = []
-    with path.open() as f:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
         for n, line in enumerate(f):
             if limit is not None and n >= limit:
                 break
