@@ -38,7 +38,46 @@ def _serving_flags(p: argparse.ArgumentParser, redis_required: bool) -> None:
     p.add_argument("--policy", default="prefix", help="default routing policy")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (hash granularity)")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
-    p.add_argument("-v", "--verbose", action="store_true", help="info-level logs")
+    env = os.environ.get
+    p.add_argument(
+        "--tls-cert", default=env("KVMESH_TLS_CERT"), help="PEM certificate: serve gRPC/HTTP over TLS"
+    )
+    p.add_argument("--tls-key", default=env("KVMESH_TLS_KEY"), help="its PEM private key")
+    p.add_argument(
+        "--tls-ca",
+        default=env("KVMESH_TLS_CA"),
+        help="CA for peers: verify replicas, and clients with --tls-client-auth",
+    )
+    p.add_argument(
+        "--tls-client-auth",
+        action="store_true",
+        default=env("KVMESH_TLS_CLIENT_AUTH") in ("1", "true"),
+        help="mTLS",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=env("KVMESH_TLS_SERVER_NAME"),
+        help="name expected in replica certificates",
+    )
+    p.add_argument(
+        "--max-inflight", type=int, default=1024, help="requests through this router at once; beyond: 429"
+    )
+    p.add_argument(
+        "--max-prompt-tokens", type=int, help="longest prompt accepted (default: max model length - 1)"
+    )
+    p.add_argument(
+        "--max-tokens-limit", type=int, help="ceiling on max_tokens (default: max model length - 1)"
+    )
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="info-level logs (the auth token comes from KVMESH_AUTH_TOKEN)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +172,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _security(args: argparse.Namespace):
+    """(TLS config, auth token, limits) from flags and the environment."""
+    from kvmesh.router.core import RouterLimits
+    from kvmesh.router.security import TLSConfig
+
+    try:
+        tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth, args.tls_server_name)
+        for path in (tls.cert, tls.key, tls.ca):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"TLS file {path!r} does not exist")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for name in ("max_inflight", "max_prompt_tokens", "max_tokens_limit", "max_message_bytes"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    limits = RouterLimits(args.max_inflight, args.max_prompt_tokens, args.max_tokens_limit)
+    return tls, os.environ.get("KVMESH_AUTH_TOKEN") or None, limits
+
+
 def _check_serving(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -155,8 +214,13 @@ def _run_up(args: argparse.Namespace) -> int:
     from kvmesh.cluster.logs import setup_logging
 
     _check_serving(args)
+    tls, token, limits = _security(args)
     setup_logging(args.verbose)
-    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    engine = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_queued_requests": args.max_queued_requests,
+    }
     for name in ("num_kv_blocks", "dtype", "max_model_len", "gpu_memory_utilization"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
@@ -164,9 +228,9 @@ def _run_up(args: argparse.Namespace) -> int:
         args.model, replicas=args.replicas, redis_url=args.redis_url, ray_address=args.ray_address, host=args.host,
         port=args.port, http_port=None if args.http_port < 0 else args.http_port, policy=args.policy,
         block_size=args.block_size, model_id=args.model_id, engine=engine, verbose=args.verbose,
-        replica_host=args.replica_host, router=not args.no_router,
+        replica_host=args.replica_host, router=not args.no_router, tls=tls, auth_token=token, limits=limits,
     )  # fmt: skip
-    asyncio.run(serve_cluster(config))
+    asyncio.run(serve_cluster(config, grace=args.drain_timeout))
     return 0
 
 
@@ -176,24 +240,27 @@ def _run_router(args: argparse.Namespace) -> int:
     from kvmesh.router.server import RouterConfig
 
     _check_serving(args)
+    tls, token, limits = _security(args)
     setup_logging(args.verbose)
     config = RouterConfig(
         args.model, args.redis_url, model_id=args.model_id, block_size=args.block_size, max_model_len=args.max_model_len,
         host=args.host, port=args.port, http_port=None if args.http_port < 0 else args.http_port, policy=args.policy,
+        tls=tls, auth_token=token, limits=limits, max_message_bytes=args.max_message_bytes,
     )  # fmt: skip
-    asyncio.run(serve_router(config))
+    asyncio.run(serve_router(config, grace=args.drain_timeout))
     return 0
 
 
 def _run_status(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
+    from kvmesh.cluster.logs import redacted
     from kvmesh.cluster.status import main as status_main
 
     try:
         return status_main(args.redis_url)
     except (RedisError, OSError, ValueError) as exc:
-        raise UsageError(f"cannot read the index at {args.redis_url}: {exc}") from None
+        raise UsageError(f"cannot read the index at {redacted(args.redis_url)}: {exc}") from None
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -53,8 +53,15 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url`` -> ``redis://127.0.0.1:PORT/0``."""
 
-    def __init__(self, binary: str | None = None, port: int | None = None, startup_timeout: float = 10.0):
+    def __init__(
+        self,
+        binary: str | None = None,
+        port: int | None = None,
+        startup_timeout: float = 10.0,
+        extra_args: list[str] | None = None,
+    ):
         self.binary = binary or default_server_binary()
+        self.extra_args = list(extra_args or [])  # e.g. --requirepass, --tls-port ...
         self.port = port or free_port()
         self.startup_timeout = startup_timeout
         self._dir = Path(tempfile.mkdtemp(prefix="kvmesh-redis-"))
@@ -82,6 +89,7 @@ class EmbeddedRedis:
             "--appendonly", "no",
             "--dir", str(self._dir),
             "--loglevel", "warning",
+            *self.extra_args,
         ]  # fmt: skip
         self._proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
@@ -102,7 +110,7 @@ class EmbeddedRedis:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up, maybe with a password
         except OSError:
             return False
 

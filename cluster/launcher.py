@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 import ray
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.logs import redacted
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
 from kvmesh.replica.actor import cluster_has_gpus
 from kvmesh.replica.server import ReplicaConfig
+from kvmesh.router.core import RouterLimits
 from kvmesh.router.index import PrefixIndex
+from kvmesh.router.security import TLSConfig
 from kvmesh.router.server import RouterConfig, RouterServer
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,9 @@ class ClusterConfig:
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
     engine: dict = field(default_factory=dict)  # more LLMEngine options (num_kv_blocks, ...)
+    tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC hop (router and replicas)
+    auth_token: str | None = None  # bearer token clients must present to the router
+    limits: RouterLimits = field(default_factory=RouterLimits)
     verbose: bool = False
 
 
@@ -91,7 +97,7 @@ class LocalCluster:
         def replica_config(replica_id: str) -> ReplicaConfig:
             return ReplicaConfig(
                 c.model_dir, replica_id, self.redis_url, model_id=model_id, host=c.replica_host, heartbeat_s=c.heartbeat_s,
-                ttl_s=c.ttl_s, torch_threads=threads, engine=engine,
+                ttl_s=c.ttl_s, torch_threads=threads, tls=c.tls, engine=engine,
             )  # fmt: skip
 
         self.supervisor = Supervisor(replica_config, c.replicas, use_gpu, self._index)
@@ -102,7 +108,7 @@ class LocalCluster:
         self.router = RouterServer(
             RouterConfig(
                 c.model_dir, self.redis_url, model_id=model_id, block_size=c.block_size, host=c.host, port=c.port,
-                http_port=c.http_port, policy=c.policy,
+                http_port=c.http_port, policy=c.policy, tls=c.tls, auth_token=c.auth_token, limits=c.limits,
             )
         )  # fmt: skip
         await self.router.start()
@@ -167,7 +173,7 @@ async def serve_cluster(config: ClusterConfig, grace: float = 10.0) -> None:
                 f"  router HTTP  {cluster.http_url}/v1 (OpenAI-compatible), {cluster.http_url}/metrics",
                 flush=True,
             )
-        print(f"  redis        {_redacted(cluster.redis_url)}", flush=True)
+        print(f"  redis        {redacted(cluster.redis_url)}", flush=True)
         print("  Ctrl-C to stop", flush=True)
         await wait_for_signal()
         print("draining ...", flush=True)
@@ -184,14 +190,3 @@ async def serve_router(config: RouterConfig, grace: float = 10.0) -> None:
         await wait_for_signal()
     finally:
         await router.stop(grace)
-
-
-def _redacted(url: str) -> str:
-    """A Redis URL without its password (never print secrets)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url

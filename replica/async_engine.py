@@ -38,6 +38,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; requests in flight were ended with this error."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: refused at once instead of queueing without bound."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -61,6 +65,9 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.engine.prepare_request(prompt, params, request_id)  # validates in the caller
+        limit = self.engine.config.max_queued_requests
+        if self.num_waiting() >= limit:
+            raise EngineOverloadedError(f"replica queue is full ({limit} waiting requests)")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._commands.put(("add", request))
@@ -102,6 +109,13 @@ class AsyncLLMEngine:
             return engine.block_manager.cached_hashes()
 
         return await self.call(snapshot)
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the engine or still on their way to it."""
+        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
+    def num_streams(self) -> int:
+        return len(self._streams)
 
     def drain_kv_events(self) -> list[KVEvent]:
         with self._events_lock:

@@ -21,6 +21,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV
     max_num_seqs: int = 64  # sequences in one batch
     max_num_batched_tokens: int = 2048  # tokens computed in one step (chunked prefill budget)
+    max_queued_requests: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's half type on CUDA
     device: str | None = None  # None: cuda if available, else cpu
@@ -38,7 +39,7 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        positive = ["max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"]
+        positive = ["max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_queued_requests"]
         positive += [
             n for n in ("block_size", "num_kv_blocks", "max_model_len") if getattr(self, n) is not None
         ]

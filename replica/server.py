@@ -16,6 +16,7 @@ from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.replica.service import ReplicaService
 from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.router.index import PrefixIndex
+from kvmesh.router.security import TLSConfig
 from kvmesh.router.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class ReplicaConfig:
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0
     torch_threads: int | None = None  # CPU replicas sharing a machine should not oversubscribe it
+    tls: TLSConfig = field(default_factory=TLSConfig)  # serve gRPC over TLS (mTLS with client_auth)
     engine: dict = field(default_factory=dict)  # LLMEngine options
 
 
@@ -70,7 +72,7 @@ class ReplicaServer:
         tokenizer = PromptTokenizer(c.model_dir) if engine.tokenizer is not None else None
         service = ReplicaService(self.engine, c.replica_id, self.index_state, tokenizer)
         self.grpc = await start_grpc_server(
-            [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port
+            [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls
         )
         self.address = f"{advertised_host(c)}:{self.grpc.port}"
         index = PrefixIndex.from_url(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
@@ -87,7 +89,8 @@ class ReplicaServer:
         return (p.incarnation or 0, p.dirty) if p else (0, True)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Leave the index, finish in-flight streams (up to ``grace`` s), stop the engine."""
+        """Drain: leave the index (routers stop choosing it), refuse new calls, let in-flight
+        streams finish for up to ``grace`` seconds, then stop the engine."""
         if self.publisher:
             await self.publisher.stop()
             await self.publisher.index.close()

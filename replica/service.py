@@ -14,7 +14,7 @@ import grpc
 
 from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError
+from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from kvmesh.replica.request import RequestOutput
 from kvmesh.replica.sampling_params import sampling_from_proto
 from kvmesh.router.tokenization import PromptTokenizer
@@ -73,6 +73,8 @@ class ReplicaService(pb_grpc.ReplicaServicer):
                     yield pb.GenerateResponse(request_id=request_id, complete=complete)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineOverloadedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 

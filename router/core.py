@@ -19,7 +19,7 @@ import grpc
 from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb
 from kvmesh.replica.sampling_params import sampling_from_proto
-from kvmesh.router.errors import InvalidRequest, RouterError, Unavailable, from_rpc_error
+from kvmesh.router.errors import InvalidRequest, Overloaded, RouterError, Unavailable, from_rpc_error
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import Policy, RequestWork, RouteRequest, make_policy
@@ -39,6 +39,15 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     hash_seed: int
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """Bounds that keep one router from queueing without limit or taking oversized work."""
+
+    max_inflight: int = 1024  # requests streaming through this router; beyond: RESOURCE_EXHAUSTED
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    max_tokens: int | None = None  # ceiling on sampling.max_tokens; None: max_model_len - 1
 
 
 @dataclass
@@ -66,6 +75,7 @@ class RouterCore:
         speculative_ttl_s: float = 2.0,
         lookup_timeout_s: float = 0.25,
         metrics: RouterMetrics | None = None,
+        limits: RouterLimits | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -76,6 +86,9 @@ class RouterCore:
         self.metrics = metrics or RouterMetrics()
         self.policies: dict[str, Policy] = {}
         self.default_policy = self.policy(default_policy).name
+        self.limits = limits or RouterLimits()
+        self.draining = False  # set on shutdown: new requests get UNAVAILABLE
+        self.active = 0  # requests streaming through this router now
         self._inflight: dict[str, str] = {}  # request id -> replica id
         self._index_warned = False
 
@@ -125,6 +138,12 @@ class RouterCore:
             policy = self.policy(request.policy or self.default_policy).name
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        max_prompt = self.limits.max_prompt_tokens or self.model.max_model_len - 1
+        if len(ids) > max_prompt:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens, the limit is {max_prompt}")
+        ceiling = self.limits.max_tokens or self.model.max_model_len - 1
+        if params.max_tokens > ceiling:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} is above the limit {ceiling}")
         if len(ids) + params.max_tokens > self.model.max_model_len:
             raise InvalidRequest(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
@@ -175,23 +194,39 @@ class RouterCore:
         lookable = (len(decision.token_ids) - 1) // self.model.block_size
         return min(decision.matched.get(replica_id, 0), lookable) * self.model.block_size
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Route and stream. Raises RouterError before the first response; after it, too."""
-        started = time.perf_counter()
-        decision = await self.decide(request)
-        outcome = "error"
-        try:
-            async for response in self._stream(request, decision, started):
-                yield response
-            outcome = "ok"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            self.metrics.requests.labels(decision.policy, outcome).inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
+    async def generate(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Route and stream. Raises RouterError before the first response; after it, too.
 
-    async def _stream(self, request: pb.GenerateRequest, decision: Decision, started: float):
+        ``timeout``: seconds the caller still waits (its deadline); the replica gets the same.
+        """
+        if self.draining:
+            raise Unavailable("router is shutting down; retry on another router")
+        if self.active >= self.limits.max_inflight:
+            self.metrics.requests.labels(request.policy or self.default_policy, "overloaded").inc()
+            raise Overloaded(f"router at its in-flight limit ({self.limits.max_inflight} requests)")
+        self.active += 1
+        try:
+            started = time.perf_counter()
+            decision = await self.decide(request)
+            outcome = "error"
+            try:
+                async for response in self._stream(request, decision, started, timeout):
+                    yield response
+                outcome = "ok"
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            finally:
+                self.metrics.requests.labels(decision.policy, outcome).inc()
+                self.metrics.latency.observe(time.perf_counter() - started)
+        finally:
+            self.active -= 1
+
+    async def _stream(
+        self, request: pb.GenerateRequest, decision: Decision, started: float, timeout: float | None
+    ):
         upstream = pb.GenerateRequest(
             request_id=decision.request_id,
             token_ids=pb.TokenIds(ids=decision.token_ids),
@@ -207,7 +242,7 @@ class RouterCore:
             self.registry.begin(replica_id, work)
             self.overlay.record(replica_id, hashes)
             self._inflight[decision.request_id] = replica_id
-            call = entry.stub.Generate(upstream)
+            call = entry.stub.Generate(upstream, timeout=timeout)
             first = True
             try:
                 async for response in call:
@@ -226,8 +261,10 @@ class RouterCore:
                     yield response
                 return
             except grpc.aio.AioRpcError as exc:
-                if first and exc.code() in _FAILOVER_CODES and attempt == 0 and len(decision.ranked) > 1:
-                    self.registry.mark_failed(replica_id)
+                retryable = exc.code() in _FAILOVER_CODES or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if first and retryable and attempt == 0 and len(decision.ranked) > 1:
+                    if exc.code() in _FAILOVER_CODES:
+                        self.registry.mark_failed(replica_id)
                     self.metrics.retries.inc()
                     log.warning(
                         "replica failed before streaming, retrying elsewhere",
@@ -255,4 +292,4 @@ class RouterCore:
         return reply.found
 
 
-__all__ = ["Decision", "ModelInfo", "RouterCore", "RouterError"]
+__all__ = ["Decision", "ModelInfo", "RouterCore", "RouterError", "RouterLimits"]

@@ -25,10 +25,16 @@ class Overloaded(RouterError):
     http_status = 429
 
 
+class DeadlineExceeded(RouterError):
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> RouterError:
     """A replica's error, passed on with its code and message."""
     cls = {
         grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
         grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+        grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     }.get(exc.code(), Unavailable)
     return cls(f"replica error ({exc.code().name}): {exc.details()}")

@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.router.security import TLSConfig
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -40,13 +42,18 @@ async def start_grpc_server(
     host: str,
     port: int,
     serving: bool = True,
+    tls: TLSConfig | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> GrpcServer:
-    """Serve ``(add_XServicer_to_server, servicer, full service name)`` triples on host:port (0: any)."""
+    """Serve ``(add_XServicer_to_server, servicer, full service name)`` triples on host:port
+    (0: any), over TLS when ``tls`` has a certificate. Larger messages: RESOURCE_EXHAUSTED."""
     server = grpc.aio.server(
+        interceptors=list(interceptors),
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     names = []
     for add, servicer, name in services:
@@ -55,7 +62,9 @@ async def start_grpc_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    creds = tls.server_credentials() if tls else None
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()

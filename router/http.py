@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from kvmesh.protos import pb
 from kvmesh.router.core import RouterCore
 from kvmesh.router.errors import InvalidRequest, RouterError
+from kvmesh.router.security import token_matches
 
 
 class _Sampling(BaseModel):
@@ -105,9 +106,28 @@ def _usage(complete: pb.Complete) -> dict:
     }
 
 
-def build_app(core: RouterCore, live_replicas: Callable[[], int]) -> FastAPI:
+def build_app(
+    core: RouterCore,
+    live_replicas: Callable[[], int],
+    auth_token: str | None = None,
+    max_body_bytes: int = 4 << 20,
+) -> FastAPI:
     app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None, openapi_url=None)
     model = core.model.model_id
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    if auth_token:
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path == "/health" or token_matches(
+                request.headers.get("authorization"), auth_token
+            ):
+                return await call_next(request)
+            return _error(
+                401,
+                "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
+                "authentication_error",
+            )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -185,6 +205,43 @@ def build_app(core: RouterCore, live_replicas: Callable[[], int]) -> FastAPI:
         }
 
     return app
+
+
+class _BodyLimit:
+    """Refuses request bodies over ``max_bytes`` with 413, without reading them into memory."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        response = _error(413, f"request body over {self.max_bytes} bytes", "invalid_request_error")
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 async def _chain(first: pb.GenerateResponse, rest: AsyncIterator[pb.GenerateResponse]):

@@ -59,8 +59,9 @@ def namespace(model_id: str) -> str:
 def connect(url: str, timeout: float = 2.0) -> aioredis.Redis:
     """A client that fails fast: callers decide how to degrade when Redis is away.
 
-    ``redis://`` or ``rediss://`` (TLS). A password (and ACL user) not in the URL comes from
-    ``KVMESH_REDIS_PASSWORD`` / ``KVMESH_REDIS_USERNAME``, so secrets stay out of flags and logs.
+    ``redis://`` or ``rediss://`` (TLS, verified against ``KVMESH_REDIS_CA`` when set). A
+    password (and ACL user) not in the URL comes from ``KVMESH_REDIS_PASSWORD`` /
+    ``KVMESH_REDIS_USERNAME``, so secrets stay out of flags and logs.
     """
     extra = {}
     parts = urlsplit(url)
@@ -70,6 +71,8 @@ def connect(url: str, timeout: float = 2.0) -> aioredis.Redis:
         extra["password"] = os.environ["KVMESH_REDIS_PASSWORD"]
         if os.environ.get("KVMESH_REDIS_USERNAME"):
             extra["username"] = os.environ["KVMESH_REDIS_USERNAME"]
+    if parts.scheme == "rediss" and os.environ.get("KVMESH_REDIS_CA"):
+        extra["ssl_ca_certs"] = os.environ["KVMESH_REDIS_CA"]
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout,

@@ -21,6 +21,7 @@ from kvmesh.protos import pb_grpc
 from kvmesh.router.grpc_server import MAX_MESSAGE_BYTES
 from kvmesh.router.index import PrefixIndex, ReplicaRecord
 from kvmesh.router.policies import ReplicaLoad, ReplicaState, RequestWork
+from kvmesh.router.security import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,15 @@ class ReplicaEntry:
 
 
 class ReplicaRegistry:
-    def __init__(self, index: PrefixIndex, refresh_s: float = 0.5, failure_cooldown_s: float = 5.0):
+    def __init__(
+        self,
+        index: PrefixIndex,
+        refresh_s: float = 0.5,
+        failure_cooldown_s: float = 5.0,
+        tls: TLSConfig | None = None,
+    ):
         self.index = index
+        self.tls = tls
         self.refresh_s = refresh_s
         self.failure_cooldown_s = failure_cooldown_s
         self.entries: dict[str, ReplicaEntry] = {}
@@ -91,8 +99,8 @@ class ReplicaRegistry:
             if entry is None or entry.record.address != rec.address:
                 if entry is not None:
                     await entry.channel.close()
-                channel = grpc.aio.insecure_channel(
-                    rec.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                channel = open_channel(
+                    rec.address, self.tls, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
                 )
                 entry = ReplicaEntry(rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0)
                 self.entries[rec.replica_id] = entry

@@ -9,18 +9,19 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
 from kvmesh.kvcache import namespace_seed
 from kvmesh.protos import pb_grpc
-from kvmesh.router.core import ModelInfo, RouterCore
+from kvmesh.router.core import ModelInfo, RouterCore, RouterLimits
 from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.router.http import build_app
 from kvmesh.router.index import IndexSettingsError, PrefixIndex
 from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.security import TLSConfig, TokenAuthInterceptor
 from kvmesh.router.service import RouterService
 from kvmesh.router.tokenization import PromptTokenizer
 
@@ -40,6 +41,10 @@ class RouterConfig:
     policy: str = "prefix"
     refresh_s: float = 0.5
     speculative_ttl_s: float = 2.0
+    limits: RouterLimits = field(default_factory=RouterLimits)
+    max_message_bytes: int = 4 << 20  # gRPC and HTTP request bodies; larger: RESOURCE_EXHAUSTED / 413
+    tls: TLSConfig = field(default_factory=TLSConfig)  # serving TLS (gRPC + HTTPS) and toward replicas
+    auth_token: str | None = None  # bearer token clients must send (None: open)
 
 
 def model_info(config: RouterConfig) -> ModelInfo:
@@ -70,7 +75,7 @@ class RouterServer:
         self.index = PrefixIndex.from_url(
             config.redis_url, self.model.model_id, self.model.block_size, self.model.hash_seed
         )
-        self.registry = ReplicaRegistry(self.index, refresh_s=config.refresh_s)
+        self.registry = ReplicaRegistry(self.index, refresh_s=config.refresh_s, tls=config.tls)
         self.core = RouterCore(
             self.model,
             tokenizer,
@@ -78,6 +83,7 @@ class RouterServer:
             self.registry,
             config.policy,
             speculative_ttl_s=config.speculative_ttl_s,
+            limits=config.limits,
         )
         self.grpc: GrpcServer | None = None
         self._http: uvicorn.Server | None = None
@@ -95,11 +101,15 @@ class RouterServer:
             raise
         except Exception as exc:  # Redis away at start: serve anyway, the registry keeps trying
             log.warning("prefix index unreachable at start", extra={"error": str(exc)})
+        interceptors = [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_RouterServicer_to_server, RouterService(self.core), "kvmesh.v1.Router")],
             self.config.host,
             self.config.port,
             serving=False,
+            tls=self.config.tls,
+            interceptors=interceptors,
+            max_message_bytes=self.config.max_message_bytes,
         )
         self.registry.on_change(self._health_follows)
         await self.registry.start()
@@ -111,9 +121,21 @@ class RouterServer:
         await self.grpc.set_serving(live > 0)
 
     async def _start_http(self) -> None:
-        app = build_app(self.core, lambda: len(self.registry.live()))
+        app = build_app(
+            self.core,
+            lambda: len(self.registry.live()),
+            auth_token=self.config.auth_token,
+            max_body_bytes=self.config.max_message_bytes,
+        )
         config = uvicorn.Config(
-            app, host=self.config.host, port=self.config.http_port, log_level="warning", lifespan="off"
+            app,
+            host=self.config.host,
+            port=self.config.http_port,
+            log_level="warning",
+            lifespan="off",
+            ssl_certfile=self.config.tls.cert,
+            ssl_keyfile=self.config.tls.key,
+            timeout_graceful_shutdown=30,
         )
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.create_task(self._http.serve(), name="kvmesh-http")
@@ -125,9 +147,15 @@ class RouterServer:
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Health goes NOT_SERVING first; in-flight streams get ``grace`` seconds."""
+        """Drain: health goes NOT_SERVING and new requests are refused at once, in-flight
+        streams get up to ``grace`` seconds, then everything closes."""
+        self.core.draining = True
         if self.grpc:
-            await self.grpc.stop(grace)
+            await self.grpc.set_serving(False)
+            deadline = asyncio.get_running_loop().time() + grace
+            while self.core.active and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            await self.grpc.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         if self._http:
             self._http.should_exit = True
             with contextlib.suppress(asyncio.CancelledError):

@@ -17,7 +17,7 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for response in self.core.generate(request):
+            async for response in self.core.generate(request, timeout=context.time_remaining()):
                 yield response
         except RouterError as exc:
             await context.abort(exc.grpc_code, str(exc))
