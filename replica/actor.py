@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from kvmesh.replica.server import ReplicaConfig, ReplicaServer
@@ -29,6 +31,20 @@ class ReplicaActor:
 
     def address(self) -> str:
         return self.server.address
+
+    async def inject_step_delay(self, seconds: float) -> None:
+        """Fault injection (tests, chaos drills): every engine step takes ``seconds`` longer."""
+
+        def slow_down(engine) -> None:
+            step = type(engine).step
+
+            def delayed_step(self_=engine):
+                time.sleep(seconds)
+                return step(self_)
+
+            engine.step = delayed_step
+
+        await self.server.engine.call(slow_down)
 
 
 def replica_actor_class(use_gpu: bool, num_cpus: float = 1):

@@ -180,6 +180,11 @@ local function sweep(keys, args)
   return {res[1], removed}
 end
 
+-- ARGV: ns. 1 if the settings exist (0 after a restart that lost the data).
+local function has_settings(keys, args)
+  return redis.call('EXISTS', args[1] .. 'settings')
+end
+
 -- ARGV: ns, then field/value pairs. Stores the settings if none exist; returns the
 -- stored ones (flat) so the caller can compare.
 local function settings(keys, args)
@@ -197,3 +202,4 @@ redis.register_function('kvmesh_retire', retire)
 redis.register_function('kvmesh_live_replicas', live_replicas)
 redis.register_function('kvmesh_sweep', sweep)
 redis.register_function('kvmesh_settings', settings)
+redis.register_function{function_name = 'kvmesh_has_settings', callback = has_settings, flags = {'no-writes'}}

@@ -130,6 +130,10 @@ class PrefixIndex:
             )
             raise IndexSettingsError(f"prefix index settings differ ({detail})")
 
+    async def has_settings(self) -> bool:
+        """False when the server lost this model's data (restarted without persistence)."""
+        return bool(await self._call("kvmesh_has_settings", read_only=True))
+
     # ------------------------------------------------------------------ replicas
 
     async def register(

@@ -83,12 +83,25 @@ class ReplicaRegistry:
                 log.warning("prefix index unreachable: routing by load only", extra={"error": str(exc)})
             self.index_ok = False
         else:
-            if not self.index_ok:
-                log.info("prefix index reachable", extra={"replicas": len(records)})
-            self.index_ok = True
-            await self._apply(records)
+            if len(records) < len(self.entries) and not await self._index_has_settings():
+                # Redis came back empty (a restart without persistence): replicas are not
+                # dead, they are about to re-register. Keep the last known set meanwhile.
+                if self.index_ok:
+                    log.warning("prefix index lost its data; replicas are resyncing")
+                self.index_ok = False
+            else:
+                if not self.index_ok:
+                    log.info("prefix index reachable", extra={"replicas": len(records)})
+                self.index_ok = True
+                await self._apply(records)
         for callback in self._listeners:
             await callback(len(self.live()))
+
+    async def _index_has_settings(self) -> bool:
+        try:
+            return await self.index.has_settings()
+        except Exception:
+            return False
 
     async def _apply(self, records: list[ReplicaRecord]) -> None:
         now = time.monotonic()
