@@ -72,6 +72,12 @@ def _to_proto(body: _Sampling, core: RouterCore) -> pb.GenerateRequest:
         raise _UnknownModel(
             f"model {body.model!r} is not served here; this router serves {core.model.model_id!r}"
         )
+    for name, ids in (
+        ("prompt", body.prompt if isinstance(body, CompletionRequest) else None),
+        ("stop_token_ids", body.stop_token_ids),
+    ):
+        if isinstance(ids, list) and any(not 0 <= t < 2**32 for t in ids):
+            raise InvalidRequest(f"{name}: token ids must be in [0, 2**32)")
     sampling = pb.SamplingParams(ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [])
     sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -85,7 +91,10 @@ def _to_proto(body: _Sampling, core: RouterCore) -> pb.GenerateRequest:
         if value is not None:
             if name in ("top_k", "seed", "max_tokens") and value < 0:
                 raise InvalidRequest(f"{name} must be non-negative, got {value}")
-            setattr(sampling, name, value)
+            try:
+                setattr(sampling, name, value)
+            except (ValueError, TypeError, OverflowError):
+                raise InvalidRequest(f"{name} {value!r} is out of range") from None
     request = pb.GenerateRequest(sampling=sampling, policy=body.policy or "", affinity_key=body.user or "")
     if isinstance(body, ChatRequest):
         request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in body.messages)
