@@ -142,6 +142,7 @@ FAILS = [
     ({"router": {"pdb": {"minAvailable": 2}}}, "below router.autoscaling.minReplicas"),
     ({"ingress": {"enabled": True, "host": ""}}, "needs ingress.host"),
     ({"grpcRoute": {"enabled": True}}, "needs grpcRoute.parentRefs"),
+    ({"security": {"tls": {"enabled": True}}}, "needs security.tls.existingSecret"),
 ]  # fmt: skip
 
 
@@ -173,12 +174,18 @@ def by_kind(docs, kind):
 
 
 def test_router_probes_drain_and_spread(rendered):
-    _, docs = rendered
+    path, docs = rendered
     [router] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-router")]
     spec = router["spec"]["template"]["spec"]
     [c] = spec["containers"]
-    assert c["readinessProbe"]["grpc"]["service"] == "kvmesh.v1.Router"
-    assert c["livenessProbe"]["grpc"]["service"] == "" and c["startupProbe"]["grpc"]["port"] == 50051
+    if values_of(path).get("security", {}).get("tls", {}).get("enabled"):  # gRPC probes cannot do TLS
+        assert (
+            c["readinessProbe"]["httpGet"]["path"] == "/health"
+            and c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+        )
+    else:
+        assert c["readinessProbe"]["grpc"]["service"] == "kvmesh.v1.Router"
+        assert c["livenessProbe"]["grpc"]["service"] == "" and c["startupProbe"]["grpc"]["port"] == 50051
     assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     assert spec["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert {p["name"] for p in c["ports"]} == {"grpc", "http"}
@@ -317,6 +324,42 @@ def test_notes_name_the_endpoints_and_a_health_check(chart):
     assert (
         "llm-kvmesh-router.serving.svc:50051" in notes and "grpc_health_probe" in notes and "/health" in notes
     )
+
+
+def test_tls_and_token_are_wired_by_reference(chart):
+    docs = render(chart, values_of(CHART / "ci" / "secure-values.yaml"))
+    for owner, _, spec in pods(docs):
+        if "valkey" in owner:
+            continue
+        [c] = spec["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["KVMESH_TLS_CERT"]["value"] == "/etc/kvmesh/tls/tls.crt", owner
+        assert any(m["name"] == "tls" and m["mountPath"] == "/etc/kvmesh/tls" for m in c["volumeMounts"]), (
+            owner
+        )
+        assert any(
+            v["name"] == "tls" and v["secret"]["secretName"] == "kvmesh-tls" for v in spec["volumes"]
+        ), owner
+        is_router = owner.endswith("-router")
+        assert ("KVMESH_AUTH_TOKEN" in env) == is_router, owner  # only the router checks the token
+        if is_router:
+            assert env["KVMESH_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+                "name": "kvmesh-token",
+                "key": "token",
+            }
+            assert env["KVMESH_TLS_CLIENT_AUTH"]["value"] == "false"  # clients use the token
+            assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and "grpc" not in c["livenessProbe"]
+        else:
+            assert env["KVMESH_TLS_CLIENT_AUTH"]["value"] == "true"  # replicas require mTLS
+    [monitor] = by_kind(docs, "ServiceMonitor")
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https" and endpoint["bearerTokenSecret"] == {
+        "name": "kvmesh-token",
+        "key": "token",
+    }
+    [valkey] = by_kind(docs, "StatefulSet")
+    args = valkey["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--requirepass" in args and "$(KVMESH_REDIS_PASSWORD)" in args
 
 
 def test_dockerfile_builds_cpu_and_cuda_variants_as_the_charts_user():

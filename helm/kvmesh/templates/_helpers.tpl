@@ -49,20 +49,57 @@ redis://{{ include "kvmesh.redisHost" . }}:6379/0
 {{- end -}}
 {{- end -}}
 
-{{/* Environment of every kvmesh process: the shared ConfigMap plus the Redis password. */}}
+{{/* Environment of every kvmesh process: the shared ConfigMap, the Redis password and TLS
+     files (secrets only ever by reference). Pass (list . "router"|"controller"|"ray"). */}}
 {{- define "kvmesh.env" -}}
+{{- $root := index . 0 -}}
+{{- $who := index . 1 -}}
 envFrom:
   - configMapRef:
-      name: {{ include "kvmesh.configmap" . }}
-{{- $secret := include "kvmesh.redisSecret" . }}
-{{- if $secret }}
+      name: {{ include "kvmesh.configmap" $root }}
+{{- $secret := include "kvmesh.redisSecret" $root }}
+{{- $tls := $root.Values.security.tls }}
+{{- $auth := $root.Values.security.auth }}
+{{- if or $secret $tls.enabled (and $auth.existingSecret (eq $who "router")) }}
 env:
+  {{- if $secret }}
   - name: KVMESH_REDIS_PASSWORD
     valueFrom:
       secretKeyRef:
         name: {{ index (splitList "/" $secret) 0 }}
         key: {{ index (splitList "/" $secret) 1 }}
+  {{- end }}
+  {{- if $tls.enabled }}
+  - {name: KVMESH_TLS_CERT, value: /etc/kvmesh/tls/tls.crt}
+  - {name: KVMESH_TLS_KEY, value: /etc/kvmesh/tls/tls.key}
+  - {name: KVMESH_TLS_CA, value: /etc/kvmesh/tls/ca.crt}
+  - {name: KVMESH_TLS_SERVER_NAME, value: {{ $tls.serverName | quote }}}
+  {{- /* the router authenticates clients by token; replicas require the router's certificate */}}
+  - {name: KVMESH_TLS_CLIENT_AUTH, value: {{ ternary "false" (ternary "true" "false" $tls.clientAuth) (eq $who "router") | quote }}}
+  {{- end }}
+  {{- if and $auth.existingSecret (eq $who "router") }}
+  - name: KVMESH_AUTH_TOKEN
+    valueFrom:
+      secretKeyRef:
+        name: {{ $auth.existingSecret }}
+        key: {{ $auth.tokenKey }}
+  {{- end }}
 {{- end }}
+{{- end -}}
+
+{{- define "kvmesh.tlsMount" -}}
+{{- if .Values.security.tls.enabled -}}
+- {name: tls, mountPath: /etc/kvmesh/tls, readOnly: true}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvmesh.tlsVolume" -}}
+{{- if .Values.security.tls.enabled -}}
+- name: tls
+  secret:
+    secretName: {{ .Values.security.tls.existingSecret }}
+    defaultMode: 0440
+{{- end -}}
 {{- end -}}
 
 {{- define "kvmesh.modelVolume" -}}
