@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per replica (default: from memory)")
     up.add_argument("--max-num-seqs", type=int, default=64)
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument(
+        "--max-queued-requests", type=int, default=1024, help="per replica; beyond it: RESOURCE_EXHAUSTED"
+    )
     up.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
     up.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory for the engine (CUDA)")
     up.add_argument(

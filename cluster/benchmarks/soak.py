@@ -37,7 +37,7 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-async def _client(address: str, requests, stop: asyncio.Event, t0: float, log: list) -> None:
+async def _client(address: str, requests, stop: asyncio.Event, t0: float, log: list, failures: list) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RouterStub(channel)
         i = random.randrange(len(requests))
@@ -48,13 +48,15 @@ async def _client(address: str, requests, stop: asyncio.Event, t0: float, log: l
                 token_ids=pb.TokenIds(ids=req.tokens()),
                 sampling=pb.SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True),
             )
-            start = time.perf_counter()
+            start, responses = time.perf_counter(), 0
             try:
                 async for _ in stub.Generate(msg, timeout=60):
-                    pass
+                    responses += 1
                 code = "OK"
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
+                failures.append({"at_s": round(start - t0, 2), "after_s": round(time.perf_counter() - start, 2),
+                                 "code": code, "responses": responses, "details": exc.details()})  # fmt: skip
             log.append((start - t0, code, time.perf_counter() - start))
 
 
@@ -75,13 +77,14 @@ async def run(
     )
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-    kills = 0
+    kill_times: list[float] = []
+    failures: list[dict] = []
     async with LocalCluster(config) as cluster:
         cluster.supervisor.check_s = 0.5
         stop = asyncio.Event()
         t0 = time.perf_counter()
         workers = [
-            asyncio.create_task(_client(cluster.router_address, requests, stop, t0, log))
+            asyncio.create_task(_client(cluster.router_address, requests, stop, t0, log, failures))
             for _ in range(clients)
         ]
         next_kill, next_sample = kill_every, 0.0
@@ -90,21 +93,21 @@ async def run(
                 await _sample_memory(cluster, now, memory)
                 next_sample += 10.0
                 progress(
-                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {kills} kills"
+                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
                 )
             if kill_every and now >= next_kill:
                 victim = rng.choice(sorted(cluster.supervisor.actors))
                 import ray
 
                 ray.kill(cluster.supervisor.actors[victim])
-                kills += 1
+                kill_times.append(round(now, 2))
                 next_kill += kill_every
             await asyncio.sleep(0.2)
         stop.set()
         await asyncio.gather(*workers)
         await _sample_memory(cluster, time.perf_counter() - t0, memory)
         restarts = cluster.supervisor.restarts
-    return {"minutes": _per_minute(log), "memory": _memory_report(memory), "kills": kills, "restarts": restarts,
+    return {"minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
             "requests": len(log), "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK"))}  # fmt: skip
 
 
