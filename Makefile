@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint bench protos venv clean
+.PHONY: demo test lint bench peers protos venv clean
 
 venv: $(STAMP)
 
@@ -37,5 +37,17 @@ bench: venv
 	$(VENV)/bin/kvmesh bench index --out results/bench_index.json
 	$(VENV)/bin/kvmesh bench router --out results/bench_router.json
 
+# Third-party routers and load generator for `kvmesh bench peers`, in their own venv: they
+# are never kvmesh dependencies. torch first and pinned, and held there by a constraint
+# (guidellm asks for an unpinned torch).
+PEERS_VENV := .venv-peers
+PEERS := sglang-router==0.3.2 vllm-router==0.1.17 guidellm==0.8.1
+peers: venv
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet $(TORCH)
+	echo '$(TORCH)' > $(PEERS_VENV)/constraints.txt
+	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(PEERS_VENV)/constraints.txt $(PEERS)
+
 clean:
-	rm -rf $(VENV) results .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) results .pytest_cache .ruff_cache .hypothesis

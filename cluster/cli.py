@@ -167,6 +167,30 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--quick", action="store_true", help="fewer samples")
     rtr.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
     rtr.set_defaults(handler=_run_bench_router)
+    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS
+
+    peers = benches.add_parser(
+        "peers", help="kvmesh's router vs sglang-router and vllm-router on the same replicas (make peers)"
+    )
+    peers.add_argument("--out", default="results/bench_peers.json", help="JSON result (.md and .png beside)")
+    peers.add_argument("--peers-venv", default=".venv-peers", help="where `make peers` installed the peers")
+    peers.add_argument("--replicas", type=int, default=4)
+    peers.add_argument(
+        "--num-kv-blocks", type=int, default=160, help="per replica: holds some prefixes, not all"
+    )
+    peers.add_argument("--prefix-tokens", type=int, default=512)
+    peers.add_argument("--prefix-count", type=int, default=8, help="distinct shared prefixes")
+    peers.add_argument("--prompt-tokens", type=int, default=64, help="unique tokens after the prefix")
+    peers.add_argument("--output-tokens", type=int, default=16)
+    peers.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    peers.add_argument("--requests", type=int, default=240, help="per run")
+    peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
+    peers.add_argument(
+        "--routers", default=",".join(c.name for c in CONTENDERS), help="comma-separated 'router policy' list"
+    )
+    peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
+    peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+    peers.set_defaults(handler=_run_bench_peers)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a small random model + tokenizer folder (offline)"
@@ -360,6 +384,35 @@ def _run_bench_router(args: argparse.Namespace) -> int:
 
     setup_logging(False)
     return bench_main(out=args.out, quick=args.quick, cache_dir=args.cache_dir)
+
+
+def _run_bench_peers(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad
+    from kvmesh.cluster.benchmarks.peers import PeersConfig
+    from kvmesh.cluster.benchmarks.peers import main as peers_main
+    from kvmesh.cluster.logs import setup_logging
+
+    known = {c.name: c for c in CONTENDERS}
+    names = [n.strip() for n in args.routers.split(",") if n.strip()]
+    if not names or any(n not in known for n in names):
+        raise UsageError(f"--routers: pick from {', '.join(known)}")
+    sizes = (args.replicas, args.num_kv_blocks, args.prefix_tokens, args.prefix_count, args.prompt_tokens,
+             args.output_tokens, args.requests)  # fmt: skip
+    if min(sizes) <= 0 or args.rate <= 0 or args.max_seconds <= 0:
+        raise UsageError("sizes, --rate and --max-seconds must be positive")
+    setup_logging(False)
+    load = GuidellmLoad(
+        args.prefix_tokens, args.prefix_count, args.prompt_tokens, args.output_tokens, args.rate, args.requests,
+        args.max_seconds,
+    )  # fmt: skip
+    config = PeersConfig(
+        out=args.out, venv=Path(args.peers_venv), cache_dir=Path(args.cache_dir), replicas=args.replicas,
+        num_kv_blocks=args.num_kv_blocks, load=load, contenders=tuple(known[n] for n in names),
+        guidellm=not args.no_guidellm,
+    )  # fmt: skip
+    return peers_main(config)
 
 
 def _check_repeats(repeats: int) -> None:

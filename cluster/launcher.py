@@ -68,6 +68,10 @@ class LocalCluster:
         return self.router.address
 
     @property
+    def index(self) -> PrefixIndex:
+        return self._index
+
+    @property
     def http_url(self) -> str | None:
         return f"http://{self.config.host}:{self.router.http_port}" if self.router.http_port else None
 

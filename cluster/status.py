@@ -33,13 +33,13 @@ def render(models: list[dict]) -> str:
             f"model {s['model_id']}  block_size {s['block_size']}  replicas live: {len(m['replicas'])}"
         )
         lines.append(
-            f"  {'replica':<14}{'address':<22}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
+            f"  {'replica':<14}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
             f"{'cached':>8}{'hit rate':>9}{'tok/s':>8}{'hb age':>8}"
         )
         for r in sorted(m["replicas"], key=lambda r: r.replica_id):
             free, total = int(r.load("num_free_blocks")), int(r.load("num_blocks"))
             lines.append(
-                f"  {r.replica_id:<14}{r.address:<22}{r.incarnation:>5}{int(r.load('num_running')):>5}"
+                f"  {r.replica_id:<14}{r.address:<22}{r.fields.get('http_address', '-'):<30}{r.incarnation:>5}{int(r.load('num_running')):>5}"
                 f"{int(r.load('num_waiting')):>5}{f'{free}/{total}':>19}{int(r.load('num_cached_free_blocks')):>8}"
                 f"{r.load('prefix_hit_rate'):>9.3f}{r.load('tokens_per_s'):>8.1f}{now - r.load('heartbeat_at', now):>7.1f}s"
             )

@@ -11,10 +11,14 @@ from dataclasses import dataclass, field
 
 from kvmesh.protos import pb_grpc
 from kvmesh.replica.async_engine import AsyncLLMEngine
+from kvmesh.replica.backend import ReplicaBackend
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.replica.service import ReplicaService
+from kvmesh.router.core import ModelInfo
 from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
+from kvmesh.router.http import build_app
+from kvmesh.router.http_server import HttpServer, start_http_server
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.security import TLSConfig
 from kvmesh.router.tokenization import PromptTokenizer
@@ -29,7 +33,8 @@ class ReplicaConfig:
     redis_url: str
     model_id: str | None = None
     host: str = "127.0.0.1"  # where gRPC listens
-    port: int = 0  # 0: any free port
+    port: int = 0  # gRPC; 0: any free port
+    http_port: int | None = 0  # OpenAI HTTP (so any OpenAI-compatible router can front it); None: off
     advertise_host: str | None = (
         None  # the address others dial (default: host; this node's IP if host is 0.0.0.0)
     )
@@ -58,7 +63,10 @@ class ReplicaServer:
         self.engine: AsyncLLMEngine | None = None
         self.publisher: IndexPublisher | None = None
         self.grpc: GrpcServer | None = None
+        self.http: HttpServer | None = None
         self.address = ""
+        self.http_address = ""
+        self.draining = False
 
     async def start(self) -> str:
         """Load the model, serve gRPC, join the index; returns the gRPC address."""
@@ -70,19 +78,33 @@ class ReplicaServer:
         engine = await asyncio.to_thread(LLMEngine, c.model_dir, model_id=c.model_id, **c.engine)
         self.engine = AsyncLLMEngine(engine)
         tokenizer = PromptTokenizer(c.model_dir) if engine.tokenizer is not None else None
-        service = ReplicaService(self.engine, c.replica_id, self.index_state, tokenizer)
+        model = ModelInfo(
+            engine.model_id, engine.block_size, engine.max_model_len, engine.vocab_size, engine.hash_seed
+        )
+        backend = ReplicaBackend(self.engine, c.replica_id, model, tokenizer)
+        service = ReplicaService(backend, self.index_state)
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls
         )
-        self.address = f"{advertised_host(c)}:{self.grpc.port}"
-        index = PrefixIndex.from_url(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
+        host = advertised_host(c)
+        self.address = f"{host}:{self.grpc.port}"
         info = {"model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed}
+        if c.http_port is not None:
+            app = build_app(backend, self.health, title="kvmesh replica")
+            self.http = await start_http_server(app, c.host, c.http_port, c.tls)
+            self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"
+            info["http_address"] = self.http_address
+        index = PrefixIndex.from_url(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
         self.publisher = IndexPublisher(
             index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
         )
         await self.publisher.start()
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
+
+    def health(self) -> dict:
+        """HTTP /health: ok while serving; 503 once draining (routers then stop sending)."""
+        return {"status": "draining" if self.draining else "ok", "replica_id": self.config.replica_id}
 
     def index_state(self) -> tuple[int, bool]:
         p = self.publisher
@@ -91,10 +113,11 @@ class ReplicaServer:
     async def stop(self, grace: float = 5.0) -> None:
         """Drain: leave the index (routers stop choosing it), refuse new calls, let in-flight
         streams finish for up to ``grace`` seconds, then stop the engine."""
+        self.draining = True
         if self.publisher:
             await self.publisher.stop()
             await self.publisher.index.close()
-        if self.grpc:
-            await self.grpc.stop(grace)
+        servers = [s.stop(grace) for s in (self.grpc, self.http) if s is not None]
+        await asyncio.gather(*servers)
         if self.engine:
             await asyncio.to_thread(self.engine.shutdown)

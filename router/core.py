@@ -19,16 +19,16 @@ import grpc
 from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb
 from kvmesh.replica.sampling_params import sampling_from_proto
-from kvmesh.router.errors import InvalidRequest, Overloaded, RouterError, Unavailable, from_rpc_error
+from kvmesh.router.errors import InvalidRequest, Overloaded, RouterError, Unavailable, upstream_error
 from kvmesh.router.index import PrefixIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import Policy, RequestWork, RouteRequest, make_policy
+from kvmesh.router.prompt import prompt_ids
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.router.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
-_INLINE_TOKENIZE_CHARS = 8192
 _FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
@@ -92,6 +92,9 @@ class RouterCore:
         self._inflight: dict[str, str] = {}  # request id -> replica id
         self._index_warned = False
 
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
     def policy(self, name: str) -> Policy:
         if name not in self.policies:
             self.policies[name] = make_policy(name, block_size=self.model.block_size)
@@ -100,35 +103,7 @@ class RouterCore:
     # ------------------------------------------------------------------ validation
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("input")
-        if kind is None:
-            raise InvalidRequest("request has no input: set text, token_ids or chat")
-        if kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            bad = next((t for t in ids if t >= self.model.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
-        elif self.tokenizer is None:
-            raise InvalidRequest("this model has no tokenizer; send token ids")
-        elif kind == "text":
-            ids = self.tokenizer.encode(request.text) if request.text else []
-        else:
-            try:
-                ids = self.tokenizer.render_chat(
-                    {"role": m.role, "content": m.content} for m in request.chat.messages
-                )
-            except ValueError as exc:
-                raise InvalidRequest(str(exc)) from None
-        if not ids:
-            raise InvalidRequest("prompt is empty")
-        return ids
-
-    @staticmethod
-    async def _off_loop(fn, arg):
-        """Tokenize long inputs in a thread (the tokenizer releases the GIL) so one long
-        prompt does not stall every other stream; short ones inline (cheaper)."""
-        size = len(arg) if isinstance(arg, str) else sum(len(m["content"]) for m in arg)
-        return await asyncio.to_thread(fn, arg) if size > _INLINE_TOKENIZE_CHARS else fn(arg)
+        return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
 
     async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], int, str]:
         """(prompt ids, max_tokens, policy name) or InvalidRequest with the reason."""
@@ -239,7 +214,7 @@ class RouterCore:
                 continue
             matched = decision.matched.get(replica_id, 0)
             work = RequestWork.estimate(len(hashes), matched, decision.max_tokens, self.model.block_size)
-            self.registry.begin(replica_id, work)
+            self.registry.begin(entry, work)
             self.overlay.record(replica_id, hashes)
             self._inflight[decision.request_id] = replica_id
             call = entry.stub.Generate(upstream, timeout=timeout)
@@ -248,7 +223,7 @@ class RouterCore:
                 async for response in call:
                     if first:
                         first = False
-                        self.registry.prefill_done(replica_id, work)
+                        self.registry.prefill_done(entry, work)
                         self.metrics.ttft.observe(time.perf_counter() - started)
                         self.metrics.decisions.labels(replica_id).inc()
                     if response.WhichOneof("kind") == "complete":
@@ -260,24 +235,28 @@ class RouterCore:
                         self.metrics.prompt_tokens.inc(response.complete.usage.prompt_tokens)
                     yield response
                 return
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # our caller went away
+                # Nobody cancelled us: the call's channel was closed under it. Re-raising would
+                # end the handler as "cancelled" and gRPC would send the client no status at all.
+                code, details = grpc.StatusCode.UNAVAILABLE, "connection to the replica was closed"
             except grpc.aio.AioRpcError as exc:
-                retryable = exc.code() in _FAILOVER_CODES or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                if first and retryable and attempt == 0 and len(decision.ranked) > 1:
-                    if exc.code() in _FAILOVER_CODES:
-                        self.registry.mark_failed(replica_id)
-                    self.metrics.retries.inc()
-                    log.warning(
-                        "replica failed before streaming, retrying elsewhere",
-                        extra={"replica_id": replica_id},
-                    )
-                    continue
-                if exc.code() in _FAILOVER_CODES:
-                    self.registry.mark_failed(replica_id)
-                raise from_rpc_error(exc) from None
+                code, details = exc.code(), exc.details()
             finally:
                 call.cancel()  # no-op when finished; aborts upstream when the client went away
-                self.registry.end(replica_id, work)
+                self.registry.end(entry, work)
                 self._inflight.pop(decision.request_id, None)
+            retryable = code in _FAILOVER_CODES or code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if code in _FAILOVER_CODES:
+                self.registry.mark_failed(replica_id)
+            if first and retryable and attempt == 0 and len(decision.ranked) > 1:
+                self.metrics.retries.inc()
+                log.warning(
+                    "replica failed before streaming, retrying elsewhere", extra={"replica_id": replica_id}
+                )
+                continue
+            raise upstream_error(code, details)
         raise Unavailable("no replica could take the request")
 
     async def abort(self, request_id: str) -> bool:
@@ -288,7 +267,7 @@ class RouterCore:
         try:
             reply = await entry.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise upstream_error(exc.code(), exc.details()) from None
         return reply.found
 
 

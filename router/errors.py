@@ -30,11 +30,11 @@ class DeadlineExceeded(RouterError):
     http_status = 504
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError) -> RouterError:
+def upstream_error(code: grpc.StatusCode, details: str) -> RouterError:
     """A replica's error, passed on with its code and message."""
     cls = {
         grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
         grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    }.get(exc.code(), Unavailable)
-    return cls(f"replica error ({exc.code().name}): {exc.details()}")
+    }.get(code, Unavailable)
+    return cls(f"replica error ({code.name}): {details}")

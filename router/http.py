@@ -1,9 +1,13 @@
-"""OpenAI-compatible HTTP front end (FastAPI) over the same RouterCore as gRPC.
+"""OpenAI-compatible HTTP front end (FastAPI), served by the router and by every replica.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``,
-``/health`` (503 until a replica is live) and ``/metrics`` (Prometheus). Errors use
-OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 for bad input, 404 for an
-unknown model, 429 when overloaded, 503 with no live replica.
+vLLM-style ``/tokenize`` and ``/v1[/chat]/completions/render``, SGLang-style
+``/server_info``, ``/health`` (503 until ready) and ``/metrics`` (Prometheus), over
+any ``OpenAIBackend``: the router's RouterCore or a replica's own engine, so the same code
+(and the same error mapping) fronts both, and third-party routers (sglang-router,
+vllm-router) can front the replicas too. Errors use OpenAI's shape
+``{"error": {"message", "type", "code"}}``: 400 for bad input, 404 for an unknown model,
+429 when overloaded, 503 when nothing can serve.
 """
 
 from __future__ import annotations
@@ -11,17 +15,21 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from importlib.metadata import version
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from kvmesh.protos import pb
-from kvmesh.router.core import RouterCore
+from kvmesh.router.core import ModelInfo
 from kvmesh.router.errors import InvalidRequest, RouterError
 from kvmesh.router.security import token_matches
+
+_VERSION = version("kvmesh")
 
 
 class _Sampling(BaseModel):
@@ -46,13 +54,47 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int]
 
 
+class _ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | list[_ContentPart]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[_ContentPart]) -> str:
+        """OpenAI content parts (what guidellm's chat mode sends) join into one string."""
+        if isinstance(content, str):
+            return content
+        if any(part.type != "text" or part.text is None for part in content):
+            raise ValueError("only text content parts are supported")
+        return "".join(part.text for part in content)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # accepted for vLLM compatibility; the tokenizer's default applies
+
+
+class OpenAIBackend(Protocol):
+    """What the front end serves from (RouterCore, or a replica's ReplicaBackend)."""
+
+    model: ModelInfo
+
+    async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]: ...
+
+    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    def render_metrics(self) -> bytes: ...
 
 
 class _UnknownModel(RouterError):
@@ -65,19 +107,22 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     )
 
 
-def _to_proto(body: _Sampling, core: RouterCore) -> pb.GenerateRequest:
+def _check_model(name: str | None, model: ModelInfo) -> None:
+    if name not in (None, "", model.model_id):
+        raise _UnknownModel(f"model {name!r} is not served here; this server serves {model.model_id!r}")
+
+
+def _check_ids(name: str, ids) -> None:
+    if isinstance(ids, list) and any(not 0 <= t < 2**32 for t in ids):
+        raise InvalidRequest(f"{name}: token ids must be in [0, 2**32)")
+
+
+def _to_proto(body: _Sampling, model: ModelInfo) -> pb.GenerateRequest:
     if body.n != 1:
         raise InvalidRequest("only n=1 is supported")
-    if body.model not in (None, "", core.model.model_id):
-        raise _UnknownModel(
-            f"model {body.model!r} is not served here; this router serves {core.model.model_id!r}"
-        )
-    for name, ids in (
-        ("prompt", body.prompt if isinstance(body, CompletionRequest) else None),
-        ("stop_token_ids", body.stop_token_ids),
-    ):
-        if isinstance(ids, list) and any(not 0 <= t < 2**32 for t in ids):
-            raise InvalidRequest(f"{name}: token ids must be in [0, 2**32)")
+    _check_model(body.model, model)
+    _check_ids("prompt", body.prompt if isinstance(body, CompletionRequest) else None)
+    _check_ids("stop_token_ids", body.stop_token_ids)
     sampling = pb.SamplingParams(ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [])
     sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -116,13 +161,15 @@ def _usage(complete: pb.Complete) -> dict:
 
 
 def build_app(
-    core: RouterCore,
-    live_replicas: Callable[[], int],
+    backend: OpenAIBackend,
+    health: Callable[[], dict],
     auth_token: str | None = None,
     max_body_bytes: int = 4 << 20,
+    title: str = "kvmesh router",
 ) -> FastAPI:
-    app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None, openapi_url=None)
-    model = core.model.model_id
+    """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    model = backend.model.model_id
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if auth_token:
 
@@ -150,15 +197,13 @@ def build_app(
         return _error(exc.http_status, str(exc), kind)
 
     @app.get("/health")
-    async def health():
-        n = live_replicas()
-        return JSONResponse(
-            status_code=200 if n else 503, content={"status": "ok" if n else "no live replica", "replicas": n}
-        )
+    async def health_check():
+        body = health()
+        return JSONResponse(status_code=200 if body.get("status") == "ok" else 503, content=body)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -167,9 +212,47 @@ def build_app(
             "object": "model",
             "created": 0,
             "owned_by": "kvmesh",
-            "max_model_len": core.model.max_model_len,
+            "max_model_len": backend.model.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        """SGLang's metadata shape: sglang-router names the worker's model from it."""
+        return {
+            "served_model_name": model,
+            "max_model_len": backend.model.max_model_len,
+            "page_size": backend.model.block_size,
+            "version": _VERSION,
+        }
+
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest):
+        return [{"token_ids": await backend.prompt_ids(_to_proto(body, backend.model))}]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatRequest):
+        """vLLM's render shape: vllm-router's cache_aware policy asks every worker for it."""
+        return [{"token_ids": await backend.prompt_ids(_to_proto(body, backend.model))}]
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(body.model, backend.model)
+        request = pb.GenerateRequest()
+        if body.messages:
+            request.chat.messages.extend(
+                pb.ChatMessage(role=m.role, content=m.content) for m in body.messages
+            )
+        elif isinstance(body.prompt, str):
+            request.text = body.prompt
+        elif body.prompt is not None:
+            _check_ids("prompt", body.prompt)
+            request.token_ids.ids.extend(body.prompt)
+        else:
+            raise InvalidRequest("set prompt or messages")
+        tokens = await backend.prompt_ids(request)
+        return {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -180,7 +263,7 @@ def build_app(
         return await _serve(body, chat=True)
 
     async def _serve(body: _Sampling, chat: bool):
-        stream = core.generate(_to_proto(body, core))
+        stream = backend.generate(_to_proto(body, backend.model))
         first = await anext(stream)  # routing errors surface here, before any header is sent
         prefix = "chatcmpl" if chat else "cmpl"
         rid = f"{prefix}-{first.request_id}"

@@ -49,6 +49,7 @@ class ReplicaRegistry:
         self.refresh_s = refresh_s
         self.failure_cooldown_s = failure_cooldown_s
         self.entries: dict[str, ReplicaEntry] = {}
+        self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self.index_ok = False
         self._task: asyncio.Task | None = None
         self._listeners: list = []
@@ -62,9 +63,10 @@ class ReplicaRegistry:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for entry in self.entries.values():
+        for entry in [*self.entries.values(), *self._retired]:
             await entry.channel.close()
         self.entries.clear()
+        self._retired.clear()
 
     def on_change(self, callback) -> None:
         """``callback(live_count)`` after every refresh (health status follows it)."""
@@ -111,7 +113,7 @@ class ReplicaRegistry:
             entry = self.entries.get(rec.replica_id)
             if entry is None or entry.record.address != rec.address:
                 if entry is not None:
-                    await entry.channel.close()
+                    self._retired.append(entry)
                 channel = open_channel(
                     rec.address, self.tls, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
                 )
@@ -120,8 +122,19 @@ class ReplicaRegistry:
             entry.record = rec
             entry.live_until = now + rec.heartbeat_ttl_ms / 1000
         for gone in set(self.entries) - seen:
-            entry = self.entries.pop(gone)
-            await entry.channel.close()
+            self._retired.append(self.entries.pop(gone))
+        await self._close_idle_retired()
+
+    async def _close_idle_retired(self) -> None:
+        """Close a departed replica's channel only once its calls are done: closing it under
+        a call cancels the call, which would surface as a cancelled client request."""
+        busy = []
+        for entry in self._retired:
+            if entry.load.requests:
+                busy.append(entry)
+            else:
+                await entry.channel.close()
+        self._retired = busy
 
     def live(self) -> list[ReplicaEntry]:
         """Replicas a request may go to now."""
@@ -150,20 +163,15 @@ class ReplicaRegistry:
             for e in self.live()
         ]
 
-    def begin(self, replica_id: str, work: RequestWork) -> None:
-        entry = self.entries.get(replica_id)
-        if entry:
-            entry.load.begin(work, time.monotonic())
+    # Load accounting goes to the entry a call started on, which may be retired meanwhile.
+    def begin(self, entry: ReplicaEntry, work: RequestWork) -> None:
+        entry.load.begin(work, time.monotonic())
 
-    def prefill_done(self, replica_id: str, work: RequestWork) -> None:
-        entry = self.entries.get(replica_id)
-        if entry:
-            entry.load.prefill_done(work)
+    def prefill_done(self, entry: ReplicaEntry, work: RequestWork) -> None:
+        entry.load.prefill_done(work)
 
-    def end(self, replica_id: str, work: RequestWork) -> None:
-        entry = self.entries.get(replica_id)
-        if entry:
-            entry.load.end(work)
+    def end(self, entry: ReplicaEntry, work: RequestWork) -> None:
+        entry.load.end(work)
 
     def mark_failed(self, replica_id: str) -> None:
         entry = self.entries.get(replica_id)

@@ -6,19 +6,17 @@ Reads the model folder only for its tokenizer and config (never loads weights or
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import uvicorn
 
 from kvmesh.kvcache import namespace_seed
 from kvmesh.protos import pb_grpc
 from kvmesh.router.core import ModelInfo, RouterCore, RouterLimits
 from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.router.http import build_app
+from kvmesh.router.http_server import HttpServer, start_http_server
 from kvmesh.router.index import IndexSettingsError, PrefixIndex
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.security import TLSConfig, TokenAuthInterceptor
@@ -86,9 +84,7 @@ class RouterServer:
             limits=config.limits,
         )
         self.grpc: GrpcServer | None = None
-        self._http: uvicorn.Server | None = None
-        self._http_task: asyncio.Task | None = None
-        self.http_port: int | None = None
+        self.http: HttpServer | None = None
 
     @property
     def address(self) -> str:
@@ -114,37 +110,25 @@ class RouterServer:
         self.registry.on_change(self._health_follows)
         await self.registry.start()
         if self.config.http_port is not None:
-            await self._start_http()
+            app = build_app(
+                self.core,
+                self.health,
+                auth_token=self.config.auth_token,
+                max_body_bytes=self.config.max_message_bytes,
+            )
+            self.http = await start_http_server(app, self.config.host, self.config.http_port, self.config.tls)
         log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
 
     async def _health_follows(self, live: int) -> None:
         await self.grpc.set_serving(live > 0)
 
-    async def _start_http(self) -> None:
-        app = build_app(
-            self.core,
-            lambda: len(self.registry.live()),
-            auth_token=self.config.auth_token,
-            max_body_bytes=self.config.max_message_bytes,
-        )
-        config = uvicorn.Config(
-            app,
-            host=self.config.host,
-            port=self.config.http_port,
-            log_level="warning",
-            lifespan="off",
-            ssl_certfile=self.config.tls.cert,
-            ssl_keyfile=self.config.tls.key,
-            timeout_graceful_shutdown=30,
-        )
-        self._http = uvicorn.Server(config)
-        self._http_task = asyncio.create_task(self._http.serve(), name="kvmesh-http")
-        while not self._http.started:
-            if self._http_task.done():
-                self._http_task.result()  # re-raise why it could not start
-                raise OSError(f"HTTP server on port {self.config.http_port} did not start")
-            await asyncio.sleep(0.01)
-        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http else None
+
+    def health(self) -> dict:
+        live = len(self.registry.live())
+        return {"status": "ok" if live else "no live replica", "replicas": live}
 
     async def stop(self, grace: float = 5.0) -> None:
         """Drain: health goes NOT_SERVING and new requests are refused at once, in-flight
@@ -156,9 +140,7 @@ class RouterServer:
             while self.core.active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             await self.grpc.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
-        if self._http:
-            self._http.should_exit = True
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._http_task
+        if self.http:
+            await self.http.stop(grace)
         await self.registry.stop()
         await self.index.close()

@@ -218,6 +218,22 @@ async def test_http_metrics_and_health(cluster):
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
 
 
+async def test_router_and_every_replica_serve_openai_http_and_tokenize_alike(cluster):
+    import httpx
+
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "a shared prefix, tokenized twice"}]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        routed = (await http.post(f"{cluster.http_url}/tokenize", json=body)).json()
+        addresses = [e.record.fields["http_address"] for e in cluster.router.registry.live()]
+        assert len(set(addresses)) == 3
+        for address in addresses:
+            assert (await http.post(f"{address}/tokenize", json=body)).json() == routed
+            done = await http.post(
+                f"{address}/v1/completions", json={"prompt": routed["tokens"], "max_tokens": 2}
+            )
+            assert done.json()["usage"]["prompt_tokens"] == routed["count"]
+
+
 async def test_requests_are_served_while_redis_is_down(cluster):
     cluster.redis.stop()
     try:

@@ -15,6 +15,9 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.router.index import PrefixIndex, ReplicaRecord
+from kvmesh.router.policies import RequestWork
+from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.server import RouterConfig, RouterServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -91,6 +94,42 @@ async def test_kill_a_replica_with_50_requests_in_flight(cluster):
 
     assert await eventually(replaced, timeout=60)  # retired at once, replaced with a new incarnation
     assert await eventually(lambda: index_equals_every_cache(cluster), timeout=30)  # no stale entries
+
+
+async def test_replica_channel_closed_mid_stream_is_an_error_not_silence(cluster):
+    """Closing a replica's channel cancels its calls. The router must still answer: letting
+    the cancellation end its handler sends the client no status, so it waits out its deadline
+    (seen in the soak when replicas left the index and their channels were closed)."""
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        call = pb_grpc.RouterStub(channel).Generate(request(7, max_tokens=400), timeout=60)
+        first = await call.read()  # streaming: the router holds a call on one replica's channel
+        replica_id = cluster.router.core._inflight[first.request_id]
+        entry = cluster.router.registry.entries.pop(replica_id)  # the next refresh re-adds it
+        await entry.channel.close()
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert time.monotonic() - start < 5
+
+
+async def test_departed_replica_channel_closes_only_when_its_calls_are_done(valkey_server):
+    index = PrefixIndex.from_url(valkey_server.url, "retire-test", 16, 1)
+    registry = ReplicaRegistry(index)
+    record = ReplicaRecord("r0", "127.0.0.1:9", 1, heartbeat_ttl_ms=1000, fields={})
+    await registry._apply([record])
+    entry = registry.entries["r0"]
+    work = RequestWork.estimate(4, 0, 8, 16)
+    registry.begin(entry, work)
+    await registry._apply([])  # r0 left the index while a call is on its channel
+    assert "r0" not in registry.entries
+    assert entry.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN  # the call keeps its channel
+    registry.end(entry, work)
+    await registry._apply([])
+    assert entry.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+    await registry.stop()
+    await index.close()
 
 
 async def test_redis_away_for_10s_under_load(cluster):

@@ -1,4 +1,5 @@
-"""Load generator over gRPC: closed loop or open loop (Poisson / trace timestamps), bounded.
+"""Load generator, gRPC (token ids, to kvmesh) or OpenAI HTTP (text, to any router): closed
+loop or open loop (Poisson / trace timestamps), always bounded.
 
 Every request becomes one record: when it was sent, its first token and its end, tokens,
 which replica served it, what the router predicted it would reuse and what the engine
@@ -8,9 +9,10 @@ actually reused. Failures are records too (``error``), never silently dropped.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -71,6 +73,80 @@ async def _one(
     return record
 
 
+async def _http_one(
+    http, index: int, req: WorkloadRequest, prompt: str, label: str, t0: float, timeout_s: float, model: str
+) -> RequestRecord:
+    """One streamed OpenAI /v1/completions call (text prompt); usage carries the cached tokens."""
+    record = RequestRecord(index=index, group=req.group, policy=label, prompt_tokens=0)
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    record.sent_s = time.perf_counter() - t0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                raise RuntimeError(f"HTTP {response.status_code}: {detail}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"in-band error: {event['error']}")
+                if event.get("choices") and event["choices"][0].get("text") and record.first_token_s is None:
+                    record.first_token_s = time.perf_counter() - t0
+                if usage := event.get("usage"):
+                    record.prompt_tokens = usage["prompt_tokens"]
+                    record.completion_tokens = usage["completion_tokens"]
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ) or 0
+        record.done_s = time.perf_counter() - t0
+    except Exception as exc:  # a record, never a lost request: connection errors, timeouts, bad replies
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+async def _drive(
+    requests: Sequence[WorkloadRequest],
+    send: Callable[[int, WorkloadRequest, float], Awaitable[RequestRecord]],
+    concurrency: int,
+    rate: float | None,
+    use_arrival_times: bool,
+    seed: int,
+    label: str,
+    progress: bool,
+) -> list[RequestRecord]:
+    """Schedule ``send(i, request, t0)``: closed loop (``concurrency`` at a time), Poisson
+    ``rate`` per second, or each request's ``arrival_s``; open loops are still bounded."""
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(requests), desc=f"load {label}", unit="req", disable=not progress)
+    t0 = time.perf_counter()
+
+    async def fire(i: int, req: WorkloadRequest) -> RequestRecord:
+        async with limit:
+            record = await send(i, req, t0)
+        bar.update(1)
+        return record
+
+    tasks, at = [], 0.0
+    for i, req in enumerate(requests):
+        if use_arrival_times:
+            at = req.arrival_s
+        elif rate:
+            at += rng.expovariate(rate)
+        if at:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        tasks.append(asyncio.create_task(fire(i, req)))
+    records = await asyncio.gather(*tasks)
+    bar.close()
+    return list(records)
+
+
 async def run_load(
     address: str,
     requests: Sequence[WorkloadRequest],
@@ -82,32 +158,36 @@ async def run_load(
     seed: int = 0,
     progress: bool = False,
 ) -> list[RequestRecord]:
-    """Send ``requests``: all at once bounded by ``concurrency`` (closed loop), at Poisson
-    ``rate`` per second, or at their ``arrival_s`` (open loop; still bounded)."""
-    from tqdm.auto import tqdm
-
-    rng = random.Random(seed)
-    limit = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(requests), desc=f"load {policy or 'default'}", unit="req", disable=not progress)
+    """Send ``requests`` as token ids over gRPC to a kvmesh router (see ``_drive`` for timing)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RouterStub(channel)
-        t0 = time.perf_counter()
+        return await _drive(
+            requests,
+            lambda i, req, t0: _one(stub, i, req, policy, t0, timeout_s),
+            concurrency, rate, use_arrival_times, seed, policy or "default", progress,
+        )  # fmt: skip
 
-        async def fire(i: int, req: WorkloadRequest) -> RequestRecord:
-            async with limit:
-                record = await _one(stub, i, req, policy, t0, timeout_s)
-            bar.update(1)
-            return record
 
-        tasks, at = [], 0.0
-        for i, req in enumerate(requests):
-            if use_arrival_times:
-                at = req.arrival_s
-            elif rate:
-                at += rng.expovariate(rate)
-            if at:
-                await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            tasks.append(asyncio.create_task(fire(i, req)))
-        records = await asyncio.gather(*tasks)
-    bar.close()
-    return list(records)
+async def run_http_load(
+    base_url: str,
+    requests: Sequence[WorkloadRequest],
+    prompts: Sequence[str],
+    label: str,
+    model: str,
+    concurrency: int = 16,
+    rate: float | None = None,
+    timeout_s: float = 300.0,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[RequestRecord]:
+    """Send ``prompts[i]`` (the text of ``requests[i]``) to any OpenAI-compatible server, streamed
+    (``model`` is required by some routers, e.g. sglang-router)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits) as http:
+        return await _drive(
+            requests,
+            lambda i, req, t0: _http_one(http, i, req, prompts[i], label, t0, timeout_s, model),
+            concurrency, rate, False, seed, label, progress,
+        )  # fmt: skip

@@ -110,12 +110,15 @@ _COLUMNS = [
 ]
 
 
-def markdown_table(rows: Sequence[tuple[str, dict]]) -> str:
-    head = "| run | " + " | ".join(c for c, _, _ in _COLUMNS) + " |"
-    sep = "|---|" + "---:|" * len(_COLUMNS)
+def markdown_table(
+    rows: Sequence[tuple[str, dict]], columns: Sequence[tuple[str, str, str]] = _COLUMNS
+) -> str:
+    """``columns``: (heading, summary key, format) triples."""
+    head = "| run | " + " | ".join(c for c, _, _ in columns) + " |"
+    sep = "|---|" + "---:|" * len(columns)
     body = [
         f"| {name} | "
-        + " | ".join(fmt.format(s[key]) if s.get(key) is not None else "-" for _, key, fmt in _COLUMNS)
+        + " | ".join(fmt.format(s[key]) if s.get(key) is not None else "-" for _, key, fmt in columns)
         + " |"
         for name, s in rows
     ]

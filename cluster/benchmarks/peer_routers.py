@@ -1,0 +1,196 @@
+"""The routers of ``kvmesh bench peers``, each its own process on 127.0.0.1, and guidellm.
+
+kvmesh's router, sglang-router and vllm-router all front the same replicas over OpenAI
+HTTP. The peers live in their own venv (``make peers``), never in kvmesh's dependencies.
+Both peers open a Prometheus listener too (sglang-router's defaults to 0.0.0.0): every
+listener is pinned to 127.0.0.1 here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.cluster.errors import UsageError
+
+PEER_TOOLS = ("sglang-router", "vllm-router", "guidellm")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class Contender:
+    router: str  # kvmesh | sglang | vllm
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.router} {self.policy}"
+
+
+CONTENDERS = (
+    Contender("kvmesh", "prefix"),
+    Contender("kvmesh", "round_robin"),
+    Contender("sglang", "cache_aware"),
+    Contender("sglang", "round_robin"),
+    Contender("vllm", "cache_aware"),
+)
+
+
+def check_peers(venv: Path) -> None:
+    missing = [tool for tool in PEER_TOOLS if not (venv / "bin" / tool).is_file()]
+    if missing:
+        raise UsageError(f"{', '.join(missing)} not found in {venv}: run `make peers` first")
+
+
+def router_command(
+    contender: Contender, venv: Path, port: int, workers: list[str], model_dir: str, redis_url: str
+) -> list[str]:
+    """How each router is started, listeners on 127.0.0.1, quiet logs, defaults otherwise."""
+    if contender.router == "kvmesh":
+        return [
+            str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model_dir,
+            "--redis-url", redis_url, "--policy", contender.policy, "--host", "127.0.0.1",
+            "--port", "0", "--http-port", str(port),
+        ]  # fmt: skip
+    common = [
+        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+        "--policy", contender.policy, "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
+    if contender.router == "sglang":
+        return [str(venv / "bin" / "sglang-router"), "launch", *common, "--log-level", "warn"]
+    if contender.router == "vllm":
+        return [str(venv / "bin" / "vllm-router"), *common, "--log-level", "warning"]
+    raise ValueError(f"unknown router {contender.router!r}")
+
+
+class RouterProcess:
+    """One router in its own session; ready when its readiness URL answers 200."""
+
+    def __init__(self, contender: Contender, command: list[str], port: int, log_path: Path):
+        self.contender = contender
+        self.command = command
+        self.url = f"http://127.0.0.1:{port}"
+        # sglang-router's /health is 200 before any worker is; /readiness waits for one.
+        self.ready_url = self.url + ("/readiness" if contender.router == "sglang" else "/health")
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    async def start(self, timeout_s: float = 120.0) -> RouterProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.contender.name} exited: {self.log_tail()}")
+                try:
+                    if (await http.get(self.ready_url)).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.contender.name} not ready in {timeout_s:.0f}s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 800) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    async def __aenter__(self) -> RouterProcess:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class GuidellmLoad:
+    """guidellm's synthetic shared-prefix data and a Poisson arrival rate, seeded."""
+
+    prefix_tokens: int
+    prefix_count: int
+    prompt_tokens: int
+    output_tokens: int
+    rate: float
+    requests: int
+    max_seconds: float
+    seed: int = 1234
+
+    def command(self, venv: Path, target: str, model_id: str, model_dir: str, out: Path) -> list[str]:
+        data = (
+            f"kind=synthetic_text,prompt_tokens={self.prompt_tokens},output_tokens={self.output_tokens},"
+            f"prefix_tokens={self.prefix_tokens},prefix_count={self.prefix_count}"
+        )
+        return [
+            str(venv / "bin" / "guidellm"), "run",
+            "--backend", f"kind=openai_http,target={target},model={model_id},"
+                         "request_format=/v1/completions,timeout=300",
+            "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+            "--data", data,
+            "--profile", f"kind=poisson,rate={self.rate}",
+            "--constraint", f"kind=max_requests,count={self.requests}",
+            "--constraint", f"kind=max_duration,seconds={self.max_seconds}",
+            "--seed", f"kind=static,value={self.seed}",
+            "--output", f"kind=json,path={out}",
+            "--disable-console",
+        ]  # fmt: skip
+
+
+def run_guidellm(
+    load: GuidellmLoad, venv: Path, target: str, model_id: str, model_dir: str, out: Path
+) -> dict:
+    """Run guidellm against ``target`` and summarize its JSON report."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    done = subprocess.run(
+        load.command(venv, target, model_id, model_dir, out),
+        cwd=out.parent, env={**os.environ, **OFFLINE}, capture_output=True, text=True,
+        timeout=load.max_seconds + 180,
+    )  # fmt: skip
+    if done.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"guidellm failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
+    return summarize_guidellm(json.loads(out.read_text()))
+
+
+def summarize_guidellm(report: dict) -> dict:
+    """TTFT, throughput and errors from guidellm's report (it exits 0 even if all failed)."""
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+    ttft = metrics["time_to_first_token_ms"]["successful"]["percentiles"]
+    totals = metrics["request_totals"]
+    ok = bench["requests"]["successful"]
+    prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+    cached = sum(r["cached_tokens"] or 0 for r in ok)
+    return {
+        "requests": totals["total"],
+        "errors": totals["errored"] + totals["incomplete"],
+        "ttft_p50_ms": round(ttft["p50"], 1),
+        "ttft_p90_ms": round(ttft["p90"], 1),
+        "ttft_p99_ms": round(ttft["p99"], 1),
+        "req_per_s": round(metrics["requests_per_second"]["successful"]["mean"], 2),
+        "output_tokens_per_s": round(metrics["output_tokens_per_second"]["successful"]["mean"], 1),
+        "client_hit_rate": round(cached / prompt, 4) if prompt else 0.0,  # from usage, as reported
+    }

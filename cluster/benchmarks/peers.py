@@ -1,0 +1,310 @@
+"""``kvmesh bench peers``: kvmesh's router beside sglang-router and vllm-router, one run.
+
+N CPU replicas start once; each router in turn fronts them over OpenAI HTTP, from cold
+caches, under the same seeded shared-prefix load: guidellm's (a generator nobody here
+wrote) and kvmesh's own. The replicas, not the clients, say what was cached: their
+/metrics counters are read around every run. Router overhead is measured by interleaving
+identical requests sent through the router and straight to a replica.
+
+The KV pool is sized to hold only some of the shared prefixes per replica, so a router
+that scatters a prefix over every replica evicts it again; with a pool that holds every
+prefix everywhere, any router converges to the same hit rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.cluster.benchmarks.peer_routers import (
+    CONTENDERS,
+    Contender,
+    GuidellmLoad,
+    RouterProcess,
+    check_peers,
+    router_command,
+    run_guidellm,
+)
+from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.cluster.experiments.loadgen import run_http_load
+from kvmesh.cluster.experiments.report import markdown_table, plot_policies, summarize
+from kvmesh.cluster.experiments.text_workload import as_text, word_table
+from kvmesh.cluster.experiments.workloads import shared_prefix
+from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+from kvmesh.protos import pb, pb_grpc
+
+_COUNTERS = {
+    "ok": ("kvmesh_replica_requests", {"outcome": "ok"}),
+    "prompt": ("kvmesh_replica_finished_prompt_tokens", {}),
+    "cached": ("kvmesh_replica_cached_prompt_tokens", {}),
+    "cached_hashes": ("kvmesh_replica_kv_cached_hashes", {}),
+}
+_LOADGEN_KEYS = ("requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s")
+_TABLE = [
+    ("hit rate (replicas)", "hit_rate", "{:.3f}"),
+    ("TTFT p50", "ttft_p50_ms", "{:.0f} ms"),
+    ("TTFT p90", "ttft_p90_ms", "{:.0f} ms"),
+    ("tok/s", "output_tokens_per_s", "{:.0f}"),
+    ("requests per replica", "spread", "{}"),
+    ("errors", "errors", "{}"),
+    ("added latency p50", "added_p50_ms", "{:.2f} ms"),
+]
+
+
+@dataclass(frozen=True)
+class Replica:
+    replica_id: str
+    grpc_address: str
+    http_url: str
+
+
+async def replicas_of(cluster: LocalCluster) -> list[Replica]:
+    records = await cluster.index.live_replicas()
+    return sorted(
+        (Replica(r.replica_id, r.address, r.fields["http_address"]) for r in records),
+        key=lambda r: r.replica_id,
+    )
+
+
+async def counters(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str, dict[str, float]]:
+    """Per replica: finished requests, their prompt and cached tokens, cached hashes held."""
+    out = {}
+    for r in replicas:
+        text = (await http.get(r.http_url + "/metrics")).text
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        out[r.replica_id] = {
+            key: samples.get((name + ("_total" if key != "cached_hashes" else ""), tuple(sorted(labels.items()))), 0.0)
+            for key, (name, labels) in _COUNTERS.items()
+        }  # fmt: skip
+    return out
+
+
+def served(before: dict, after: dict) -> dict:
+    """What the replicas did between two ``counters`` snapshots: the true hit rate."""
+    delta = {
+        rid: {k: after[rid][k] - before.get(rid, {}).get(k, 0.0) for k in ("ok", "prompt", "cached")}
+        for rid in after
+    }
+    prompt = sum(d["prompt"] for d in delta.values())
+    cached = sum(d["cached"] for d in delta.values())
+    per_replica = {rid: int(d["ok"]) for rid, d in sorted(delta.items())}
+    return {
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "cached_tokens": int(cached),
+        "prompt_tokens": int(prompt),
+        "requests_per_replica": per_replica,
+        "spread": "/".join(str(n) for n in per_replica.values()),
+    }
+
+
+async def reset_caches(http: httpx.AsyncClient, replicas: list[Replica]) -> None:
+    """Every router starts cold: replicas forget their prefixes (checked, not assumed)."""
+    for r in replicas:
+        async with grpc.aio.insecure_channel(r.grpc_address) as channel:
+            await pb_grpc.ReplicaStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
+    left = {
+        rid: c["cached_hashes"] for rid, c in (await counters(http, replicas)).items() if c["cached_hashes"]
+    }
+    if left:
+        raise RuntimeError(f"prefix caches not empty after reset: {left}")
+
+
+async def router_overhead(
+    http: httpx.AsyncClient, router_url: str, replicas: list[Replica], model_id: str, pairs: int
+) -> dict:
+    """Added latency: the same cached 1-token request through the router and straight to a
+    replica, interleaved so drift hits both alike; medians."""
+    body = {"model": model_id, "prompt": " hello world" * 8, "max_tokens": 1, "temperature": 0}
+
+    async def timed(url: str) -> float:
+        start = time.perf_counter()
+        reply = await http.post(url + "/v1/completions", json=body)
+        reply.raise_for_status()
+        return time.perf_counter() - start
+
+    for r in replicas:
+        await timed(r.http_url)
+    for _ in range(5):
+        await timed(router_url)
+    direct, routed = [], []
+    for i in range(pairs):
+        direct.append(await timed(replicas[i % len(replicas)].http_url))
+        routed.append(await timed(router_url))
+    d, r = statistics.median(direct) * 1e3, statistics.median(routed) * 1e3
+    return {"direct_p50_ms": round(d, 3), "routed_p50_ms": round(r, 3), "added_p50_ms": round(r - d, 3)}
+
+
+async def unloaded_ttft_ms(http: httpx.AsyncClient, replica: Replica, model_id: str, prompt: str) -> float:
+    """A lone cold request of the workload's size: the yardstick for 'this load queues'."""
+    start = time.perf_counter()
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    (await http.post(replica.http_url + "/v1/completions", json=body)).raise_for_status()
+    return round((time.perf_counter() - start) * 1e3, 1)
+
+
+DEFAULT_LOAD = GuidellmLoad(
+    prefix_tokens=512,
+    prefix_count=8,
+    prompt_tokens=64,
+    output_tokens=16,
+    rate=6.0,
+    requests=240,
+    max_seconds=120,
+)
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    out: str
+    venv: Path
+    cache_dir: Path
+    replicas: int = 4
+    num_kv_blocks: int = 160
+    load: GuidellmLoad = DEFAULT_LOAD
+    overhead_pairs: int = 60
+    contenders: tuple[Contender, ...] = CONTENDERS
+    guidellm: bool = True  # False: kvmesh's load generator only (no peer venv needed for kvmesh routers)
+    model_dir: Path | None = None  # None: the demo's tiny model, built once in cache_dir
+
+
+async def run(config: PeersConfig) -> dict:
+    from kvmesh.cluster.demo import tiny_model
+
+    model = config.model_dir or tiny_model(config.cache_dir)
+    model_id = model.name
+    load = config.load
+    workload = shared_prefix(
+        num_groups=load.prefix_count, prompts_per_group=max(1, load.requests // load.prefix_count),
+        system_prompt_len=load.prefix_tokens, question_len=load.prompt_tokens, output_len=load.output_tokens,
+        seed=load.seed,
+    )  # fmt: skip
+    prompts = as_text(workload, word_table(model))
+    scratch = Path(config.out).with_suffix("")
+    cluster_config = ClusterConfig(
+        str(model), replicas=config.replicas, router=False, engine={"num_kv_blocks": config.num_kv_blocks}
+    )
+    progress(f"starting {config.replicas} replicas ({config.num_kv_blocks} KV blocks each) ...")
+    runs: dict[str, dict] = {}
+    async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
+        replicas = await replicas_of(cluster)
+        workers = [r.http_url for r in replicas]
+        baseline = await unloaded_ttft_ms(http, replicas[0], model_id, prompts[0])
+        for contender in config.contenders:
+            result: dict = {}
+            for generator in ("guidellm", "kvmesh_loadgen") if config.guidellm else ("kvmesh_loadgen",):
+                port = free_port()
+                command = router_command(contender, config.venv, port, workers, str(model), cluster.redis_url)
+                log_path = scratch / f"{contender.name.replace(' ', '-')}-{generator}.log"
+                async with RouterProcess(contender, command, port, log_path) as router:
+                    if "overhead" not in result:
+                        result["overhead"] = await router_overhead(
+                            http, router.url, replicas, model_id, config.overhead_pairs
+                        )
+                    await reset_caches(http, replicas)
+                    await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
+                    before = await counters(http, replicas)
+                    progress(f"{contender.name}: {generator} ...")
+                    if generator == "guidellm":
+                        out = scratch / f"{contender.name.replace(' ', '-')}-guidellm.json"
+                        client = await asyncio.to_thread(
+                            run_guidellm, load, config.venv, router.url, model_id, str(model), out
+                        )
+                    else:
+                        records = await run_http_load(
+                            router.url, workload, prompts, contender.name, model_id,
+                            concurrency=256, rate=load.rate, seed=load.seed,
+                        )  # fmt: skip
+                        summary = summarize(records)
+                        client = {k: summary[k] for k in _LOADGEN_KEYS} | {
+                            "client_hit_rate": summary["hit_rate"]
+                        }
+                    result[generator] = {**client, **served(before, await counters(http, replicas))}
+                    progress(f"{contender.name}: {generator}: {_line(result[generator])}")
+            runs[contender.name] = result
+    return _report(config, runs, baseline)
+
+
+def _line(s: dict) -> str:
+    return (
+        f"hit {s['hit_rate']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p90 {s['ttft_p90_ms']:.0f} ms, "
+        f"{s['errors']} errors, per replica {s['spread']}"
+    )
+
+
+def _report(config: PeersConfig, runs: dict[str, dict], unloaded_ms: float) -> dict:
+    main_generator = "guidellm" if config.guidellm else "kvmesh_loadgen"
+    ours = runs.get("kvmesh prefix")
+    targets = []
+    if ours:
+        mine = ours[main_generator]
+        for peer in ("sglang cache_aware", "vllm cache_aware"):
+            if peer in runs:
+                theirs = runs[peer][main_generator]
+                targets.append(
+                    target(
+                        f"hit rate: kvmesh prefix / {peer}",
+                        _ratio(mine["hit_rate"], theirs["hit_rate"]),
+                        ">=",
+                        1.0,
+                    )
+                )
+                targets.append(target(f"TTFT p90: {peer} / kvmesh prefix", _ratio(theirs["ttft_p90_ms"], mine["ttft_p90_ms"]), ">=", 1.0))  # fmt: skip
+        if "sglang cache_aware" in runs:
+            gap = ours["overhead"]["added_p50_ms"] - runs["sglang cache_aware"]["overhead"]["added_p50_ms"]
+            targets.append(target("added latency: kvmesh - sglang-router (ms)", round(gap, 3), "<=", 1.0))
+    queued = {name: _ratio(r[main_generator]["ttft_p90_ms"], unloaded_ms) for name, r in runs.items()}
+    return {
+        "benchmark": "peers",
+        "config": {
+            "replicas": config.replicas,
+            "num_kv_blocks": config.num_kv_blocks,
+            "load": asdict(config.load),
+            "main_generator": main_generator,
+        },
+        "unloaded_cold_ttft_ms": unloaded_ms,
+        "ttft_p90_over_unloaded": queued,
+        "runs": runs,
+        "targets": targets,
+        "environment": environment(),
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("inf")
+
+
+def write_tables(result: dict, out: str) -> str:
+    """Markdown tables (one per load generator) and a plot beside the JSON."""
+    sections = []
+    for generator in ("guidellm", "kvmesh_loadgen"):
+        rows = [
+            (name, {**r[generator], **r["overhead"]}) for name, r in result["runs"].items() if generator in r
+        ]
+        if not rows:
+            continue
+        sections.append(f"**{generator}**\n\n{markdown_table(rows, _TABLE)}")
+        plot_policies(Path(out).with_name(f"{Path(out).stem}_{generator}.png"), rows, f"peers: {generator}")
+    text = "\n\n".join(sections) + "\n"
+    Path(out).with_suffix(".md").write_text(text)
+    return text
+
+
+def main(config: PeersConfig) -> int:
+    if config.guidellm or any(c.router != "kvmesh" for c in config.contenders):
+        check_peers(config.venv)
+    result = asyncio.run(run(config))
+    write_result(config.out, result)
+    print(write_tables(result, config.out))
+    return 0

@@ -1,0 +1,77 @@
+"""``kvmesh bench peers``: guidellm's report is read right, bad flags are one-line errors, and
+the kvmesh contenders run end to end (a real ``kvmesh router`` process over real replicas)
+with the truth about cached tokens taken from the replicas. The peers themselves (sglang-router,
+vllm-router, guidellm) are a 1.7 GB venv: `make peers`, then `kvmesh bench peers`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cluster.benchmarks import peers
+from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad, summarize_guidellm
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+SAMPLE = Path(__file__).parent / "data" / "guidellm_sample.json"
+
+
+def test_guidellm_report_is_summarized_from_its_real_fields():
+    report = json.loads(SAMPLE.read_text())
+    s = summarize_guidellm(report)
+    requests = report["benchmarks"][0]["requests"]["successful"]
+    assert s["requests"] == len(requests) == 20 and s["errors"] == 0
+    assert s["ttft_p50_ms"] == pytest.approx(27.1, abs=0.1)
+    assert s["ttft_p90_ms"] == pytest.approx(117.0, abs=0.1)
+    assert s["client_hit_rate"] == pytest.approx(2048 / 3840, abs=1e-4)
+    assert s["output_tokens_per_s"] > 0 and s["req_per_s"] > 0
+
+
+def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
+    load = GuidellmLoad(256, 4, 32, 8, rate=3.0, requests=40, max_seconds=60, seed=7)
+    cmd = load.command(Path("/venv"), "http://127.0.0.1:9", "m", "/models/m", tmp_path / "o.json")
+    joined = " ".join(cmd)
+    assert cmd[:2] == ["/venv/bin/guidellm", "run"]
+    assert "target=http://127.0.0.1:9" in joined and "tokenizer" in joined and "model=/models/m" in joined
+    assert "prefix_tokens=256,prefix_count=4" in joined and "kind=poisson,rate=3.0" in joined
+    assert "kind=static,value=7" in joined and "count=40" in joined
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--routers", "nginx lol"], "--routers: pick from"),
+        (["--rate", "0"], "must be positive"),
+        (["--peers-venv", "/nonexistent"], "run `make peers` first"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(args, needle):
+    done = subprocess.run([KVMESH, "bench", "peers", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_kvmesh_contenders_end_to_end(ray_cluster, qwen3_dir, tmp_path):
+    """Two real `kvmesh router` processes in turn over 2 replicas, kvmesh's HTTP load generator;
+    the replicas' own counters must agree with what the clients were told."""
+    load = GuidellmLoad(128, 2, 16, 4, rate=20.0, requests=16, max_seconds=60)
+    ours = tuple(c for c in CONTENDERS if c.router == "kvmesh")
+    out = tmp_path / "peers.json"
+    config = peers.PeersConfig(
+        out=str(out), venv=tmp_path, cache_dir=tmp_path, replicas=2, num_kv_blocks=64, load=load,
+        overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir,
+    )  # fmt: skip
+    assert peers.main(config) == 0
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"kvmesh prefix", "kvmesh round_robin"}
+    for name, run in result["runs"].items():
+        s = run["kvmesh_loadgen"]
+        assert s["errors"] == 0 and s["requests"] == 16, name
+        assert sum(s["requests_per_replica"].values()) == 16, name  # counted by the replicas
+        assert s["hit_rate"] == pytest.approx(s["client_hit_rate"], abs=1e-3), name
+        assert run["overhead"]["routed_p50_ms"] > 0
+    # every group's prefix is shared 8 ways: the prefix router reuses it, from cold caches each run
+    assert result["runs"]["kvmesh prefix"]["kvmesh_loadgen"]["hit_rate"] > 0.5
+    assert "| kvmesh prefix |" in out.with_suffix(".md").read_text()
+    assert out.with_name("peers_kvmesh_loadgen.png").stat().st_size > 0

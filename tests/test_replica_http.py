@@ -1,0 +1,185 @@
+"""Replicas speak OpenAI HTTP beside gRPC, so any OpenAI-compatible router can front them:
+same engine, same tokenization as the router, usage with cached prompt tokens, vLLM-style
+/tokenize, Prometheus /metrics, and the HTTP address registered in the index."""
+
+import json
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+
+from kvmesh.cluster import status
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.server import ReplicaConfig, ReplicaServer
+from kvmesh.router.tokenization import PromptTokenizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 6
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def replica(qwen3_dir):
+    redis = EmbeddedRedis().start()
+    server = ReplicaServer(ReplicaConfig(str(qwen3_dir), "http-0", redis.url, engine={"num_kv_blocks": 128}))
+    await server.start()
+    async with httpx.AsyncClient(base_url=server.http_address, timeout=60) as http:
+        yield server, http, redis
+    await server.stop(grace=0.5)
+    redis.close()
+
+
+async def grpc_text(address: str, prompt: str, max_tokens: int) -> str:
+    sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.ReplicaStub(channel)
+        responses = [r async for r in stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling))]
+    return "".join(r.chunk.text for r in responses if r.WhichOneof("kind") == "chunk")
+
+
+async def test_health_models_and_tokenize_match_the_router_tokenizer(replica, qwen3_dir):
+    server, http, _ = replica
+    assert (await http.get("/health")).json() == {"status": "ok", "replica_id": "http-0"}
+    card = (await http.get("/v1/models")).json()["data"][0]
+    assert card["id"] == server.engine.engine.model_id
+    assert card["max_model_len"] == server.engine.engine.max_model_len
+    tokenizer = PromptTokenizer(qwen3_dir)
+    reply = (await http.post("/tokenize", json={"model": card["id"], "prompt": PROMPT})).json()
+    assert reply["tokens"] == tokenizer.encode(PROMPT)
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] == card["max_model_len"]
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = (await http.post("/tokenize", json={"messages": messages})).json()
+    assert chat["tokens"] == tokenizer.render_chat(messages)
+
+
+async def test_completion_matches_grpc_and_reports_cached_tokens(replica):
+    server, http, _ = replica
+    expected = await grpc_text(server.address, PROMPT, 8)  # also warms the prefix cache
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    reply = (await http.post("/v1/completions", json=body)).json()
+    assert reply["choices"][0]["text"] == expected
+    usage = reply["usage"]
+    assert usage["completion_tokens"] == 8
+    prompt_tokens = usage["prompt_tokens"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    block = server.engine.engine.block_size
+    assert cached == (prompt_tokens - 1) // block * block > 0  # every full block but the last token's
+    assert reply["kvmesh"]["replica_id"] == "http-0"
+
+
+async def test_streaming_chat_and_completion(replica):
+    _, http, _ = replica
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["usage"]["completion_tokens"] == 5
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    body = {"prompt": "abc", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        text_events = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+    assert len(text_events) >= 2  # tokens as they come, then the finish
+
+
+async def test_chat_content_parts_are_the_same_as_a_string(replica):
+    """guidellm's chat mode (and the OpenAI SDK) send content as a list of text parts."""
+    _, http, _ = replica
+    common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = [{"role": "user", "content": "hello there friend"}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there friend"}],
+        }
+    ]
+    a = (await http.post("/v1/chat/completions", json={"messages": plain, **common})).json()
+    b = (await http.post("/v1/chat/completions", json={"messages": parts, **common})).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+
+
+async def test_peer_router_metadata_and_render(replica, qwen3_dir):
+    """What sglang-router (/server_info) and vllm-router's cache_aware (render) ask workers for."""
+    server, http, _ = replica
+    for path in ("/server_info", "/get_server_info"):
+        info = (await http.get(path)).json()
+        assert info["served_model_name"] == server.engine.engine.model_id
+        assert info["page_size"] == server.engine.engine.block_size
+    tokenizer = PromptTokenizer(qwen3_dir)
+    rendered = (await http.post("/v1/completions/render", json={"prompt": PROMPT})).json()
+    assert rendered == [{"token_ids": tokenizer.encode(PROMPT)}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = (await http.post("/v1/chat/completions/render", json={"messages": messages})).json()
+    assert rendered == [{"token_ids": tokenizer.render_chat(messages)}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status_code", "needle"),
+    [
+        ("/v1/completions", {"prompt": [10**6], "max_tokens": 2}, 400, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "max_model_len"),
+        ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "not served here"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/tokenize", {"model": "x"}, 404, "not served here"),
+        ("/tokenize", {}, 400, "prompt or messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "only text content parts",
+        ),
+        ("/v1/completions/render", {"prompt": [10**6]}, 400, "outside the vocabulary"),
+    ],
+)
+async def test_bad_input_is_a_clean_http_error(replica, path, body, status_code, needle):
+    _, http, _ = replica
+    reply = await http.post(path, json=body)
+    assert reply.status_code == status_code, reply.text
+    assert needle in reply.json()["error"]["message"]
+
+
+async def scrape(http) -> dict[str, float]:
+    text = (await http.get("/metrics")).text
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
+
+
+async def test_metrics_count_requests_cached_tokens_and_engine_state(replica):
+    _, http, _ = replica
+    before = await scrape(http)
+    usage = (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).json()["usage"]
+    samples = await scrape(http)
+    for name, expected in (
+        ("kvmesh_replica_finished_prompt_tokens_total", usage["prompt_tokens"]),
+        ("kvmesh_replica_cached_prompt_tokens_total", usage["prompt_tokens_details"]["cached_tokens"]),
+    ):
+        assert samples[name] - before.get(name, 0) == expected, name  # what bench peers relies on
+    assert samples['kvmesh_replica_requests_total{outcome="ok"}'] >= 2
+    assert samples['kvmesh_replica_requests_total{outcome="invalid_argument"}'] >= 1
+    assert samples["kvmesh_replica_cached_prompt_tokens_total"] > 0
+    assert samples["kvmesh_replica_kv_blocks"] == 128
+    assert samples["kvmesh_replica_prefix_hit_tokens_total"] > 0
+    assert samples["kvmesh_replica_ttft_seconds_count"] >= 2
+
+
+async def test_http_address_is_registered_and_shown_by_status(replica):
+    server, _, redis = replica
+    models = await status.collect(redis.url)
+    (record,) = models[0]["replicas"]
+    assert record.fields["http_address"] == server.http_address
+    table = status.render(models)
+    assert server.address in table and server.http_address in table
