@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--routers", default=",".join(c.name for c in CONTENDERS), help="comma-separated 'router policy' list"
     )
     peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
+    peers.add_argument("--docs", default="docs/experiments.md", help="section to update ('' : none)")
     peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
     peers.set_defaults(handler=_run_bench_peers)
 
@@ -408,9 +409,9 @@ def _run_bench_peers(args: argparse.Namespace) -> int:
         args.max_seconds,
     )  # fmt: skip
     config = PeersConfig(
-        out=args.out, venv=Path(args.peers_venv), cache_dir=Path(args.cache_dir), replicas=args.replicas,
+        out=args.out, venv=Path(args.peers_venv).resolve(), cache_dir=Path(args.cache_dir), replicas=args.replicas,
         num_kv_blocks=args.num_kv_blocks, load=load, contenders=tuple(known[n] for n in names),
-        guidellm=not args.no_guidellm,
+        guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
     )  # fmt: skip
     return peers_main(config)
 

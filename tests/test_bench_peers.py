@@ -12,6 +12,7 @@ import pytest
 
 from kvmesh.cluster.benchmarks import peers
 from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad, summarize_guidellm
+from kvmesh.cluster.experiments.report import marked_section, write_section
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 SAMPLE = Path(__file__).parent / "data" / "guidellm_sample.json"
@@ -60,7 +61,7 @@ def test_kvmesh_contenders_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     out = tmp_path / "peers.json"
     config = peers.PeersConfig(
         out=str(out), venv=tmp_path, cache_dir=tmp_path, replicas=2, num_kv_blocks=64, load=load,
-        overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir,
+        overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir, docs=tmp_path / "docs" / "e.md",
     )  # fmt: skip
     assert peers.main(config) == 0
     result = json.loads(out.read_text())
@@ -75,3 +76,19 @@ def test_kvmesh_contenders_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     assert result["runs"]["kvmesh prefix"]["kvmesh_loadgen"]["hit_rate"] > 0.5
     assert "| kvmesh prefix |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_kvmesh_loadgen.png").stat().st_size > 0
+    docs = (tmp_path / "docs" / "e.md").read_text()
+    assert docs.count("<!-- bench peers -->") == 1 and "| kvmesh round_robin |" in docs
+    assert (tmp_path / "docs" / "img" / "peers.png").stat().st_size > 0
+
+
+def test_docs_section_is_replaced_in_place_not_duplicated(tmp_path):
+    """`kvmesh bench peers` owns one marked block of docs/experiments.md; `kvmesh experiments`
+    regenerates the rest and carries that block over (marked_section)."""
+    path = tmp_path / "e.md"
+    path.write_text("# title\n\nbody\n")
+    write_section(path, "bench peers", "first")
+    write_section(path, "bench peers", "second")
+    text = path.read_text()
+    assert text.startswith("# title\n\nbody") and "second" in text and "first" not in text
+    assert text.count("<!-- bench peers -->") == 1
+    assert marked_section(text, "bench peers") == "<!-- bench peers -->\nsecond\n<!-- /bench peers -->"

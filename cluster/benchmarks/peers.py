@@ -14,6 +14,7 @@ prefix everywhere, any router converges to the same hit rate.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +36,13 @@ from kvmesh.cluster.benchmarks.peer_routers import (
 )
 from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.cluster.experiments.loadgen import run_http_load
-from kvmesh.cluster.experiments.report import markdown_table, plot_policies, summarize
+from kvmesh.cluster.experiments.report import (
+    PEERS_SECTION,
+    markdown_table,
+    plot_policies,
+    summarize,
+    write_section,
+)
 from kvmesh.cluster.experiments.text_workload import as_text, word_table
 from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
@@ -177,12 +184,13 @@ class PeersConfig:
     contenders: tuple[Contender, ...] = CONTENDERS
     guidellm: bool = True  # False: kvmesh's load generator only (no peer venv needed for kvmesh routers)
     model_dir: Path | None = None  # None: the demo's tiny model, built once in cache_dir
+    docs: Path | None = None  # write the results as a section of this document (docs/experiments.md)
 
 
 async def run(config: PeersConfig) -> dict:
     from kvmesh.cluster.demo import tiny_model
 
-    model = config.model_dir or tiny_model(config.cache_dir)
+    model = (config.model_dir or tiny_model(config.cache_dir)).resolve()  # guidellm runs elsewhere
     model_id = model.name
     load = config.load
     workload = shared_prefix(
@@ -191,7 +199,7 @@ async def run(config: PeersConfig) -> dict:
         seed=load.seed,
     )  # fmt: skip
     prompts = as_text(workload, word_table(model))
-    scratch = Path(config.out).with_suffix("")
+    scratch = Path(config.out).resolve().with_suffix("")  # router logs, guidellm reports
     cluster_config = ClusterConfig(
         str(model), replicas=config.replicas, router=False, engine={"num_kv_blocks": config.num_kv_blocks}
     )
@@ -301,10 +309,53 @@ def write_tables(result: dict, out: str) -> str:
     return text
 
 
+def write_docs(result: dict, tables: str, out: str, docs: Path) -> None:
+    """The results as the ``bench peers`` section of ``docs`` (plot copied to docs/img/)."""
+    c, load = result["config"], result["config"]["load"]
+    plot = Path(out).with_name(f"{Path(out).stem}_{c['main_generator']}.png")
+    image = docs.parent / "img" / "peers.png"
+    image.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(plot, image)
+    checks = "\n".join(
+        f"| {t['target']} | {t['value']} | {t['bound']} | {'yes' if t['met'] else '**no**'} |"
+        for t in result["targets"]
+    )
+    queued = ", ".join(f"{name} {ratio}x" for name, ratio in result["ttft_p90_over_unloaded"].items())
+    setup = (
+        f"{c['replicas']} CPU replicas of the demo's tiny Qwen3, {c['num_kv_blocks']} KV blocks each (room for a few "
+        "of the shared prefixes, not all). Each router in turn fronts them over OpenAI HTTP, from cold caches, under "
+        f"the same seeded load: {load['prefix_count']} shared prefixes of {load['prefix_tokens']} tokens + "
+        f"{load['prompt_tokens']} unique tokens, {load['output_tokens']} out, Poisson {load['rate']}/s, "
+        f"{load['requests']} requests; driven by guidellm (synthetic_text, local tokenizer, offline) and by kvmesh's "
+        "own HTTP load generator (the same shape, as text). The hit rate is what the replicas counted (their "
+        "/metrics), not what clients were told. Added latency: the same cached 1-token request through the router "
+        "and straight to a replica, interleaved, medians."
+    )
+    load_note = (
+        f"A lone cold request takes {result['unloaded_cold_ttft_ms']} ms; {c['main_generator']}'s TTFT p90 over "
+        f"that (how much the load queues): {queued}."
+    )
+    body = "\n\n".join(
+        [
+            "## Side by side with real peers: sglang-router and vllm-router (`kvmesh bench peers`)",
+            setup,
+            load_note,
+            "| target | value | bound | met |\n|---|---:|---|---|\n" + checks,
+            tables.rstrip(),
+            "![peers](img/peers.png)",
+        ]
+    )
+    write_section(docs, PEERS_SECTION, body)
+
+
 def main(config: PeersConfig) -> int:
     if config.guidellm or any(c.router != "kvmesh" for c in config.contenders):
         check_peers(config.venv)
     result = asyncio.run(run(config))
     write_result(config.out, result)
-    print(write_tables(result, config.out))
+    tables = write_tables(result, config.out)
+    print(tables)
+    if config.docs:
+        write_docs(result, tables, config.out, config.docs)
+        print(f"updated {config.docs}")
     return 0

@@ -110,6 +110,27 @@ _COLUMNS = [
 ]
 
 
+PEERS_SECTION = "bench peers"  # its block in docs/experiments.md, written by `kvmesh bench peers`
+
+
+def marked_section(text: str, name: str) -> str:
+    """The ``<!-- name -->`` ... ``<!-- /name -->`` block of ``text`` (markers included), or ""."""
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    if start not in text or end not in text:
+        return ""
+    return text[text.index(start) : text.index(end) + len(end)]
+
+
+def write_section(path: Path, name: str, body: str) -> None:
+    """Replace (or append) one marked block of a generated document; writers of the rest
+    keep it (see ``marked_section``)."""
+    old = path.read_text() if path.exists() else ""
+    block = f"<!-- {name} -->\n{body.rstrip()}\n<!-- /{name} -->"
+    current = marked_section(old, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(old.replace(current, block) if current else old.rstrip() + "\n\n" + block + "\n")
+
+
 def markdown_table(
     rows: Sequence[tuple[str, dict]], columns: Sequence[tuple[str, str, str]] = _COLUMNS
 ) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel
-from kvmesh.cluster.experiments.report import plot_sweep
+from kvmesh.cluster.experiments.report import PEERS_SECTION, marked_section, plot_sweep
 from kvmesh.cluster.experiments.simulator import Simulation
 from kvmesh.router.policies import POLICIES
 
@@ -358,7 +358,8 @@ def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
             "",
         ]
     path = out_dir / "experiments.md"
-    path.write_text("\n".join(lines) + "\n")
+    kept = marked_section(path.read_text(), PEERS_SECTION) if path.exists() else ""  # kvmesh bench peers
+    path.write_text("\n".join(lines) + "\n" + (f"\n{kept}\n" if kept else ""))
     (out_dir / "experiments.json").write_text(
         json.dumps({"results": results, "targets": checks}, indent=2) + "\n"
     )
