@@ -10,11 +10,8 @@ running.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import logging
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,10 +41,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# A fresh single-threaded interpreter sets PR_SET_PDEATHSIG (kept across exec), then becomes
+# the server. preexec_fn would run Python between fork and exec in a process full of gRPC and
+# Ray threads, which can crash the child (seen: SIGSEGV restarting Redis under load).
+_EXEC_DYING_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def _dying_with_parent(args: list[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-S", "-c", _EXEC_DYING_WITH_PARENT, *args]
 
 
 class EmbeddedRedis:
@@ -92,7 +102,7 @@ class EmbeddedRedis:
             *self.extra_args,
         ]  # fmt: skip
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            _dying_with_parent(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

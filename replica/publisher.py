@@ -57,6 +57,7 @@ class IndexPublisher:
         self._buffer: list[KVEvent] = []
         self._last_sync_attempt = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
         self._tokens_at = (time.monotonic(), 0)
 
     async def start(self) -> None:
@@ -69,6 +70,7 @@ class IndexPublisher:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True  # as well as cancel: a cancellation can be swallowed in a Redis call
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -108,7 +110,7 @@ class IndexPublisher:
     # ------------------------------------------------------------------ loops
 
     async def _events_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self.engine.wait_kv_events(self.flush_s if not self.dirty else self.retry_s)
             self._buffer.extend(self.engine.drain_kv_events())
             if len(self._buffer) > self.max_buffered_events:
@@ -133,7 +135,7 @@ class IndexPublisher:
             self._mark_dirty(f"publish failed: {exc}")
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.heartbeat_s)
             if self.dirty or self.incarnation is None:
                 continue
@@ -147,7 +149,7 @@ class IndexPublisher:
 
     async def _sweep_loop(self) -> None:
         cursor = 0
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.sweep_s)
             if not self.dirty:
                 with contextlib.suppress(*_REDIS_ERRORS):

@@ -52,6 +52,7 @@ class ReplicaRegistry:
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self.index_ok = False
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._listeners: list = []
 
     async def start(self) -> None:
@@ -59,6 +60,9 @@ class ReplicaRegistry:
         self._task = asyncio.create_task(self._refresh_loop(), name="kvmesh-registry")
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: a cancellation that lands inside a Redis call can be
+        # swallowed there (seen: stop() then waited forever on a loop that kept refreshing).
+        self._stopping = True
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -73,7 +77,7 @@ class ReplicaRegistry:
         self._listeners.append(callback)
 
     async def _refresh_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
 

@@ -4,6 +4,7 @@ as a success or a reported error; nothing is lost silently."""
 
 import asyncio
 import collections
+import contextlib
 import time
 
 import grpc
@@ -129,6 +130,26 @@ async def test_departed_replica_channel_closes_only_when_its_calls_are_done(valk
     await registry._apply([])
     assert entry.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
     await registry.stop()
+    await index.close()
+
+
+async def test_registry_stops_even_if_a_refresh_swallows_its_cancellation(valkey_server, monkeypatch):
+    """A cancel that lands inside a Redis call can be swallowed there; stop() must still return
+    (it used to wait forever on a refresh loop that kept going: a hung server shutdown)."""
+    index = PrefixIndex.from_url(valkey_server.url, "swallow-test", 16, 1)
+    registry = ReplicaRegistry(index, refresh_s=0.01)
+    await registry.start()
+    entered = asyncio.Event()
+
+    async def swallowing_lookup():
+        entered.set()
+        with contextlib.suppress(asyncio.CancelledError):  # what a misbehaving client library does
+            await asyncio.sleep(0.2)
+        return []
+
+    monkeypatch.setattr(index, "live_replicas", swallowing_lookup)
+    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(registry.stop(), 5)
     await index.close()
 
 

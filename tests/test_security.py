@@ -1,7 +1,6 @@
 """Access control and transport: TLS and mTLS on every gRPC hop, the router's bearer token
 (gRPC and HTTP), Redis passwords and rediss://, and secrets that never reach the output."""
 
-import asyncio
 import dataclasses
 import shutil
 import ssl
@@ -72,10 +71,8 @@ async def secured(pki, qwen3_dir):
             break
         await router.registry.refresh()
     yield router, replica
-    # Each stop in its own task, bounded: awaited directly in pytest-asyncio's finalizer the
-    # teardown sometimes never returned (root cause not found; in a task it takes 0.2 s).
-    await asyncio.wait_for(router.stop(grace=0.5), 30)
-    await asyncio.wait_for(replica.stop(grace=0.5), 30)
+    await router.stop(grace=0.5)
+    await replica.stop(grace=0.5)
     redis_server.close()
 
 
