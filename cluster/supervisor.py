@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.replica.actor import replica_actor_class
 from kvmesh.replica.server import ReplicaConfig
+from kvmesh.router.background import BackgroundLoops
 from kvmesh.router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,12 @@ class Supervisor:
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.addresses: dict[str, str] = {}
         self.restarts = 0
-        self._task: asyncio.Task | None = None
+        self._loops = BackgroundLoops()
 
     async def start(self) -> dict[str, str]:
         """Start every replica (in parallel) and begin watching them; returns their addresses."""
         await asyncio.gather(*(self._start_one(rid) for rid in self.replica_ids))
-        self._task = asyncio.create_task(self._watch(), name="kvmesh-supervisor")
+        self._loops.start(self._watch(), "kvmesh-supervisor")
         return dict(self.addresses)
 
     async def _start_one(self, replica_id: str) -> None:
@@ -51,7 +52,7 @@ class Supervisor:
         log.info("replica started", extra={"replica_id": replica_id, "address": self.addresses[replica_id]})
 
     async def _watch(self) -> None:
-        while True:
+        while self._loops.running:
             await asyncio.sleep(self.check_s)
             for replica_id, actor in list(self.actors.items()):
                 try:
@@ -74,10 +75,7 @@ class Supervisor:
             log.error("replica restart failed", extra={"replica_id": replica_id, "error": str(exc)})
 
     async def stop(self, grace: float = 5.0) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loops.stop()
         stops = [asyncio.wait_for(actor.stop.remote(grace), grace + 10) for actor in self.actors.values()]
         await asyncio.gather(*stops, return_exceptions=True)
         for actor in self.actors.values():

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
 from kvmesh.replica.async_engine import AsyncLLMEngine
+from kvmesh.router.background import BackgroundLoops
 from kvmesh.router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -56,26 +57,18 @@ class IndexPublisher:
         self.syncs = 0
         self._buffer: list[KVEvent] = []
         self._last_sync_attempt = 0.0
-        self._tasks: list[asyncio.Task] = []
-        self._stopping = False
+        self._loops = BackgroundLoops()
         self._tokens_at = (time.monotonic(), 0)
 
     async def start(self) -> None:
         """Try a first sync (Redis may be down: then it is retried), start the loops."""
         await self._try_sync()
-        self._tasks = [
-            asyncio.create_task(self._events_loop(), name="kvmesh-publish"),
-            asyncio.create_task(self._heartbeat_loop(), name="kvmesh-heartbeat"),
-            asyncio.create_task(self._sweep_loop(), name="kvmesh-sweep"),
-        ]
+        self._loops.start(self._events_loop(), "kvmesh-publish")
+        self._loops.start(self._heartbeat_loop(), "kvmesh-heartbeat")
+        self._loops.start(self._sweep_loop(), "kvmesh-sweep")
 
     async def stop(self) -> None:
-        self._stopping = True  # as well as cancel: a cancellation can be swallowed in a Redis call
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._loops.stop()
         if self.incarnation is not None:
             with contextlib.suppress(*_REDIS_ERRORS):
                 await self.index.deregister(self.replica_id, self.incarnation)
@@ -110,7 +103,7 @@ class IndexPublisher:
     # ------------------------------------------------------------------ loops
 
     async def _events_loop(self) -> None:
-        while not self._stopping:
+        while self._loops.running:
             await self.engine.wait_kv_events(self.flush_s if not self.dirty else self.retry_s)
             self._buffer.extend(self.engine.drain_kv_events())
             if len(self._buffer) > self.max_buffered_events:
@@ -135,7 +128,7 @@ class IndexPublisher:
             self._mark_dirty(f"publish failed: {exc}")
 
     async def _heartbeat_loop(self) -> None:
-        while not self._stopping:
+        while self._loops.running:
             await asyncio.sleep(self.heartbeat_s)
             if self.dirty or self.incarnation is None:
                 continue
@@ -149,7 +142,7 @@ class IndexPublisher:
 
     async def _sweep_loop(self) -> None:
         cursor = 0
-        while not self._stopping:
+        while self._loops.running:
             await asyncio.sleep(self.sweep_s)
             if not self.dirty:
                 with contextlib.suppress(*_REDIS_ERRORS):

@@ -10,7 +10,6 @@ failed calls take replicas out; routing falls back to load (no prefix matches).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvmesh.protos import pb_grpc
+from kvmesh.router.background import BackgroundLoops
 from kvmesh.router.grpc_server import MAX_MESSAGE_BYTES
 from kvmesh.router.index import PrefixIndex, ReplicaRecord
 from kvmesh.router.policies import ReplicaLoad, ReplicaState, RequestWork
@@ -51,22 +51,15 @@ class ReplicaRegistry:
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self.index_ok = False
-        self._task: asyncio.Task | None = None
-        self._stopping = False
+        self._loops = BackgroundLoops()
         self._listeners: list = []
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._refresh_loop(), name="kvmesh-registry")
+        self._loops.start(self._refresh_loop(), "kvmesh-registry")
 
     async def stop(self) -> None:
-        # The flag as well as the cancel: a cancellation that lands inside a Redis call can be
-        # swallowed there (seen: stop() then waited forever on a loop that kept refreshing).
-        self._stopping = True
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loops.stop()
         for entry in [*self.entries.values(), *self._retired]:
             await entry.channel.close()
         self.entries.clear()
@@ -77,7 +70,7 @@ class ReplicaRegistry:
         self._listeners.append(callback)
 
     async def _refresh_loop(self) -> None:
-        while not self._stopping:
+        while self._loops.running:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
 
