@@ -117,13 +117,31 @@ def _check_ids(name: str, ids) -> None:
         raise InvalidRequest(f"{name}: token ids must be in [0, 2**32)")
 
 
+def _set_prompt(
+    request: pb.GenerateRequest, prompt: str | list[int] | None, messages: list[ChatMessage] | None
+) -> None:
+    """Chat messages, text or (checked) token ids, whichever the body has."""
+    if messages:
+        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in messages)
+    elif isinstance(prompt, str):
+        request.text = prompt
+    elif prompt is not None:
+        _check_ids("prompt", prompt)
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise InvalidRequest("set prompt or messages")
+
+
 def _to_proto(body: _Sampling, model: ModelInfo) -> pb.GenerateRequest:
     if body.n != 1:
         raise InvalidRequest("only n=1 is supported")
     _check_model(body.model, model)
-    _check_ids("prompt", body.prompt if isinstance(body, CompletionRequest) else None)
+    request = pb.GenerateRequest(policy=body.policy or "", affinity_key=body.user or "")
+    _set_prompt(request, getattr(body, "prompt", None), getattr(body, "messages", None))
     _check_ids("stop_token_ids", body.stop_token_ids)
-    sampling = pb.SamplingParams(ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [])
+    sampling = request.sampling
+    sampling.ignore_eos = body.ignore_eos
+    sampling.stop_token_ids.extend(body.stop_token_ids or [])
     sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     for name, value in (
@@ -140,13 +158,6 @@ def _to_proto(body: _Sampling, model: ModelInfo) -> pb.GenerateRequest:
                 setattr(sampling, name, value)
             except (ValueError, TypeError, OverflowError):
                 raise InvalidRequest(f"{name} {value!r} is out of range") from None
-    request = pb.GenerateRequest(sampling=sampling, policy=body.policy or "", affinity_key=body.user or "")
-    if isinstance(body, ChatRequest):
-        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in body.messages)
-    elif isinstance(body.prompt, str):
-        request.text = body.prompt
-    else:
-        request.token_ids.ids.extend(body.prompt)
     return request
 
 
@@ -240,17 +251,7 @@ def build_app(
     async def tokenize(body: TokenizeRequest):
         _check_model(body.model, backend.model)
         request = pb.GenerateRequest()
-        if body.messages:
-            request.chat.messages.extend(
-                pb.ChatMessage(role=m.role, content=m.content) for m in body.messages
-            )
-        elif isinstance(body.prompt, str):
-            request.text = body.prompt
-        elif body.prompt is not None:
-            _check_ids("prompt", body.prompt)
-            request.token_ids.ids.extend(body.prompt)
-        else:
-            raise InvalidRequest("set prompt or messages")
+        _set_prompt(request, body.prompt, body.messages)
         tokens = await backend.prompt_ids(request)
         return {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
 
