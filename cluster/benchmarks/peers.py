@@ -48,11 +48,11 @@ from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
 from kvmesh.protos import pb, pb_grpc
 
-_COUNTERS = {
-    "ok": ("kvmesh_replica_requests", {"outcome": "ok"}),
-    "prompt": ("kvmesh_replica_finished_prompt_tokens", {}),
-    "cached": ("kvmesh_replica_cached_prompt_tokens", {}),
-    "cached_hashes": ("kvmesh_replica_kv_cached_hashes", {}),
+_SAMPLES = {  # key -> (sample name, labels) in a replica's /metrics
+    "ok": ("kvmesh_replica_requests_total", (("outcome", "ok"),)),
+    "prompt": ("kvmesh_replica_finished_prompt_tokens_total", ()),
+    "cached": ("kvmesh_replica_cached_prompt_tokens_total", ()),
+    "cached_hashes": ("kvmesh_replica_kv_cached_hashes", ()),
 }
 _LOADGEN_KEYS = ("requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s")
 _TABLE = [
@@ -91,10 +91,7 @@ async def counters(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str
             for family in text_string_to_metric_families(text)
             for s in family.samples
         }
-        out[r.replica_id] = {
-            key: samples.get((name + ("_total" if key != "cached_hashes" else ""), tuple(sorted(labels.items()))), 0.0)
-            for key, (name, labels) in _COUNTERS.items()
-        }  # fmt: skip
+        out[r.replica_id] = {key: samples.get(sample, 0.0) for key, sample in _SAMPLES.items()}
     return out
 
 
@@ -187,11 +184,57 @@ class PeersConfig:
     docs: Path | None = None  # write the results as a section of this document (docs/experiments.md)
 
 
+@dataclass
+class _Bench:
+    """What every (router, load generator) run shares: replicas, model, workload, a scratch folder."""
+
+    config: PeersConfig
+    model: Path
+    workload: list
+    prompts: list[str]
+    scratch: Path  # router logs, guidellm reports
+    replicas: list[Replica]
+    redis_url: str
+    http: httpx.AsyncClient
+
+    async def run(self, contender: Contender, generator: str, result: dict) -> None:
+        """One router process, cold caches, one load; adds to ``result`` (overhead once)."""
+        port = free_port()
+        workers = [r.http_url for r in self.replicas]
+        command = router_command(contender, self.config.venv, port, workers, str(self.model), self.redis_url)
+        stem = f"{contender.name.replace(' ', '-')}-{generator}"
+        async with RouterProcess(contender, command, port, self.scratch / f"{stem}.log") as router:
+            if "overhead" not in result:
+                result["overhead"] = await router_overhead(
+                    self.http, router.url, self.replicas, self.model.name, self.config.overhead_pairs
+                )
+            await reset_caches(self.http, self.replicas)
+            await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
+            before = await counters(self.http, self.replicas)
+            progress(f"{contender.name}: {generator} ...")
+            client = await self.drive(generator, router.url, contender.name, self.scratch / f"{stem}.json")
+            result[generator] = {**client, **served(before, await counters(self.http, self.replicas))}
+            progress(f"{contender.name}: {generator}: {_line(result[generator])}")
+
+    async def drive(self, generator: str, url: str, label: str, report: Path) -> dict:
+        """The load, as the client saw it."""
+        load = self.config.load
+        if generator == "guidellm":
+            return await asyncio.to_thread(
+                run_guidellm, load, self.config.venv, url, self.model.name, str(self.model), report
+            )
+        records = await run_http_load(
+            url, self.workload, self.prompts, label, self.model.name,
+            concurrency=256, rate=load.rate, seed=load.seed,
+        )  # fmt: skip
+        summary = summarize(records)
+        return {k: summary[k] for k in _LOADGEN_KEYS} | {"client_hit_rate": summary["hit_rate"]}
+
+
 async def run(config: PeersConfig) -> dict:
     from kvmesh.cluster.demo import tiny_model
 
     model = (config.model_dir or tiny_model(config.cache_dir)).resolve()  # guidellm runs elsewhere
-    model_id = model.name
     load = config.load
     workload = shared_prefix(
         num_groups=load.prefix_count, prompts_per_group=max(1, load.requests // load.prefix_count),
@@ -199,48 +242,23 @@ async def run(config: PeersConfig) -> dict:
         seed=load.seed,
     )  # fmt: skip
     prompts = as_text(workload, word_table(model))
-    scratch = Path(config.out).resolve().with_suffix("")  # router logs, guidellm reports
     cluster_config = ClusterConfig(
         str(model), replicas=config.replicas, router=False, engine={"num_kv_blocks": config.num_kv_blocks}
     )
+    generators = ("guidellm", "kvmesh_loadgen") if config.guidellm else ("kvmesh_loadgen",)
     progress(f"starting {config.replicas} replicas ({config.num_kv_blocks} KV blocks each) ...")
     runs: dict[str, dict] = {}
     async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
         replicas = await replicas_of(cluster)
-        workers = [r.http_url for r in replicas]
-        baseline = await unloaded_ttft_ms(http, replicas[0], model_id, prompts[0])
+        bench = _Bench(
+            config, model, workload, prompts, Path(config.out).resolve().with_suffix(""), replicas,
+            cluster.redis_url, http,
+        )  # fmt: skip
+        baseline = await unloaded_ttft_ms(http, replicas[0], model.name, prompts[0])
         for contender in config.contenders:
-            result: dict = {}
-            for generator in ("guidellm", "kvmesh_loadgen") if config.guidellm else ("kvmesh_loadgen",):
-                port = free_port()
-                command = router_command(contender, config.venv, port, workers, str(model), cluster.redis_url)
-                log_path = scratch / f"{contender.name.replace(' ', '-')}-{generator}.log"
-                async with RouterProcess(contender, command, port, log_path) as router:
-                    if "overhead" not in result:
-                        result["overhead"] = await router_overhead(
-                            http, router.url, replicas, model_id, config.overhead_pairs
-                        )
-                    await reset_caches(http, replicas)
-                    await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
-                    before = await counters(http, replicas)
-                    progress(f"{contender.name}: {generator} ...")
-                    if generator == "guidellm":
-                        out = scratch / f"{contender.name.replace(' ', '-')}-guidellm.json"
-                        client = await asyncio.to_thread(
-                            run_guidellm, load, config.venv, router.url, model_id, str(model), out
-                        )
-                    else:
-                        records = await run_http_load(
-                            router.url, workload, prompts, contender.name, model_id,
-                            concurrency=256, rate=load.rate, seed=load.seed,
-                        )  # fmt: skip
-                        summary = summarize(records)
-                        client = {k: summary[k] for k in _LOADGEN_KEYS} | {
-                            "client_hit_rate": summary["hit_rate"]
-                        }
-                    result[generator] = {**client, **served(before, await counters(http, replicas))}
-                    progress(f"{contender.name}: {generator}: {_line(result[generator])}")
-            runs[contender.name] = result
+            runs[contender.name] = {}
+            for generator in generators:
+                await bench.run(contender, generator, runs[contender.name])
     return _report(config, runs, baseline)
 
 
