@@ -12,51 +12,35 @@ import json
 import time
 from pathlib import Path
 
-import grpc
-
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.experiments.loadgen import run_load
 from kvmesh.cluster.experiments.report import summarize
 from kvmesh.cluster.experiments.workloads import shared_prefix
-from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
-from kvmesh.protos import pb, pb_grpc
+from kvmesh.cluster.launcher import LocalCluster
 
 POLICIES = ("round_robin", "prefix")
 
 
-def tiny_model(cache_dir: Path) -> Path:
-    from kvmesh.replica.tiny_model import make_tiny_model
-
-    path = cache_dir / "demo-qwen3-h256-l4"
-    if not (path / "config.json").is_file():
-        print(f"building the tiny model in {path} (once)")
-        make_tiny_model(path, hidden=256, layers=4, heads=4, kv_heads=2)
-    return path
-
-
-async def reset_caches(cluster: LocalCluster) -> None:
-    """Cold caches everywhere: replicas forget their prefixes, the router's speculative
-    entries (which would still point at the old holders) expire."""
-    for address in cluster.supervisor.addresses.values():
-        async with grpc.aio.insecure_channel(address) as channel:
-            await pb_grpc.ReplicaStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
-    await asyncio.sleep(cluster.router.core.overlay.ttl_s + 0.2)
-
-
 async def run(out_dir: Path, replicas: int, cache_dir: Path, verbose: bool) -> dict:
     started = time.monotonic()
-    model = tiny_model(cache_dir)
+    model = demo_model(cache_dir)
     workload = shared_prefix(
         num_groups=8, prompts_per_group=8, system_prompt_len=512, question_len=32, output_len=16, seed=0
     )
-    config = ClusterConfig(
-        str(model), replicas=replicas, http_port=None, engine={"num_kv_blocks": 1024}, verbose=verbose
+    config = ClusterConfig.for_model(
+        str(model),
+        replicas,
+        engine={"num_kv_blocks": 1024},
+        router={"port": 0, "http_port": -1},
+        verbose=verbose,
     )
     print(f"starting {replicas} replicas + router ...", flush=True)
     results = {}
     async with LocalCluster(config) as cluster:
         print(f"router on {cluster.router_address}; {len(workload)} requests per policy", flush=True)
         for policy in POLICIES:
-            await reset_caches(cluster)
+            await cluster.reset_prefix_caches()
             records = await run_load(
                 cluster.router_address, workload, policy=policy, concurrency=8, progress=True
             )

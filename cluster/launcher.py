@@ -7,57 +7,34 @@ LocalCluster, so they exercise exactly what users run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
+import grpc
 import ray
 
+from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.cluster.logs import redacted
+from kvmesh.cluster.signals import wait_for_signal
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
+from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import cluster_has_gpus
-from kvmesh.replica.server import ReplicaConfig
-from kvmesh.router.core import RouterLimits
-from kvmesh.router.index import PrefixIndex
-from kvmesh.router.security import TLSConfig
-from kvmesh.router.server import RouterConfig, RouterServer
+from kvmesh.router.process import RouterServer
+from kvmesh.serving.index_connection import connect_index
+from kvmesh.serving.options import redacted_url
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ClusterConfig:
-    model_dir: str
-    replicas: int = 2
-    redis_url: str | None = None  # None: an embedded valkey-server
-    ray_address: str | None = None  # None: a local Ray
-    host: str = "127.0.0.1"  # where the router listens
-    replica_host: str = (
-        "127.0.0.1"  # where replicas listen (0.0.0.0 on Kubernetes: they advertise their node IP)
-    )
-    router: bool = True  # False: replicas and supervisor only (the chart's controller)
-    port: int = 0  # router gRPC
-    http_port: int | None = 0  # router HTTP (None: off)
-    policy: str = "prefix"
-    block_size: int = 16
-    model_id: str | None = None
-    heartbeat_s: float = 1.0
-    ttl_s: float = 5.0
-    engine: dict = field(default_factory=dict)  # more LLMEngine options (num_kv_blocks, ...)
-    tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC hop (router and replicas)
-    auth_token: str | None = None  # bearer token clients must present to the router
-    limits: RouterLimits = field(default_factory=RouterLimits)
-    verbose: bool = False
 
 
 class LocalCluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.redis: EmbeddedRedis | None = None
-        self.redis_url = config.redis_url
+        self.redis_url = config.router.redis_url
         self.supervisor: Supervisor | None = None
         self.router: RouterServer | None = None
         self._index: PrefixIndex | None = None
@@ -73,7 +50,7 @@ class LocalCluster:
 
     @property
     def http_url(self) -> str | None:
-        return f"http://{self.config.host}:{self.router.http_port}" if self.router.http_port else None
+        return f"http://{self.config.router.host}:{self.router.http_port}" if self.router.http_port else None
 
     async def start(self, ready_timeout_s: float = 600.0) -> LocalCluster:
         c = self.config
@@ -90,31 +67,22 @@ class LocalCluster:
         if self.redis_url is None:
             self.redis = EmbeddedRedis().start()
             self.redis_url = self.redis.url
-        model_id = c.model_id or os.path.basename(os.path.realpath(c.model_dir))
-        self._index = PrefixIndex.from_url(
-            self.redis_url, model_id, c.block_size, namespace_seed(model_id, c.block_size)
+            c = c.with_redis(self.redis_url)
+        replica = c.replica
+        model_id = replica.model_id or os.path.basename(os.path.realpath(replica.model_dir))
+        block_size = replica.engine.block_size
+        self._index = connect_index(
+            self.redis_url, model_id, block_size, namespace_seed(model_id, block_size)
         )
         use_gpu = cluster_has_gpus()
-        threads = None if use_gpu else max(1, (os.cpu_count() or 1) // c.replicas)
-        engine = {"block_size": c.block_size, **c.engine}
-
-        def replica_config(replica_id: str) -> ReplicaConfig:
-            return ReplicaConfig(
-                c.model_dir, replica_id, self.redis_url, model_id=model_id, host=c.replica_host, heartbeat_s=c.heartbeat_s,
-                ttl_s=c.ttl_s, torch_threads=threads, tls=c.tls, engine=engine,
-            )  # fmt: skip
-
-        self.supervisor = Supervisor(replica_config, c.replicas, use_gpu, self._index)
+        if replica.torch_threads is None and not use_gpu:  # CPU replicas share this machine's cores
+            replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // c.replicas))
+        self.supervisor = Supervisor(replica, c.replicas, use_gpu, self._index)
         await self.supervisor.start()
-        if not c.router:
+        if not c.with_router:
             await self.wait_for_replicas(c.replicas, ready_timeout_s)
             return self
-        self.router = RouterServer(
-            RouterConfig(
-                c.model_dir, self.redis_url, model_id=model_id, block_size=c.block_size, host=c.host, port=c.port,
-                http_port=c.http_port, policy=c.policy, tls=c.tls, auth_token=c.auth_token, limits=c.limits,
-            )
-        )  # fmt: skip
+        self.router = RouterServer(c.router)
         await self.router.start()
         await self.wait_for_replicas(c.replicas, ready_timeout_s)
         return self
@@ -133,12 +101,23 @@ class LocalCluster:
         await self.router.registry.refresh()
         return len(self.router.registry.live())
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Drain the router, stop the replicas, then Redis and Ray (if we started them)."""
+    async def reset_prefix_caches(self) -> None:
+        """Cold caches everywhere (experiments compare policies from the same start): replicas
+        forget their prefixes, and the router's speculative entries, which would still point
+        at the old holders, expire."""
+        for address in self.supervisor.addresses.values():
+            async with grpc.aio.insecure_channel(address) as channel:
+                await pb_grpc.ReplicaStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
+        if self.router is not None:
+            await asyncio.sleep(self.router.core.overlay.ttl_s + 0.2)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain the router, stop the replicas, then Redis and Ray (if we started them).
+        ``grace``: seconds in-flight requests get (default: the configured drain timeouts)."""
         if self.router:
             await self.router.stop(grace)
         if self.supervisor:
-            await self.supervisor.stop(grace)
+            await self.supervisor.stop(self.config.replica.drain_timeout_s if grace is None else grace)
         if self._index:
             await self._index.close()
         if self.redis:
@@ -153,23 +132,12 @@ class LocalCluster:
         await self.stop()
 
 
-async def wait_for_signal() -> None:
-    """Until SIGINT or SIGTERM (Ctrl-C, Kubernetes stop)."""
-    import signal
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-
-async def serve_cluster(config: ClusterConfig, grace: float = 10.0) -> None:
+async def serve_cluster(config: ClusterConfig) -> None:
     """``kvmesh up``: start everything, print the endpoints, drain and stop on a signal."""
     cluster = LocalCluster(config)
     try:
         await cluster.start()
-        print(f"kvmesh up: {config.replicas} replicas of {config.model_dir}", flush=True)
+        print(f"kvmesh up: {config.replicas} replicas of {config.replica.model_dir}", flush=True)
         if cluster.router is not None:
             print(f"  router gRPC  {cluster.router_address}", flush=True)
         if cluster.router is not None and cluster.http_url:
@@ -177,20 +145,9 @@ async def serve_cluster(config: ClusterConfig, grace: float = 10.0) -> None:
                 f"  router HTTP  {cluster.http_url}/v1 (OpenAI-compatible), {cluster.http_url}/metrics",
                 flush=True,
             )
-        print(f"  redis        {redacted(cluster.redis_url)}", flush=True)
+        print(f"  redis        {redacted_url(cluster.redis_url)}", flush=True)
         print("  Ctrl-C to stop", flush=True)
         await wait_for_signal()
         print("draining ...", flush=True)
     finally:
-        await cluster.stop(grace)
-
-
-async def serve_router(config: RouterConfig, grace: float = 10.0) -> None:
-    """``kvmesh router``: the router alone (Kubernetes), until a signal."""
-    router = RouterServer(config)
-    try:
-        await router.start()
-        print(f"kvmesh router: gRPC {router.address}, HTTP port {router.http_port}", flush=True)
-        await wait_for_signal()
-    finally:
-        await router.stop(grace)
+        await cluster.stop()

@@ -27,14 +27,3 @@ def setup_logging(verbose: bool = False) -> None:
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     for noisy in ("httpx", "uvicorn.access", "filelock", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def redacted(url: str) -> str:
-    """A Redis URL without its password (never print secrets)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvmesh.router.index import PrefixIndex, connect
+from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.serving.index_connection import connect_redis
 
 
 async def collect(redis_url: str) -> list[dict]:
-    client = connect(redis_url)
+    client = connect_redis(redis_url)
     try:
         models = []
         async for key in client.scan_iter(match=b"{k:*}settings", count=1000):

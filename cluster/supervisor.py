@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
+from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
 from kvmesh.replica.actor import replica_actor_class
-from kvmesh.replica.server import ReplicaConfig
-from kvmesh.router.background import BackgroundLoops
-from kvmesh.router.index import PrefixIndex
+from kvmesh.replica.config import ReplicaConfig
+from kvmesh.serving.background import BackgroundLoops
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +21,14 @@ log = logging.getLogger(__name__)
 class Supervisor:
     def __init__(
         self,
-        make_config: Callable[[str], ReplicaConfig],
+        template: ReplicaConfig,
         replicas: int,
         use_gpu: bool,
         index: PrefixIndex,
         check_s: float = 1.0,
         start_timeout_s: float = 600.0,
     ):
-        self.make_config = make_config
+        self.template = template  # every replica's config; the supervisor names each one
         self.replica_ids = [f"replica-{i}" for i in range(replicas)]
         self.use_gpu = use_gpu
         self.index = index
@@ -46,7 +46,8 @@ class Supervisor:
         return dict(self.addresses)
 
     async def _start_one(self, replica_id: str) -> None:
-        actor = replica_actor_class(self.use_gpu).remote(self.make_config(replica_id))
+        config = dataclasses.replace(self.template, replica_id=replica_id)
+        actor = replica_actor_class(self.use_gpu).remote(config)
         self.actors[replica_id] = actor
         self.addresses[replica_id] = await asyncio.wait_for(actor.start.remote(), self.start_timeout_s)
         log.info("replica started", extra={"replica_id": replica_id, "address": self.addresses[replica_id]})
@@ -64,21 +65,21 @@ class Supervisor:
         log.warning(
             "replica died, replacing it", extra={"replica_id": replica_id, "error": type(why).__name__}
         )
-        with contextlib.suppress(Exception):  # Redis may be away too: its TTL retires it then
+        with contextlib.suppress(*INDEX_ERRORS):  # Redis may be away too: its TTL retires it then
             await self.index.retire(replica_id)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(RayError, ValueError):
             ray.kill(self.actors[replica_id])
         self.restarts += 1
         try:
             await self._start_one(replica_id)
-        except Exception as exc:  # try again at the next check
+        except (RayError, TimeoutError) as exc:  # try again at the next check
             log.error("replica restart failed", extra={"replica_id": replica_id, "error": str(exc)})
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float) -> None:
         await self._loops.stop()
         stops = [asyncio.wait_for(actor.stop.remote(grace), grace + 10) for actor in self.actors.values()]
         await asyncio.gather(*stops, return_exceptions=True)
         for actor in self.actors.values():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(RayError, ValueError):
                 ray.kill(actor)
         self.actors.clear()

@@ -259,6 +259,43 @@ class BlockManager:
         if self.enable_events:
             self._events.append(AllBlocksCleared())
 
+    def check_invariants(self) -> None:
+        """Raise KVCacheError naming the first broken invariant (O(blocks); for tests and
+        the engine's ``check_invariants`` debug setting):
+
+        - each block's ref count equals the number of live block tables holding it;
+        - free blocks are exactly the unreferenced ones (free and used partition the pool);
+        - ``_table[h] == b`` exactly when ``_hash[b] == h``;
+        - the cached-free count equals the free blocks that still hold a hash.
+        """
+        holders = [0] * self.num_blocks
+        for seq in self._live.values():
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise KVCacheError(f"sequence {seq.seq_id} holds a block twice: {seq.block_table}")
+            for b in seq.block_table:
+                holders[b] += 1
+        wrong = next((b for b in range(self.num_blocks) if self._ref[b] != holders[b]), None)
+        if wrong is not None:
+            raise KVCacheError(
+                f"block {wrong} has ref count {self._ref[wrong]} but {holders[wrong]} block tables hold it"
+            )
+        unreferenced = {b for b in range(self.num_blocks) if self._ref[b] == 0}
+        if set(self._free) != unreferenced or len(self._free) != len(unreferenced):
+            raise KVCacheError(
+                f"free list {sorted(self._free)} differs from the unreferenced blocks {sorted(unreferenced)}"
+            )
+        for h, b in self._table.items():
+            if self._hash[b] != h:
+                raise KVCacheError(f"table maps hash {h} to block {b}, which holds hash {self._hash[b]}")
+        for b, h in enumerate(self._hash):
+            if h is not None and self._table.get(h) != b:
+                raise KVCacheError(f"block {b} holds hash {h}, which the table maps to {self._table.get(h)}")
+        cached_free = sum(1 for b in self._free if self._hash[b] is not None)
+        if cached_free != self._num_cached_free:
+            raise KVCacheError(
+                f"cached-free count is {self._num_cached_free}, {cached_free} free blocks hold a hash"
+            )
+
     # ------------------------------------------------------------------ internals
 
     def _content_hashes(self, seq: Sequence, n_blocks: int, buf: memoryview, buf_block: int) -> list[int]:

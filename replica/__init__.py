@@ -1,6 +1,6 @@
 """kvmesh.replica: the per-accelerator engine, its gRPC service and Ray actor.
 
-Names are imported lazily, so ``kvmesh.replica.sampling_params`` (used by the torch-free
+Names are imported lazily, so ``kvmesh.serving.sampling`` (used by the torch-free
 router) does not pull in torch.
 """
 
@@ -14,7 +14,7 @@ _EXPORTS = {
     "EngineStats": "kvmesh.replica.engine",
     "LLMEngine": "kvmesh.replica.engine",
     "RequestOutput": "kvmesh.replica.request",
-    "SamplingParams": "kvmesh.replica.sampling_params",
+    "SamplingParams": "kvmesh.serving.sampling",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from kvmesh.replica.server import ReplicaConfig, ReplicaServer
+from kvmesh.replica.process import ReplicaConfig, ReplicaServer
 
 
 class ReplicaActor:

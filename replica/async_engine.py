@@ -1,10 +1,11 @@
 """Async streaming over LLMEngine: the step loop runs in one background thread.
 
-The engine is not thread-safe, so every mutation (add, abort, step) happens on the engine
-thread; asyncio callers talk to it through a command queue and get their deltas through
-per-request asyncio queues. Closing or cancelling a stream aborts its request, which frees
-its KV blocks at once. KV events and stats are collected after every step for the index
-publisher.
+The engine is not thread-safe, so everything that reads or changes its state (admission
+checks, the per-request seed, add, abort, step) happens on the engine thread; asyncio
+callers send it typed commands through one queue and get their deltas through per-request
+asyncio queues. Closing or cancelling a stream aborts its request, which frees its KV
+blocks at once. KV events and a stats snapshot are published after every step for the
+index publisher and the metrics.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import TypeVar
 
 from kvmesh.kvcache import KVEvent
 from kvmesh.replica.engine import EngineStats, LLMEngine, Prompt
-from kvmesh.replica.request import Request, RequestOutput
-from kvmesh.replica.sampling_params import SamplingParams
+from kvmesh.replica.request import RequestOutput
+from kvmesh.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,6 +33,34 @@ T = TypeVar("T")
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+
+# Commands to the engine thread, applied between steps in the order they were sent.
+@dataclass(frozen=True)
+class _Add:
+    prompt: Prompt
+    params: SamplingParams | None
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop
 
 
 class EngineDeadError(RuntimeError):
@@ -58,19 +87,16 @@ class AsyncLLMEngine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Validation errors raise ``ValueError`` before any delta."""
+        """Stream deltas for one request. Refusals (``ValueError`` for bad input,
+        ``EngineOverloadedError`` for a full queue) are raised before any delta."""
         if self._stopped.is_set():
             raise EngineDeadError("engine is shut down")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
+        if request_id in self._streams:  # the streams belong to this side; the engine checks its own
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.engine.prepare_request(prompt, params, request_id)  # validates in the caller
-        limit = self.engine.config.max_queued_requests
-        if self.num_waiting() >= limit:
-            raise EngineOverloadedError(f"replica queue is full ({limit} waiting requests)")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", request))
+        self._commands.put(_Add(prompt, params, request_id))
         finished = False
         try:
             while not finished:
@@ -82,20 +108,20 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(_Abort(request_id))
 
     def abort(self, request_id: str) -> bool:
         """Abort a request streaming from this engine; False if there is none by that id."""
         if request_id not in self._streams:
             return False
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
         return True
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        self._commands.put(("call", (fn, loop, future)))
+        self._commands.put(_Call(fn, loop, future))
         return await future
 
     async def snapshot_cached_hashes(self) -> set[int]:
@@ -109,10 +135,6 @@ class AsyncLLMEngine:
             return engine.block_manager.cached_hashes()
 
         return await self.call(snapshot)
-
-    def num_waiting(self) -> int:
-        """Requests not yet running: queued in the engine or still on their way to it."""
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
 
     def num_streams(self) -> int:
         return len(self._streams)
@@ -136,11 +158,12 @@ class AsyncLLMEngine:
             await asyncio.wait_for(event.wait(), timeout)
 
     def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (safe to read from any thread)."""
         return self._stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
-        self._commands.put(("stop", None))
+        self._commands.put(_Stop())
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ engine thread
@@ -160,34 +183,44 @@ class AsyncLLMEngine:
     def _apply_commands(self, block: bool) -> None:
         while True:
             try:
-                kind, arg = self._commands.get(block=block)
+                command: _Command = self._commands.get(block=block)
             except queue.Empty:
                 return
             block = False
-            if kind == "add":
-                self._add(arg)
-            elif kind == "abort":
-                self.engine.abort(arg)
-            elif kind == "call":
-                self._run_call(*arg)
-            elif kind == "stop":
-                return
+            match command:
+                case _Add():
+                    self._add(command)
+                case _Abort(request_id):
+                    self.engine.abort(request_id)
+                case _Call(fn, loop, future):
+                    self._run_call(fn, loop, future)
+                case _Stop():
+                    return
 
     def _run_call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
         try:
             result = fn(self.engine)
-        except Exception as exc:
+        except Exception as exc:  # the caller's function failed: its awaiter gets the error
             loop.call_soon_threadsafe(_settle, future, None, exc)
         else:
             loop.call_soon_threadsafe(_settle, future, result, None)
 
-    def _add(self, request: Request) -> None:
-        if request.request_id not in self._streams:
+    def _add(self, command: _Add) -> None:
+        """Admit a request: validate it against the engine (vocabulary, lengths, pool, a
+        duplicate id), refuse it if the queue is full, draw its seed, queue it."""
+        if command.request_id not in self._streams:
             return  # the caller went away before the engine saw it
+        limit = self.engine.config.max_queued_requests
         try:
+            if len(self.engine.scheduler.waiting) >= limit:
+                raise EngineOverloadedError(f"replica queue is full ({limit} waiting requests)")
+            request = self.engine.prepare_request(command.prompt, command.params, command.request_id)
             self.engine.submit(request)
-        except Exception as exc:
-            self._deliver(request.request_id, exc)
+        except (ValueError, EngineOverloadedError) as exc:  # refused: the caller gets the reason
+            self._deliver(command.request_id, exc)
+        except Exception as exc:  # a bug: this request fails loudly, the engine keeps serving
+            log.exception("admitting a request failed", extra={"request_id": command.request_id})
+            self._deliver(command.request_id, exc)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

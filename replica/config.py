@@ -1,7 +1,8 @@
-"""Engine configuration: one dataclass whose field names are the public config names.
+"""A replica's settings: the engine's (``EngineConfig``) and the process's (``ReplicaConfig``).
 
-``LLMEngine(model_dir, **config)`` and the CLI flags use exactly these names; an unknown
-name is a ``ValueError``, never silently ignored.
+``LLMEngine(model_dir, **config)`` takes exactly EngineConfig's field names (an unknown name
+is a ``ValueError``, never silently ignored); ``kvmesh up`` derives its flags and their
+``KVMESH_*`` environment defaults from both dataclasses.
 """
 
 from __future__ import annotations
@@ -10,23 +11,29 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.serving.options import option
+from kvmesh.serving.tls import TLSConfig
+
 GiB = 1 << 30
 
 
 @dataclass
 class EngineConfig:
-    block_size: int | None = None  # tokens per KV block; None: 256 with flash-attn, else 16
-    num_kv_blocks: int | None = None  # fixed pool size (wins over the memory settings)
-    kv_cache_memory: int = GiB // 2  # bytes for the KV pool on CPU
-    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV
-    max_num_seqs: int = 64  # sequences in one batch
-    max_num_batched_tokens: int = 2048  # tokens computed in one step (chunked prefill budget)
-    max_queued_requests: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    dtype: str | None = None  # None: float32 on CPU, the checkpoint's half type on CUDA
-    device: str | None = None  # None: cuda if available, else cpu
-    seed: int = 0  # engine RNG: seeds requests that carry no seed of their own
-    attention_backend: str | None = None  # None: flash-attn where usable, else torch
+    block_size: int | None = option(None, help="tokens per KV block (default: 256 with flash-attn, else 16)")
+    num_kv_blocks: int | None = option(None, help="KV blocks per replica (wins over the memory settings)")
+    kv_cache_memory: int = option(GiB // 2, help="bytes for the KV pool on CPU")
+    gpu_memory_utilization: float = option(0.9, help="share of GPU memory for weights, activations and KV")
+    max_num_seqs: int = option(64, help="sequences in one batch")
+    max_num_batched_tokens: int = option(2048, help="tokens computed in one step (chunked prefill budget)")
+    max_queued_requests: int = option(1024, help="waiting requests per replica; beyond: RESOURCE_EXHAUSTED")
+    max_model_len: int | None = option(None, help="longest prompt + output (default: the model's)")
+    dtype: str | None = option(None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, half on CUDA)")
+    device: str | None = option(None, help="cpu | cuda (default: cuda if available)")
+    seed: int = option(0, help="engine RNG: seeds requests that carry no seed of their own")
+    attention_backend: str | None = option(
+        None, choices=("torch", "flash_attn"), help="default: flash-attn where usable, else torch"
+    )
+    check_invariants: bool = option(False, help="debug: check the block ledger after every step (slow)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -53,3 +60,54 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'torch' or 'flash_attn', got {self.attention_backend!r}"
             )
+
+
+@dataclass
+class ReplicaConfig:
+    model_dir: str = option(flag="model", help="local Hugging Face model folder")
+    replica_id: str = option("replica-0", cli=False, help="this replica's name in the index")
+    redis_url: str | None = option(None, help="Redis/Valkey URL of the prefix index")
+    model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
+    host: str = option(
+        "127.0.0.1",
+        flag="replica-host",
+        help="where replicas listen (0.0.0.0: all; they advertise their node IP)",
+    )
+    port: int = option(0, flag="replica-port", help="replica gRPC port (0: any free port)")
+    http_port: int = option(
+        0, flag="replica-http-port", help="replica OpenAI HTTP port (0: any free port, -1: off)"
+    )
+    advertise_host: str | None = option(
+        None,
+        flag="replica-advertise-host",
+        help="address routers dial (default: the listen address or node IP)",
+    )
+    heartbeat_s: float = option(1.0, flag="heartbeat-interval", help="seconds between a replica's heartbeats")
+    ttl_s: float = option(
+        5.0, flag="heartbeat-ttl", help="seconds without a heartbeat before a replica is dead"
+    )
+    torch_threads: int | None = option(
+        None, help="torch threads per replica (default: CPU replicas share the cores)"
+    )
+    drain_timeout_s: float = option(
+        30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
+    )
+    tls: TLSConfig = option(factory=TLSConfig, help="TLS for the replica's gRPC (mTLS with client auth)")
+    engine: EngineConfig = option(factory=EngineConfig, help="the engine's settings")
+
+    def __post_init__(self) -> None:
+        self.engine.validate()
+        if not 0 <= self.port < 65536 or not -1 <= self.http_port < 65536:
+            raise ValueError(
+                f"replica ports must be in [0, 65535] (http: -1 off), got {self.port}, {self.http_port}"
+            )
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_s must be positive and below ttl_s, got {self.heartbeat_s} and {self.ttl_s}"
+            )
+        if self.torch_threads is not None and self.torch_threads <= 0:
+            raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
+
+    @property
+    def serves_http(self) -> bool:
+        return self.http_port >= 0

@@ -26,8 +26,8 @@ from kvmesh.replica.detokenizer import IncrementalDetokenizer
 from kvmesh.replica.model_runner import ModelRunner
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
 from kvmesh.replica.request import Request, RequestOutput, Status
-from kvmesh.replica.sampling_params import SamplingParams
 from kvmesh.replica.scheduler import Scheduler
+from kvmesh.serving.sampling import SamplingParams
 
 Prompt = str | SequenceABC[int]
 
@@ -163,6 +163,8 @@ class LLMEngine:
             return outputs
         tokens = self.runner.run(scheduled)
         self.scheduler.step_done(scheduled)
+        if self.config.check_invariants:
+            self.block_manager.check_invariants()
         for request, token in zip(scheduled, tokens, strict=True):
             if token is not None:
                 outputs.append(request.output(self._append_token(request, token)))

@@ -18,15 +18,12 @@ import contextlib
 import logging
 import time
 
-from redis.exceptions import RedisError
-
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
+from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
 from kvmesh.replica.async_engine import AsyncLLMEngine
-from kvmesh.router.background import BackgroundLoops
-from kvmesh.router.index import PrefixIndex
+from kvmesh.serving.background import BackgroundLoops
 
 log = logging.getLogger(__name__)
-_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class IndexPublisher:
@@ -70,7 +67,7 @@ class IndexPublisher:
     async def stop(self) -> None:
         await self._loops.stop()
         if self.incarnation is not None:
-            with contextlib.suppress(*_REDIS_ERRORS):
+            with contextlib.suppress(*INDEX_ERRORS):
                 await self.index.deregister(self.replica_id, self.incarnation)
         self.incarnation = None
 
@@ -80,7 +77,7 @@ class IndexPublisher:
         self._last_sync_attempt = time.monotonic()
         try:
             await self._sync()
-        except _REDIS_ERRORS as exc:
+        except INDEX_ERRORS as exc:
             log.warning("prefix index unreachable, serving without it", extra={"error": str(exc)})
             self.dirty = True
 
@@ -124,7 +121,7 @@ class IndexPublisher:
         try:
             if not await self.index.publish(self.replica_id, self.incarnation, batch):
                 self._mark_dirty("incarnation retired")
-        except _REDIS_ERRORS as exc:
+        except INDEX_ERRORS as exc:
             self._mark_dirty(f"publish failed: {exc}")
 
     async def _heartbeat_loop(self) -> None:
@@ -137,7 +134,7 @@ class IndexPublisher:
                     self.replica_id, self.incarnation, self.ttl_s, self._load()
                 ):
                     self._mark_dirty("heartbeat refused: incarnation expired")
-            except _REDIS_ERRORS as exc:
+            except INDEX_ERRORS as exc:
                 self._mark_dirty(f"heartbeat failed: {exc}")
 
     async def _sweep_loop(self) -> None:
@@ -145,7 +142,7 @@ class IndexPublisher:
         while self._loops.running:
             await asyncio.sleep(self.sweep_s)
             if not self.dirty:
-                with contextlib.suppress(*_REDIS_ERRORS):
+                with contextlib.suppress(*INDEX_ERRORS):
                     cursor, _ = await self.index.sweep(cursor)
 
     # ------------------------------------------------------------------ records

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.replica.sampling_params import SamplingParams
+from kvmesh.serving.sampling import SamplingParams
 
 
 def sample(

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
-from kvmesh.router.background import BackgroundLoops
-from kvmesh.router.grpc_server import MAX_MESSAGE_BYTES
-from kvmesh.router.index import PrefixIndex, ReplicaRecord
-from kvmesh.router.policies import ReplicaLoad, ReplicaState, RequestWork
-from kvmesh.router.security import TLSConfig, open_channel
+from kvmesh.router.load import ReplicaLoad, RequestWork
+from kvmesh.router.policies import ReplicaState
+from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
+from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class ReplicaRegistry:
     async def refresh(self) -> None:
         try:
             records = await self.index.live_replicas()
-        except Exception as exc:  # Redis away: keep the last known set
+        except INDEX_ERRORS as exc:  # Redis away: keep the last known set
             if self.index_ok:
                 log.warning("prefix index unreachable: routing by load only", extra={"error": str(exc)})
             self.index_ok = False
@@ -99,7 +100,7 @@ class ReplicaRegistry:
     async def _index_has_settings(self) -> bool:
         try:
             return await self.index.has_settings()
-        except Exception:
+        except INDEX_ERRORS:
             return False
 
     async def _apply(self, records: list[ReplicaRecord]) -> None:

@@ -1,9 +1,42 @@
-"""Shared fixtures: tiny random models built once per machine and cached on disk."""
+"""Shared fixtures: tiny random models built once per machine and cached on disk; real
+Redis servers and one local Ray per session; the ``servers`` marker that ``make test-fast``
+leaves out."""
 
 import os
 from pathlib import Path
 
 import pytest
+
+# Fixtures that start something: a test using one is marked ``servers`` automatically.
+SERVER_FIXTURES = {"redis_server", "valkey_server", "ray_cluster"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.servers)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_nothing(request, monkeypatch):
+    """Under ``make test-fast`` (KVMESH_TEST_FAST=1) starting Redis, Ray or a server fails
+    loudly, so a test that starts one cannot slip into the fast set unmarked."""
+    if not os.environ.get("KVMESH_TEST_FAST") or request.node.get_closest_marker("servers"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this test starts a server: mark it `servers` (make test-fast leaves those out)")
+
+    import ray
+
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.serving import grpc_server, http_server
+
+    monkeypatch.setattr(EmbeddedRedis, "start", refuse)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(grpc_server.grpc.aio, "server", refuse)
+    monkeypatch.setattr(http_server.uvicorn, "Server", refuse)
+
 
 CACHE = Path(
     os.environ.get("KVMESH_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache" / "tiny-models")

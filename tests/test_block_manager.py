@@ -279,3 +279,37 @@ def test_sequence_views():
     assert seq.num_completion_tokens == 1 and seq.last_token == 6
     with pytest.raises(IndexError):
         seq.block(3)
+
+
+def _busy_ledger() -> tuple[BlockManager, Sequence]:
+    bm = BlockManager(8, 2, seed=1)
+    seq = Sequence([1, 2, 3, 4, 5], 2)
+    bm.allocate(seq, bm.can_allocate(seq))
+    seq.num_computed_tokens = 5
+    bm.hash_blocks(seq)
+    other = Sequence([9, 9, 9], 2)
+    bm.allocate(other, bm.can_allocate(other))
+    other.num_computed_tokens = 3
+    bm.hash_blocks(other)
+    bm.deallocate(other)  # its hashed block stays cached while free
+    bm.check_invariants()
+    return bm, seq
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda bm, seq: bm._ref.__setitem__(seq.block_table[0], 2), "ref count 2 but 1 block tables"),
+        (lambda bm, seq: bm._free.pop(next(iter(bm._free))), "differs from the unreferenced blocks"),
+        (lambda bm, seq: bm._table.__setitem__(next(iter(bm._table)), 7), "table maps hash"),
+        (lambda bm, seq: bm._hash.__setitem__(7, 12345), "block 7 holds hash 12345"),
+        (lambda bm, seq: setattr(bm, "_num_cached_free", 0), "cached-free count is 0"),
+    ],
+    ids=["ref-count", "free-list", "table-to-block", "block-to-table", "cached-free"],
+)
+def test_check_invariants_names_what_is_broken(corrupt, message):
+    """Fault injection into the ledger's state: every invariant is checked, and named."""
+    bm, seq = _busy_ledger()
+    corrupt(bm, seq)
+    with pytest.raises(KVCacheError, match=message):
+        bm.check_invariants()

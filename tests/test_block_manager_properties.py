@@ -61,6 +61,11 @@ class LedgerMachine(RuleBasedStateMachine):
         self.bm.hash_blocks(seq)
 
     @invariant()
+    def ledger_checks_itself(self):
+        if hasattr(self, "bm"):
+            self.bm.check_invariants()
+
+    @invariant()
     def ref_counts_and_partition(self):
         if not hasattr(self, "bm"):
             return

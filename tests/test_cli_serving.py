@@ -13,6 +13,8 @@ import pytest
 
 from kvmesh.protos import pb, pb_grpc
 
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
+
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
 
@@ -153,7 +155,8 @@ def test_up_without_router_is_the_charts_controller(qwen3_dir):
 
 
 def test_replicas_listening_everywhere_advertise_their_node_ip(ray_cluster):
-    from kvmesh.replica.server import ReplicaConfig, advertised_host
+    from kvmesh.replica.config import ReplicaConfig
+    from kvmesh.replica.process import advertised_host
 
     assert advertised_host(ReplicaConfig("m", "r", "redis://x", host="127.0.0.1")) == "127.0.0.1"
     assert (

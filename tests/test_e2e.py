@@ -12,23 +12,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually
 from reference import hf_greedy, prompts_of_lengths
 
+from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.server import RouterConfig, RouterServer
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.process import RouterServer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(ray_cluster, qwen3_dir):
-    config = ClusterConfig(
-        str(qwen3_dir),
-        replicas=3,
-        heartbeat_s=0.2,
-        ttl_s=1.5,
-        engine={"num_kv_blocks": 512, "max_num_seqs": 16},
-    )
+    config = ClusterConfig.for_model(
+        str(qwen3_dir), 3, engine={"num_kv_blocks": 512, "max_num_seqs": 16},
+        router={"port": 0, "http_port": 0}, replica={"heartbeat_s": 0.2, "ttl_s": 1.5},
+    )  # fmt: skip
     async with LocalCluster(config) as c:
         yield c
 
@@ -275,7 +274,7 @@ async def test_no_live_replica_is_unavailable(ray_cluster, qwen3_dir):
     import httpx
 
     with EmbeddedRedis() as redis:
-        router = RouterServer(RouterConfig(str(qwen3_dir), redis.url))
+        router = RouterServer(RouterConfig(str(qwen3_dir), redis.url, port=0, http_port=0))
         await router.start()
         try:
             async with grpc.aio.insecure_channel(router.address) as channel:

@@ -10,6 +10,8 @@ import redis
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
+
 
 def port_open(port: int) -> bool:
     with socket.socket() as s:

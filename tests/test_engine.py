@@ -1,11 +1,13 @@
 """Engine behaviour beyond greedy parity: abort, sampling, stops, streaming, bad input."""
 
 import asyncio
+import threading
 
 import pytest
 
-from kvmesh.kvcache import BlockStored, block_hashes
+from kvmesh.kvcache import BlockStored, KVCacheError, block_hashes
 from kvmesh.replica import AsyncLLMEngine, LLMEngine, SamplingParams
+from kvmesh.replica.async_engine import EngineOverloadedError
 
 PROMPT = [(11 * j) % 900 + 3 for j in range(40)]
 
@@ -200,3 +202,63 @@ def test_async_streaming_and_cancellation(engine):
 
     asyncio.run(main())
     assert not engine.has_unfinished_requests()
+
+
+def test_admission_runs_on_the_engine_thread_and_refuses_a_full_queue(qwen3_dir):
+    """Seeds, duplicate ids and the queue bound are engine state: read on its thread only."""
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=1, max_queued_requests=1)
+    threads = []
+    prepare = engine.prepare_request
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return prepare(*args)
+
+    engine.prepare_request = recording
+
+    async def main():
+        streamer = AsyncLLMEngine(engine)
+        try:
+            long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+            running = streamer.generate(PROMPT, long, "running")
+            await anext(running)  # admitted and running: the queue is empty again
+            queued = streamer.generate(PROMPT, long, "queued")
+            queued_first = asyncio.ensure_future(anext(queued))
+            for _ in range(200):  # until the engine thread has queued it
+                if streamer.stats().num_waiting == 1:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(EngineOverloadedError, match="queue is full"):
+                await anext(streamer.generate(PROMPT, long, "refused"))
+            await running.aclose()
+            await queued_first
+            await queued.aclose()
+        finally:
+            streamer.shutdown()
+
+    asyncio.run(main())
+    assert threads and set(threads) == {"kvmesh-engine"}
+
+
+def test_check_invariants_setting_checks_the_ledger_every_step(qwen3_dir):
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=16, block_size=16, max_num_seqs=4, check_invariants=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.generate([PROMPT, PROMPT, PROMPT[:30]], params)  # prefix hits, tight pool: all consistent
+    engine.block_manager._num_cached_free += 1  # fault injection
+    engine.add_request(PROMPT[:20], params)
+    with pytest.raises(KVCacheError, match="cached-free count"):
+        engine.step()
+
+
+def test_a_vanishing_temperature_is_greedy_not_a_failed_batch(engine):
+    """Found by the fuzzer: temperature 1e-40 made logits / T overflow and the step's softmax
+    NaN, which failed every request in the batch. Below 1e-5 sampling is greedy (vLLM's rule)."""
+    greedy = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    both = engine.generate(
+        [PROMPT, PROMPT[:25]],
+        [
+            SamplingParams(temperature=1e-40, max_tokens=8, ignore_eos=True),
+            SamplingParams(max_tokens=8, seed=1),
+        ],
+    )
+    assert both[0].token_ids == greedy.token_ids and len(both[1].token_ids) == 8

@@ -14,21 +14,23 @@ import ray
 from helpers import eventually
 from reference import prompts_of_lengths
 
-from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.kvcache.index import PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.index import PrefixIndex, ReplicaRecord
-from kvmesh.router.policies import RequestWork
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.load import RequestWork
+from kvmesh.router.process import RouterServer
 from kvmesh.router.registry import ReplicaRegistry
-from kvmesh.router.server import RouterConfig, RouterServer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(ray_cluster, qwen3_dir):
-    config = ClusterConfig(
-        str(qwen3_dir), replicas=3, heartbeat_s=0.2, ttl_s=1.5, http_port=None,
-        engine={"num_kv_blocks": 512, "max_num_seqs": 32},
+    config = ClusterConfig.for_model(
+        str(qwen3_dir), 3, engine={"num_kv_blocks": 512, "max_num_seqs": 32},
+        router={"port": 0, "http_port": -1}, replica={"heartbeat_s": 0.2, "ttl_s": 1.5},
     )  # fmt: skip
     async with LocalCluster(config) as c:
         c.supervisor.check_s = 0.3
@@ -104,7 +106,7 @@ async def test_replica_channel_closed_mid_stream_is_an_error_not_silence(cluster
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
         call = pb_grpc.RouterStub(channel).Generate(request(7, max_tokens=400), timeout=60)
         first = await call.read()  # streaming: the router holds a call on one replica's channel
-        replica_id = cluster.router.core._inflight[first.request_id]
+        replica_id = cluster.router.core.relay.inflight[first.request_id]
         entry = cluster.router.registry.entries.pop(replica_id)  # the next refresh re-adds it
         await entry.channel.close()
         start = time.monotonic()
@@ -182,7 +184,9 @@ async def test_redis_away_for_10s_under_load(cluster):
 
 
 async def test_router_restart_under_load(cluster, qwen3_dir):
-    port_router = RouterServer(RouterConfig(str(qwen3_dir), cluster.redis_url, http_port=None, refresh_s=0.1))
+    port_router = RouterServer(
+        RouterConfig(str(qwen3_dir), cluster.redis_url, port=0, http_port=-1, refresh_s=0.1)
+    )
     await port_router.start()
     port = port_router.grpc.port
     await eventually(lambda: _sees(port_router, 3))
@@ -205,7 +209,7 @@ async def test_router_restart_under_load(cluster, qwen3_dir):
     await port_router.stop(grace=0.2)
     await asyncio.sleep(0.5)
     again = RouterServer(
-        RouterConfig(str(qwen3_dir), cluster.redis_url, http_port=None, port=port, refresh_s=0.1)
+        RouterConfig(str(qwen3_dir), cluster.redis_url, http_port=-1, port=port, refresh_s=0.1)
     )
     await again.start()
     await eventually(lambda: _sees(again, 3))

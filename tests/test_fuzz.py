@@ -15,9 +15,12 @@ from hypothesis import strategies as st
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.server import ReplicaConfig, ReplicaServer
-from kvmesh.router.core import RouterLimits
-from kvmesh.router.server import RouterConfig, RouterServer
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.config import RouterConfig, RouterLimits
+from kvmesh.router.process import RouterServer
+
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
 CLEAN_GRPC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 CLEAN_HTTP = {200, 400, 404, 413, 429}
@@ -38,12 +41,20 @@ def servers(qwen3_dir):
 
     async def start():
         replica = ReplicaServer(
-            ReplicaConfig(str(qwen3_dir), "fuzz-0", redis.url, engine={"num_kv_blocks": 256})
+            ReplicaConfig(str(qwen3_dir), "fuzz-0", redis.url, engine=EngineConfig(num_kv_blocks=256))
         )
         await replica.start()
         limits = RouterLimits(max_inflight=64, max_tokens=64)
         router = RouterServer(
-            RouterConfig(str(qwen3_dir), redis.url, limits=limits, max_message_bytes=1 << 20, refresh_s=0.1)
+            RouterConfig(
+                str(qwen3_dir),
+                redis.url,
+                port=0,
+                http_port=0,
+                limits=limits,
+                max_message_bytes=1 << 20,
+                refresh_s=0.1,
+            )
         )
         await router.start()
         while not router.registry.live():

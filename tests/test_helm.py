@@ -1,6 +1,7 @@
 """The Helm chart, offline: Helm's own Go SDK lints and renders it, jsonschema checks the
 values, kubernetes-validate checks core kinds, and Python asserts what a reviewer would."""
 
+import argparse
 import copy
 import json
 import os
@@ -284,17 +285,55 @@ def test_no_plain_text_secrets(rendered):
 def test_router_controller_and_workers_read_one_configmap(rendered):
     _, docs = rendered
     [cm] = by_kind(docs, "ConfigMap")
-    assert {"KVMESH_MODEL_ID", "KVMESH_BLOCK_SIZE", "KVMESH_MODEL_PATH", "KVMESH_REDIS_URL"} <= set(
-        cm["data"]
-    )
+    assert {"KVMESH_MODEL_ID", "KVMESH_BLOCK_SIZE", "KVMESH_MODEL", "KVMESH_REDIS_URL"} <= set(cm["data"])
     for owner, _, spec in pods(docs):
         if "valkey" in owner:
             continue
         [c] = spec["containers"]
         assert [e["configMapRef"]["name"] for e in c["envFrom"]] == [cm["metadata"]["name"]], owner
+
+
+# Read by every process that connects to the index, or by the router alone: never a flag.
+SECRET_ENV = {"KVMESH_REDIS_PASSWORD", "KVMESH_REDIS_USERNAME", "KVMESH_REDIS_CA", "KVMESH_AUTH_TOKEN"}
+
+
+def test_chart_environment_is_what_each_command_reads(rendered, monkeypatch):
+    """Every KVMESH_* key a router or controller pod gets is a setting of the command it runs
+    (or a secret its process reads); the shared ConfigMap holds only settings that mean the
+    same to the router and to the replicas; and the rendered values parse under the CLI's
+    rules (``KVMESH_MAX_MODEL_LEN=0`` is "the model's own")."""
+    from kvmesh.cluster.commands import router as router_command
+    from kvmesh.cluster.commands import up as up_command
+    from kvmesh.cluster.flags import FlagTable
+
+    _, docs = rendered
+    [cm] = by_kind(docs, "ConfigMap")
+    tables: dict[str, FlagTable] = {"router": router_command.FLAGS, "up": up_command.FLAGS}
+    up_flags = {f.env: f for f in tables["up"].flags.values()}
+    router_envs = {f.env for f in tables["router"].flags.values()}
+    shared = {k for k in cm["data"] if k.startswith("KVMESH_")} - SECRET_ENV
+    for key in shared:
+        assert key in router_envs and key in up_flags, key
+        assert {target[1] for target in up_flags[key].targets} == {"router", "replica"}, key
     for d in by_kind(docs, "Deployment"):
-        args = " ".join(d["spec"]["template"]["spec"]["containers"][0]["args"])
-        assert "--model-id=$(KVMESH_MODEL_ID)" in args and "--block-size=$(KVMESH_BLOCK_SIZE)" in args
+        [c] = d["spec"]["template"]["spec"]["containers"]
+        if c["name"] not in ("router", "controller"):
+            continue
+        table = tables[c["args"][0]]
+        own = {e["name"]: e.get("value") for e in c.get("env", [])}
+        keys = {k for k in {**cm["data"], **own} if k.startswith("KVMESH_")}
+        assert keys <= {f.env for f in table.flags.values()} | SECRET_ENV, (c["name"], keys)
+        for name in [n for n in os.environ if n.startswith("KVMESH_")]:
+            monkeypatch.delenv(name)
+        for key, value in {**cm["data"], **own}.items():
+            if key.startswith("KVMESH_") and value is not None:
+                monkeypatch.setenv(key, str(value))
+        parser = argparse.ArgumentParser()
+        table.add_to(parser)
+        configs = table.build(parser.parse_args(c["args"][1:]))
+        router = configs[0] if c["args"][0] == "router" else configs[0].router
+        assert router.model_dir == cm["data"]["KVMESH_MODEL"]
+        assert router.max_model_len == (int(cm["data"]["KVMESH_MAX_MODEL_LEN"]) or None)
 
 
 def test_controller_drives_the_ray_cluster(rendered):

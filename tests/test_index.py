@@ -8,7 +8,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvmesh.kvcache import BlockRemoved, BlockStored
-from kvmesh.router.index import IndexSettingsError, PrefixIndex
+from kvmesh.kvcache.index import IndexSettingsError, PrefixIndex
+
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
 _models = itertools.count()
 

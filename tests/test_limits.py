@@ -14,12 +14,13 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.server import ReplicaConfig, ReplicaServer
-from kvmesh.router.core import RouterLimits
-from kvmesh.router.server import RouterConfig, RouterServer
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.config import RouterConfig, RouterLimits
+from kvmesh.router.process import RouterServer
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
-pytestmark = module_loop
+pytestmark = [module_loop, pytest.mark.servers]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -27,7 +28,7 @@ async def stack(qwen3_dir):
     redis = EmbeddedRedis().start()
     replicas = []
     for i in range(2):
-        engine = {"num_kv_blocks": 128, "max_num_seqs": 2, "max_queued_requests": 2}
+        engine = EngineConfig(num_kv_blocks=128, max_num_seqs=2, max_queued_requests=2)
         r = ReplicaServer(
             ReplicaConfig(str(qwen3_dir), f"lim-{i}", redis.url, heartbeat_s=0.2, engine=engine)
         )
@@ -35,7 +36,15 @@ async def stack(qwen3_dir):
         replicas.append(r)
     limits = RouterLimits(max_inflight=6, max_prompt_tokens=500, max_tokens=300)
     router = RouterServer(
-        RouterConfig(str(qwen3_dir), redis.url, limits=limits, max_message_bytes=64 << 10, refresh_s=0.1)
+        RouterConfig(
+            str(qwen3_dir),
+            redis.url,
+            port=0,
+            http_port=0,
+            limits=limits,
+            max_message_bytes=64 << 10,
+            refresh_s=0.1,
+        )
     )
     await router.start()
     await eventually(lambda: _live(router, 2))
@@ -141,7 +150,7 @@ async def test_oversized_messages_are_refused(stack):
 async def test_deadlines_are_honoured_and_free_the_blocks(stack):
     router, replicas, _ = stack
     started = time.monotonic()
-    code = await outcome(router.address, request(max_tokens=300, salt=7), timeout=0.4)
+    code = await outcome(router.address, request(max_tokens=300, salt=7), timeout=0.15)
     assert code == "DEADLINE_EXCEEDED" and time.monotonic() - started < 3
 
     async def idle():
@@ -152,7 +161,7 @@ async def test_deadlines_are_honoured_and_free_the_blocks(stack):
 
 async def test_router_drain_finishes_inflight_and_refuses_new_work(stack, qwen3_dir):
     _, _, redis = stack
-    second = RouterServer(RouterConfig(str(qwen3_dir), redis.url, refresh_s=0.1, http_port=None))
+    second = RouterServer(RouterConfig(str(qwen3_dir), redis.url, port=0, http_port=-1, refresh_s=0.1))
     await second.start()
     await eventually(lambda: _live(second, 2))
     inflight = asyncio.create_task(run(second.address, request(max_tokens=60, salt=11)))
@@ -168,7 +177,9 @@ async def test_router_drain_finishes_inflight_and_refuses_new_work(stack, qwen3_
 async def test_replica_drain_leaves_the_index_first(stack, qwen3_dir):
     router, _, redis = stack
     extra = ReplicaServer(
-        ReplicaConfig(str(qwen3_dir), "lim-extra", redis.url, heartbeat_s=0.2, engine={"num_kv_blocks": 64})
+        ReplicaConfig(
+            str(qwen3_dir), "lim-extra", redis.url, heartbeat_s=0.2, engine=EngineConfig(num_kv_blocks=64)
+        )
     )
     await extra.start()
     await eventually(lambda: _live(router, 3))

@@ -1,12 +1,14 @@
-"""Layout contract (DESIGN §1): top-level folders install as kvmesh.* and nothing generic."""
+"""Layout contract (DESIGN §1): top-level folders install as kvmesh.* and nothing generic;
+what ships beside the code (the index's Lua library) ships; the image copies every folder."""
 
+import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ["kvcache", "replica", "router", "cluster", "protos"]
+FOLDERS = ["kvcache", "protos", "serving", "router", "replica", "cluster"]
 
 
 def test_every_subpackage_is_listed_in_pyproject():
@@ -21,20 +23,36 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert on_disk == listed
 
 
+def test_every_top_level_python_folder_is_a_package():
+    """A new top-level folder of code must be added to FOLDERS (and so to pyproject)."""
+    with_code = {
+        p.parent.name
+        for p in ROOT.glob("*/__init__.py")
+        if not p.parent.name.startswith(".") and p.parent.name not in ("tests",)
+    }
+    assert with_code == set(FOLDERS)
+
+
+def test_package_data_is_next_to_the_code_that_reads_it():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-data"]["kvmesh.kvcache"] == ["*.lua"]
+    code = "from importlib import resources; print(resources.files('kvmesh.kvcache').joinpath('index.lua').is_file())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_the_image_copies_every_package_folder():
+    text = (ROOT / "helm" / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\w+) \1$", text, flags=re.M))
+    assert copied == set(FOLDERS)
+
+
 def test_installed_names_are_namespaced(tmp_path):
     code = (
         "import importlib.util, kvmesh.kvcache, kvmesh.router, kvmesh.cluster.cli;"
-        "print([n for n in ('router', 'cluster', 'kvcache', 'replica', 'protos') if importlib.util.find_spec(n)])"
+        "print([n for n in ('router', 'cluster', 'kvcache', 'replica', 'protos', 'serving') if importlib.util.find_spec(n)])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
-
-
-def test_kvcache_never_imports_torch(tmp_path):
-    code = "import sys, kvmesh.kvcache; print('torch' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "False"

@@ -8,7 +8,10 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.replica import SamplingParams
-from kvmesh.replica.server import ReplicaConfig, ReplicaServer
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
 
 @pytest.fixture
@@ -16,7 +19,7 @@ async def served(qwen3_dir):
     redis = EmbeddedRedis().start()
     config = ReplicaConfig(
         str(qwen3_dir), "pub-test", redis.url, heartbeat_s=0.1, ttl_s=2.0,
-        engine={"num_kv_blocks": 128, "block_size": 16},
+        engine=EngineConfig(num_kv_blocks=128, block_size=16),
     )  # fmt: skip
     server = ReplicaServer(config)
     await server.start()

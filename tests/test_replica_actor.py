@@ -11,13 +11,15 @@ from reference import hf_greedy, prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import block_hashes
+from kvmesh.kvcache.index import PrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import replica_actor_class
-from kvmesh.replica.server import ReplicaConfig
-from kvmesh.router.index import PrefixIndex
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
 BLOCK = 16
-ENGINE = {"num_kv_blocks": 256, "block_size": BLOCK, "max_num_seqs": 8}
+ENGINE = EngineConfig(num_kv_blocks=256, block_size=BLOCK, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

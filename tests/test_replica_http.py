@@ -12,10 +12,11 @@ import pytest_asyncio
 from kvmesh.cluster import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.server import ReplicaConfig, ReplicaServer
-from kvmesh.router.tokenization import PromptTokenizer
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.serving.tokenizer import PromptTokenizer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6
 
@@ -23,7 +24,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 6
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def replica(qwen3_dir):
     redis = EmbeddedRedis().start()
-    server = ReplicaServer(ReplicaConfig(str(qwen3_dir), "http-0", redis.url, engine={"num_kv_blocks": 128}))
+    server = ReplicaServer(
+        ReplicaConfig(str(qwen3_dir), "http-0", redis.url, engine=EngineConfig(num_kv_blocks=128))
+    )
     await server.start()
     async with httpx.AsyncClient(base_url=server.http_address, timeout=60) as http:
         yield server, http, redis

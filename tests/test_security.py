@@ -17,12 +17,16 @@ from certs import CertificateAuthority
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
-from kvmesh.cluster.logs import redacted
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.server import ReplicaConfig, ReplicaServer
-from kvmesh.router.index import PrefixIndex
-from kvmesh.router.security import TLSConfig
-from kvmesh.router.server import RouterConfig, RouterServer
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.process import RouterServer
+from kvmesh.serving.index_connection import connect_index
+from kvmesh.serving.options import redacted_url
+from kvmesh.serving.tls import TLSConfig
+
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
 module_loop = pytest.mark.asyncio(loop_scope="module")  # the secured servers live for the module
 TOKEN = "s3cret-token-7f"
@@ -55,7 +59,7 @@ async def secured(pki, qwen3_dir):
             redis_server.url,
             heartbeat_s=0.2,
             tls=tls,
-            engine={"num_kv_blocks": 64},
+            engine=EngineConfig(num_kv_blocks=64),
         )
     )
     await replica.start()
@@ -63,7 +67,15 @@ async def secured(pki, qwen3_dir):
     # certificate) and presents the same certificate to the replicas, which require one.
     router_tls = dataclasses.replace(tls, client_auth=False)
     router = RouterServer(
-        RouterConfig(str(qwen3_dir), redis_server.url, tls=router_tls, auth_token=TOKEN, refresh_s=0.1)
+        RouterConfig(
+            str(qwen3_dir),
+            redis_server.url,
+            port=0,
+            http_port=0,
+            tls=router_tls,
+            auth_token=TOKEN,
+            refresh_s=0.1,
+        )
     )
     await router.start()
     for _ in range(100):
@@ -164,12 +176,12 @@ async def test_https_and_bearer_token_on_http(secured, pki):
 @module_loop
 async def test_redis_password_from_the_environment(monkeypatch):
     with EmbeddedRedis(extra_args=["--requirepass", "pa55word"]) as server:
-        anonymous = PrefixIndex.from_url(server.url, "auth-model", 16, 1)
+        anonymous = connect_index(server.url, "auth-model", 16, 1)
         with pytest.raises(redis.exceptions.AuthenticationError):
             await anonymous.ensure_settings()
         await anonymous.close()
         monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "pa55word")
-        index = PrefixIndex.from_url(server.url, "auth-model", 16, 1)
+        index = connect_index(server.url, "auth-model", 16, 1)
         await index.ensure_settings()
         assert await index.register("r0", "a:1", ttl_s=5) == 1
         await index.close()
@@ -196,22 +208,22 @@ async def test_rediss_with_a_private_ca(pki, monkeypatch):
     ]
     with EmbeddedRedis(binary=shutil.which("redis-server"), extra_args=args):
         monkeypatch.setenv("KVMESH_REDIS_CA", pki["ca"])
-        index = PrefixIndex.from_url(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1)
+        index = connect_index(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1)
         await index.ensure_settings()
         inc = await index.register("r0", "a:1", ttl_s=5)
         assert await index.live_replicas() and inc == 1
         await index.close()
         monkeypatch.delenv("KVMESH_REDIS_CA")
-        untrusted = PrefixIndex.from_url(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1)
+        untrusted = connect_index(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1)
         with pytest.raises(redis.exceptions.ConnectionError):
             await untrusted.ensure_settings()  # the private CA is not trusted by default
         await untrusted.close()
 
 
 def test_secrets_never_reach_the_output():
-    assert redacted("redis://kvmesh:hunter2@redis:6379/0") == "redis://kvmesh:***@redis:6379/0"
-    assert redacted("rediss://:hunter2@r/0") == "rediss://:***@r/0"
-    assert redacted("redis://r:6379/0") == "redis://r:6379/0"
+    assert redacted_url("redis://kvmesh:hunter2@redis:6379/0") == "redis://kvmesh:***@redis:6379/0"
+    assert redacted_url("rediss://:hunter2@r/0") == "rediss://:***@r/0"
+    assert redacted_url("redis://r:6379/0") == "redis://r:6379/0"
     out = subprocess.run(
         [KVMESH, "status", "--redis-url", "redis://u:hunter2@127.0.0.1:1/0"],
         capture_output=True,

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from kvmesh.router.tokenization import PromptTokenizer
+from kvmesh.serving.tokenizer import PromptTokenizer
 
 TEXTS = [
     "Hello world",

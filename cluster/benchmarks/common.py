@@ -21,10 +21,13 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def target(name: str, value: float, op: str, bound: float) -> dict:
+def target(name: str, value: float, op: str, bound: float, detail: str | None = None) -> dict:
     """A performance target, checked against a value measured in the same run."""
     met = value >= bound if op == ">=" else value <= bound
-    return {"target": name, "value": value, "bound": f"{op} {bound}", "met": met}
+    result = {"target": name, "value": value, "bound": f"{op} {bound}", "met": met}
+    if detail is not None:
+        result["detail"] = detail
+    return result
 
 
 def environment(**extra: str) -> dict:

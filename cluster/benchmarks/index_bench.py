@@ -13,23 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.stats import latency_ms
 from kvmesh.kvcache import BlockStored
-from kvmesh.router.index import PrefixIndex, pack_hashes
+from kvmesh.kvcache.index import PrefixIndex, pack_hashes
 
 BLOCK_SIZE = 256
-
-
-def _percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {
-        "p50_ms": round(statistics.median(ordered) * 1e3, 3),
-        "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 3),
-    }
 
 
 async def _used_memory(index: PrefixIndex) -> int:
@@ -79,8 +71,8 @@ async def bench_lookup(url: str, replicas: int, entries: int, samples: int, rng:
             await _naive_lookup(index, hashes)
             naive.append(time.perf_counter() - start)
         row = {"replicas": replicas, "prompt_tokens": tokens, "blocks": len(hashes), "index_entries": entries}
-        row.update(_percentiles(ours))
-        row["baseline_per_block_round_trips_p50_ms"] = _percentiles(naive)["p50_ms"]
+        row.update(latency_ms(ours))
+        row["baseline_per_block_round_trips_p50_ms"] = latency_ms(naive)["p50_ms"]
         row["speedup_p50"] = round(row["baseline_per_block_round_trips_p50_ms"] / row["p50_ms"], 1)
         results.append(row)
         progress(

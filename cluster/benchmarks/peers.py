@@ -20,7 +20,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +33,8 @@ from kvmesh.cluster.benchmarks.peer_routers import (
     router_command,
     run_guidellm,
 )
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.cluster.experiments.loadgen import run_http_load
 from kvmesh.cluster.experiments.report import (
@@ -45,8 +46,7 @@ from kvmesh.cluster.experiments.report import (
 )
 from kvmesh.cluster.experiments.text_workload import as_text, word_table
 from kvmesh.cluster.experiments.workloads import shared_prefix
-from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
-from kvmesh.protos import pb, pb_grpc
+from kvmesh.cluster.launcher import LocalCluster
 
 _SAMPLES = {  # key -> (sample name, labels) in a replica's /metrics
     "ok": ("kvmesh_replica_requests_total", (("outcome", "ok"),)),
@@ -113,11 +113,9 @@ def served(before: dict, after: dict) -> dict:
     }
 
 
-async def reset_caches(http: httpx.AsyncClient, replicas: list[Replica]) -> None:
+async def reset_caches(cluster: LocalCluster, http: httpx.AsyncClient, replicas: list[Replica]) -> None:
     """Every router starts cold: replicas forget their prefixes (checked, not assumed)."""
-    for r in replicas:
-        async with grpc.aio.insecure_channel(r.grpc_address) as channel:
-            await pb_grpc.ReplicaStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
+    await cluster.reset_prefix_caches()
     left = {
         rid: c["cached_hashes"] for rid, c in (await counters(http, replicas)).items() if c["cached_hashes"]
     }
@@ -194,21 +192,23 @@ class _Bench:
     prompts: list[str]
     scratch: Path  # router logs, guidellm reports
     replicas: list[Replica]
-    redis_url: str
+    cluster: LocalCluster
     http: httpx.AsyncClient
 
     async def run(self, contender: Contender, generator: str, result: dict) -> None:
         """One router process, cold caches, one load; adds to ``result`` (overhead once)."""
         port = free_port()
         workers = [r.http_url for r in self.replicas]
-        command = router_command(contender, self.config.venv, port, workers, str(self.model), self.redis_url)
+        command = router_command(
+            contender, self.config.venv, port, workers, str(self.model), self.cluster.redis_url
+        )
         stem = f"{contender.name.replace(' ', '-')}-{generator}"
         async with RouterProcess(contender, command, port, self.scratch / f"{stem}.log") as router:
             if "overhead" not in result:
                 result["overhead"] = await router_overhead(
                     self.http, router.url, self.replicas, self.model.name, self.config.overhead_pairs
                 )
-            await reset_caches(self.http, self.replicas)
+            await reset_caches(self.cluster, self.http, self.replicas)
             await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
             before = await counters(self.http, self.replicas)
             progress(f"{contender.name}: {generator} ...")
@@ -232,9 +232,7 @@ class _Bench:
 
 
 async def run(config: PeersConfig) -> dict:
-    from kvmesh.cluster.demo import tiny_model
-
-    model = (config.model_dir or tiny_model(config.cache_dir)).resolve()  # guidellm runs elsewhere
+    model = (config.model_dir or demo_model(config.cache_dir)).resolve()  # guidellm runs elsewhere
     load = config.load
     workload = shared_prefix(
         num_groups=load.prefix_count, prompts_per_group=max(1, load.requests // load.prefix_count),
@@ -242,8 +240,8 @@ async def run(config: PeersConfig) -> dict:
         seed=load.seed,
     )  # fmt: skip
     prompts = as_text(workload, word_table(model))
-    cluster_config = ClusterConfig(
-        str(model), replicas=config.replicas, router=False, engine={"num_kv_blocks": config.num_kv_blocks}
+    cluster_config = ClusterConfig.for_model(
+        str(model), config.replicas, engine={"num_kv_blocks": config.num_kv_blocks}, with_router=False
     )
     generators = ("guidellm", "kvmesh_loadgen") if config.guidellm else ("kvmesh_loadgen",)
     progress(f"starting {config.replicas} replicas ({config.num_kv_blocks} KV blocks each) ...")
@@ -252,7 +250,7 @@ async def run(config: PeersConfig) -> dict:
         replicas = await replicas_of(cluster)
         bench = _Bench(
             config, model, workload, prompts, Path(config.out).resolve().with_suffix(""), replicas,
-            cluster.redis_url, http,
+            cluster, http,
         )  # fmt: skip
         baseline = await unloaded_ttft_ms(http, replicas[0], model.name, prompts[0])
         for contender in config.contenders:

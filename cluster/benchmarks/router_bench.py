@@ -10,30 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from pathlib import Path
 
 import grpc
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.stats import latency_ms
 from kvmesh.kvcache import BlockStored, block_hashes
+from kvmesh.kvcache.index import PrefixIndex
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
-from kvmesh.router.index import PrefixIndex
 from kvmesh.router.registry import ReplicaRegistry
-from kvmesh.router.server import RouterConfig, model_info
-from kvmesh.router.tokenization import PromptTokenizer
-
-
-def _ms(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    return {
-        "p50_ms": round(statistics.median(ordered) * 1e3, 3),
-        "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 3),
-    }
+from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.tokenizer import PromptTokenizer
 
 
 async def _one_token(stub, request: pb.GenerateRequest) -> tuple[float, str]:
@@ -46,7 +41,9 @@ async def _one_token(stub, request: pb.GenerateRequest) -> tuple[float, str]:
 
 
 async def added_latency(model_dir: str, samples: int) -> dict:
-    config = ClusterConfig(model_dir, replicas=2, http_port=None, engine={"num_kv_blocks": 256})
+    config = ClusterConfig.for_model(
+        model_dir, 2, engine={"num_kv_blocks": 256}, router={"port": 0, "http_port": -1}
+    )
     async with LocalCluster(config) as cluster:
         prompt = [random.Random(0).randrange(3, 1000) for _ in range(64)]
         request = pb.GenerateRequest(
@@ -66,7 +63,7 @@ async def added_latency(model_dir: str, samples: int) -> dict:
                     t, where = await _one_token(router, request)
                     via_router.append(t)
                     assert where == replica_id, "router moved a cached prompt"
-    result = {"direct": _ms(straight), "router": _ms(via_router), "samples": samples}
+    result = {"direct": latency_ms(straight), "router": latency_ms(via_router), "samples": samples}
     result["added_p50_ms"] = round(result["router"]["p50_ms"] - result["direct"]["p50_ms"], 3)
     result["added_p99_ms"] = round(result["router"]["p99_ms"] - result["direct"]["p99_ms"], 3)
     progress(f"added latency p50 {result['added_p50_ms']} ms (direct {result['direct']['p50_ms']} ms)")
@@ -75,7 +72,7 @@ async def added_latency(model_dir: str, samples: int) -> dict:
 
 async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
     with EmbeddedRedis() as redis:
-        info = model_info(RouterConfig(model_dir, redis.url))
+        info = ModelInfo.from_folder(model_dir, None, RouterConfig.block_size, None)
         tokenizer = PromptTokenizer(model_dir)
         index = PrefixIndex.from_url(redis.url, info.model_id, info.block_size, info.hash_seed)
         await index.ensure_settings()
@@ -115,7 +112,7 @@ async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
             times = [(await core.decide(request)).decision_s for _ in range(samples)]
             decision = await core.decide(request)
             assert len(decision.matched) == replicas and set(decision.matched.values()) == {len(hashes)}
-            result[name] = _ms(times)
+            result[name] = latency_ms(times)
             progress(
                 f"decision from {name}: p50 {result[name]['p50_ms']} ms, p99 {result[name]['p99_ms']} ms"
             )
@@ -124,7 +121,7 @@ async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
             start = time.perf_counter()
             tokenizer.encode(text)
             tokenize.append(time.perf_counter() - start)
-        result["tokenize_only"] = _ms(tokenize)
+        result["tokenize_only"] = latency_ms(tokenize)
         await registry.stop()
         await index.close()
     return result
@@ -146,9 +143,7 @@ async def run(model_dir: str, quick: bool) -> dict:
 
 
 def main(out: str, quick: bool, cache_dir: str) -> int:
-    from kvmesh.cluster.demo import tiny_model
-
-    model_dir = str(tiny_model(Path(cache_dir)))
+    model_dir = str(demo_model(Path(cache_dir)))
     result = {"benchmark": "router", "quick": quick, "environment": environment(), "model": model_dir}
     result.update(asyncio.run(run(model_dir, quick)))
     lat, dec = result["added_latency"], result["decision"]

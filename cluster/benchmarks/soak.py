@@ -20,9 +20,11 @@ from pathlib import Path
 import grpc
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
-from kvmesh.cluster.experiments.report import percentile
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.experiments.workloads import shared_prefix
-from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.stats import percentile
 from kvmesh.protos import pb, pb_grpc
 
 
@@ -67,14 +69,10 @@ async def run(
     requests = shared_prefix(
         num_groups=16, prompts_per_group=16, system_prompt_len=256, question_len=32, output_len=16, seed=seed
     )
-    config = ClusterConfig(
-        model_dir,
-        replicas=replicas,
-        http_port=None,
-        heartbeat_s=0.5,
-        ttl_s=3.0,
-        engine={"num_kv_blocks": 1024},
-    )
+    config = ClusterConfig.for_model(
+        model_dir, replicas, engine={"num_kv_blocks": 1024}, router={"port": 0, "http_port": -1},
+        replica={"heartbeat_s": 0.5, "ttl_s": 3.0},
+    )  # fmt: skip
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     kill_times: list[float] = []
@@ -156,9 +154,7 @@ def _memory_report(memory: dict) -> dict:
 def main(
     out: str, duration: float, replicas: int, clients: int, kill_every: float, cache_dir: str, seed: int
 ) -> int:
-    from kvmesh.cluster.demo import tiny_model
-
-    model = str(tiny_model(Path(cache_dir)))
+    model = str(demo_model(Path(cache_dir)))
     result = {"benchmark": "soak", "duration_s": duration, "replicas": replicas, "clients": clients,
               "kill_every_s": kill_every, "environment": environment()}  # fmt: skip
     result.update(asyncio.run(run(model, duration, replicas, clients, kill_every, seed)))

@@ -14,15 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvmesh.cluster.experiments.loadgen import RequestRecord
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+from kvmesh.cluster.stats import percentile
 
 
 def _ms(values: Sequence[float], q: float) -> float:

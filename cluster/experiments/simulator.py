@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.experiments.cost_model import CostModel
-from kvmesh.cluster.experiments.report import percentile
 from kvmesh.cluster.experiments.workloads import WorkloadRequest
+from kvmesh.cluster.stats import percentile
 from kvmesh.kvcache import (
     AllBlocksCleared,
     BlockManager,
@@ -32,10 +32,11 @@ from kvmesh.kvcache import (
     namespace_seed,
 )
 from kvmesh.replica.request import Request
-from kvmesh.replica.sampling_params import SamplingParams
 from kvmesh.replica.scheduler import Scheduler
-from kvmesh.router.policies import Policy, ReplicaLoad, ReplicaState, RequestWork, RouteRequest, make_policy
+from kvmesh.router.load import ReplicaLoad, RequestWork
+from kvmesh.router.policies import Policy, ReplicaState, RouteRequest, make_policy
 from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving.sampling import SamplingParams
 
 
 @dataclass

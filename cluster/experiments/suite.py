@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.cluster.benchmarks.common import target
 from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel
 from kvmesh.cluster.experiments.report import PEERS_SECTION, marked_section, plot_sweep
@@ -86,21 +87,24 @@ def run_simulations(scale: Scale, cost: CostModel = H100_LLAMA3_8B, log=print) -
 
 async def run_real_cluster(scale: Scale, cache_dir: Path, log=print) -> dict:
     """The same comparison on real replicas (CPU, tiny model): does the ordering hold?"""
-    from kvmesh.cluster.demo import reset_caches, tiny_model
+    from kvmesh.cluster.config import ClusterConfig
+    from kvmesh.cluster.demo_model import demo_model
     from kvmesh.cluster.experiments.loadgen import run_load
     from kvmesh.cluster.experiments.report import summarize
-    from kvmesh.cluster.launcher import ClusterConfig, LocalCluster
+    from kvmesh.cluster.launcher import LocalCluster
 
-    model = tiny_model(cache_dir)
+    model = demo_model(cache_dir)
     requests = wl.shared_prefix(
         num_groups=scale.n(12, 4), prompts_per_group=8, system_prompt_len=512, question_len=32, output_len=16
     )
     requests = wl.poisson_arrivals(requests, 20.0, seed=6)
-    config = ClusterConfig(str(model), replicas=4, http_port=None, engine={"num_kv_blocks": 512})
+    config = ClusterConfig.for_model(
+        str(model), 4, engine={"num_kv_blocks": 512}, router={"port": 0, "http_port": -1}
+    )
     out = {"hit_rate_ceiling": round(wl.infinite_cache_hit_rate(requests, 16), 4), "policies": {}}
     async with LocalCluster(config) as cluster:
         for policy in ("prefix", "round_robin", "least_loaded", "consistent_hash"):
-            await reset_caches(cluster)
+            await cluster.reset_prefix_caches()
             records = await run_load(
                 cluster.router_address, requests, policy=policy, concurrency=16, use_arrival_times=True
             )
@@ -114,14 +118,7 @@ async def run_real_cluster(scale: Scale, cache_dir: Path, log=print) -> dict:
 
 def targets(results: dict) -> list[dict]:
     def t(name: str, value: float, op: str, bound: float, detail: str) -> dict:
-        met = value >= bound if op == ">=" else value <= bound
-        return {
-            "target": name,
-            "value": round(value, 3),
-            "bound": f"{op} {bound}",
-            "met": met,
-            "detail": detail,
-        }
+        return {**target(name, value, op, bound, detail), "value": round(value, 3)}
 
     out = []
     for w in ("W2", *(f"W3@{r}" for r in results["W3"])):

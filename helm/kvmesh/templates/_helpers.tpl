@@ -50,7 +50,8 @@ redis://{{ include "kvmesh.redisHost" . }}:6379/0
 {{- end -}}
 
 {{/* Environment of every kvmesh process: the shared ConfigMap, the Redis password and TLS
-     files (secrets only ever by reference). Pass (list . "router"|"controller"|"ray"). */}}
+     files (secrets only ever by reference), and the settings of one part for that part's
+     pods alone. Pass (list . "router"|"controller"|"ray"). */}}
 {{- define "kvmesh.env" -}}
 {{- $root := index . 0 -}}
 {{- $who := index . 1 -}}
@@ -60,8 +61,12 @@ envFrom:
 {{- $secret := include "kvmesh.redisSecret" $root }}
 {{- $tls := $root.Values.security.tls }}
 {{- $auth := $root.Values.security.auth }}
-{{- if or $secret $tls.enabled (and $auth.existingSecret (eq $who "router")) }}
+{{- $router := eq $who "router" }}
+{{- if or $secret $tls.enabled $router }}
 env:
+  {{- if $router }}
+  - {name: KVMESH_POLICY, value: {{ $root.Values.router.policy | quote }}}
+  {{- end }}
   {{- if $secret }}
   - name: KVMESH_REDIS_PASSWORD
     valueFrom:
@@ -77,7 +82,7 @@ env:
   {{- /* the router authenticates clients by token; replicas require the router's certificate */}}
   - {name: KVMESH_TLS_CLIENT_AUTH, value: {{ ternary "false" (ternary "true" "false" $tls.clientAuth) (eq $who "router") | quote }}}
   {{- end }}
-  {{- if and $auth.existingSecret (eq $who "router") }}
+  {{- if and $auth.existingSecret $router }}
   - name: KVMESH_AUTH_TOKEN
     valueFrom:
       secretKeyRef:

@@ -123,18 +123,20 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "block_size", "max_model_len", "vocab_size", "hash_seed")
+    __slots__ = ("model", "block_size", "max_model_len", "vocab_size", "hash_seed", "effective_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     max_model_len: int
     vocab_size: int
     hash_seed: int
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hash_seed: _Optional[int] = ...) -> None: ...
+    effective_config: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., effective_config: _Optional[str] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
@@ -173,7 +175,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "incarnation", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "num_cached_free_blocks", "block_size", "num_cached_hashes", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "prompt_tokens", "generation_tokens", "index_dirty")
+    __slots__ = ("replica_id", "incarnation", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "num_cached_free_blocks", "block_size", "num_cached_hashes", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "prompt_tokens", "generation_tokens", "index_dirty", "effective_config")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +191,7 @@ class ReplicaStats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_DIRTY_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation: int
     num_running: int
@@ -204,7 +207,8 @@ class ReplicaStats(_message.Message):
     prompt_tokens: int
     generation_tokens: int
     index_dirty: bool
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_cached_hashes: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., index_dirty: _Optional[bool] = ...) -> None: ...
+    effective_config: str
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_cached_hashes: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., index_dirty: _Optional[bool] = ..., effective_config: _Optional[str] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

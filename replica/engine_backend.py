@@ -13,11 +13,11 @@ from kvmesh.protos import pb
 from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from kvmesh.replica.metrics import ReplicaMetrics
 from kvmesh.replica.request import RequestOutput
-from kvmesh.replica.sampling_params import sampling_from_proto
-from kvmesh.router.core import ModelInfo
-from kvmesh.router.errors import InvalidRequest, Overloaded, RouterError, Unavailable
-from kvmesh.router.prompt import prompt_ids
-from kvmesh.router.tokenization import PromptTokenizer
+from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unavailable
+from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.prompt import prompt_ids
+from kvmesh.serving.sampling import sampling_from_proto
+from kvmesh.serving.tokenizer import PromptTokenizer
 
 
 def usage(out: RequestOutput) -> pb.Usage:
@@ -28,7 +28,9 @@ def usage(out: RequestOutput) -> pb.Usage:
     )
 
 
-class ReplicaBackend:
+class EngineBackend:
+    """The serving Backend over this replica's engine (the OpenAI app and the gRPC service use it)."""
+
     def __init__(
         self, engine: AsyncLLMEngine, replica_id: str, model: ModelInfo, tokenizer: PromptTokenizer | None
     ):
@@ -71,7 +73,7 @@ class ReplicaBackend:
                             )
                             yield pb.GenerateResponse(request_id=request_id, complete=complete)
             outcome = "ok"
-        except RouterError as exc:
+        except ServingError as exc:
             outcome = exc.grpc_code.name.lower()
             raise
         finally:

@@ -6,13 +6,16 @@ import math
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default when a request does not say
+# Temperatures below this are greedy (as in vLLM): dividing logits by, say, 1e-40 overflows
+# to inf and the softmax to NaN, which would fail the whole batch's step.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` (or below ``GREEDY_BELOW``) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes a sampled request reproducible whatever else is in the batch.
     ``stop`` strings end generation and are not returned; ``stop_token_ids`` end it too.
     """
@@ -35,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a message naming the bad field."""

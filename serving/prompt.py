@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh.protos import pb
-from kvmesh.router.errors import InvalidRequest
-from kvmesh.router.tokenization import PromptTokenizer
+from kvmesh.serving.errors import InvalidRequest
+from kvmesh.serving.tokenizer import PromptTokenizer
 
 _INLINE_TOKENIZE_CHARS = 8192
 

@@ -5,32 +5,34 @@ from __future__ import annotations
 import grpc
 
 
-class RouterError(Exception):
+class ServingError(Exception):
+    """A request that cannot be served, with the status a gRPC client and an HTTP client get."""
+
     grpc_code = grpc.StatusCode.INTERNAL
     http_status = 500
 
 
-class InvalidRequest(RouterError):
+class InvalidRequest(ServingError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
 
 
-class Unavailable(RouterError):
+class Unavailable(ServingError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
 
 
-class Overloaded(RouterError):
+class Overloaded(ServingError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
 
 
-class DeadlineExceeded(RouterError):
+class DeadlineExceeded(ServingError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
 
 
-def upstream_error(code: grpc.StatusCode, details: str) -> RouterError:
+def upstream_error(code: grpc.StatusCode, details: str) -> ServingError:
     """A replica's error, passed on with its code and message."""
     cls = {
         grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,

@@ -25,9 +25,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, field_validator
 
 from kvmesh.protos import pb
-from kvmesh.router.core import ModelInfo
-from kvmesh.router.errors import InvalidRequest, RouterError
-from kvmesh.router.security import token_matches
+from kvmesh.serving.auth import token_matches
+from kvmesh.serving.errors import InvalidRequest, ServingError
+from kvmesh.serving.model_info import ModelInfo
 
 _VERSION = version("kvmesh")
 
@@ -86,7 +86,7 @@ class TokenizeRequest(BaseModel):
 
 
 class OpenAIBackend(Protocol):
-    """What the front end serves from (RouterCore, or a replica's ReplicaBackend)."""
+    """What the front end serves from (the router's RouterCore, or a replica's EngineBackend)."""
 
     model: ModelInfo
 
@@ -97,7 +97,7 @@ class OpenAIBackend(Protocol):
     def render_metrics(self) -> bytes: ...
 
 
-class _UnknownModel(RouterError):
+class _UnknownModel(ServingError):
     http_status = 404
 
 
@@ -202,8 +202,8 @@ def build_app(
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error")
 
-    @app.exception_handler(RouterError)
-    async def _router_error(request: Request, exc: RouterError):
+    @app.exception_handler(ServingError)
+    async def _router_error(request: Request, exc: ServingError):
         kind = "invalid_request_error" if exc.http_status < 500 else "service_unavailable"
         return _error(exc.http_status, str(exc), kind)
 
@@ -368,6 +368,6 @@ async def _sse(first, rest, rid: str, created: int, model: str, chat: bool, incl
                 yield event([choice("", response.complete.finish_reason)])
                 if include_usage:
                     yield event([], _usage(response.complete))
-    except RouterError as exc:  # the replica failed mid-stream: tell the client, in band
+    except ServingError as exc:  # the replica failed mid-stream: tell the client, in band
         yield f"data: {json.dumps({'error': {'message': str(exc), 'code': exc.http_status}})}\n\n"
     yield "data: [DONE]\n\n"

@@ -8,24 +8,25 @@ import grpc
 
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
-from kvmesh.router.errors import RouterError
+from kvmesh.serving.errors import ServingError
 
 
 class RouterService(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore):
+    def __init__(self, core: RouterCore, effective_config: str = "{}"):
         self.core = core
+        self.effective_config = effective_config  # JSON, secrets left out
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             async for response in self.core.generate(request, timeout=context.time_remaining()):
                 yield response
-        except RouterError as exc:
+        except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
             return pb.AbortResponse(found=await self.core.abort(request.request_id))
-        except RouterError as exc:
+        except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
     async def GetModelInfo(
@@ -38,6 +39,7 @@ class RouterService(pb_grpc.RouterServicer):
             max_model_len=m.max_model_len,
             vocab_size=m.vocab_size,
             hash_seed=m.hash_seed,
+            effective_config=self.effective_config,
         )
 
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext):

@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.router.security import TLSConfig
+from kvmesh.serving.tls import TLSConfig
 
 MAX_MESSAGE_BYTES = 64 << 20
 

@@ -1,4 +1,5 @@
-"""One replica process: engine, ``Replica`` gRPC service and index publisher, on one event loop.
+"""One replica process assembled: engine, ``Replica`` gRPC service, OpenAI HTTP and index
+publisher, on one event loop.
 
 The Ray actor (``actor.py``) runs exactly this; tests can run it without Ray too.
 """
@@ -6,43 +7,26 @@ The Ray actor (``actor.py``) runs exactly this; tests can run it without Ray too
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
-from dataclasses import dataclass, field
 
 from kvmesh.protos import pb_grpc
 from kvmesh.replica.async_engine import AsyncLLMEngine
-from kvmesh.replica.backend import ReplicaBackend
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.engine import LLMEngine
+from kvmesh.replica.engine_backend import EngineBackend
+from kvmesh.replica.grpc_service import ReplicaService
 from kvmesh.replica.publisher import IndexPublisher
-from kvmesh.replica.service import ReplicaService
-from kvmesh.router.core import ModelInfo
-from kvmesh.router.grpc_server import GrpcServer, start_grpc_server
-from kvmesh.router.http import build_app
-from kvmesh.router.http_server import HttpServer, start_http_server
-from kvmesh.router.index import PrefixIndex
-from kvmesh.router.security import TLSConfig
-from kvmesh.router.tokenization import PromptTokenizer
+from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
+from kvmesh.serving.http_server import HttpServer, start_http_server
+from kvmesh.serving.index_connection import connect_index
+from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.openai_app import build_app
+from kvmesh.serving.options import effective_config
+from kvmesh.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ReplicaConfig:
-    model_dir: str
-    replica_id: str
-    redis_url: str
-    model_id: str | None = None
-    host: str = "127.0.0.1"  # where gRPC listens
-    port: int = 0  # gRPC; 0: any free port
-    http_port: int | None = 0  # OpenAI HTTP (so any OpenAI-compatible router can front it); None: off
-    advertise_host: str | None = (
-        None  # the address others dial (default: host; this node's IP if host is 0.0.0.0)
-    )
-    heartbeat_s: float = 1.0
-    ttl_s: float = 5.0
-    torch_threads: int | None = None  # CPU replicas sharing a machine should not oversubscribe it
-    tls: TLSConfig = field(default_factory=TLSConfig)  # serve gRPC over TLS (mTLS with client_auth)
-    engine: dict = field(default_factory=dict)  # LLMEngine options
 
 
 def advertised_host(config: ReplicaConfig) -> str:
@@ -75,26 +59,27 @@ class ReplicaServer:
             import torch
 
             torch.set_num_threads(c.torch_threads)
-        engine = await asyncio.to_thread(LLMEngine, c.model_dir, model_id=c.model_id, **c.engine)
+        options = dataclasses.asdict(c.engine)
+        engine = await asyncio.to_thread(LLMEngine, c.model_dir, model_id=c.model_id, **options)
         self.engine = AsyncLLMEngine(engine)
         tokenizer = PromptTokenizer(c.model_dir) if engine.tokenizer is not None else None
         model = ModelInfo(
             engine.model_id, engine.block_size, engine.max_model_len, engine.vocab_size, engine.hash_seed
         )
-        backend = ReplicaBackend(self.engine, c.replica_id, model, tokenizer)
-        service = ReplicaService(backend, self.index_state)
+        backend = EngineBackend(self.engine, c.replica_id, model, tokenizer)
+        service = ReplicaService(backend, self.index_state, json.dumps(effective_config(c)))
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls
         )
         host = advertised_host(c)
         self.address = f"{host}:{self.grpc.port}"
         info = {"model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed}
-        if c.http_port is not None:
+        if c.serves_http:
             app = build_app(backend, self.health, title="kvmesh replica")
             self.http = await start_http_server(app, c.host, c.http_port, c.tls)
             self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"
             info["http_address"] = self.http_address
-        index = PrefixIndex.from_url(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
+        index = connect_index(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
         self.publisher = IndexPublisher(
             index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
         )
@@ -110,9 +95,11 @@ class ReplicaServer:
         p = self.publisher
         return (p.incarnation or 0, p.dirty) if p else (0, True)
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float | None = None) -> None:
         """Drain: leave the index (routers stop choosing it), refuse new calls, let in-flight
-        streams finish for up to ``grace`` seconds, then stop the engine."""
+        streams finish for up to ``grace`` seconds (default: the config's drain timeout), then
+        stop the engine."""
+        grace = self.config.drain_timeout_s if grace is None else grace
         self.draining = True
         if self.publisher:
             await self.publisher.stop()

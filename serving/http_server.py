@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from kvmesh.router.security import TLSConfig
+from kvmesh.serving.tls import TLSConfig
 
 
 @dataclass

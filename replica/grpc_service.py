@@ -1,4 +1,4 @@
-"""The ``kvmesh.v1.Replica`` gRPC service (grpc.aio) over a ReplicaBackend.
+"""The ``kvmesh.v1.Replica`` gRPC service (grpc.aio) over the engine backend.
 
 ``Generate`` streams ``Chunk``s and ends with a ``Complete`` carrying usage (cached tokens
 included). Validation errors become INVALID_ARGUMENT before any chunk; a client that goes
@@ -13,13 +13,19 @@ import grpc
 
 from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.backend import ReplicaBackend
-from kvmesh.router.errors import RouterError
+from kvmesh.replica.engine_backend import EngineBackend
+from kvmesh.serving.errors import ServingError
 
 
 class ReplicaService(pb_grpc.ReplicaServicer):
-    def __init__(self, backend: ReplicaBackend, index_state: Callable[[], tuple[int, bool]]):
+    def __init__(
+        self,
+        backend: EngineBackend,
+        index_state: Callable[[], tuple[int, bool]],
+        effective_config: str = "{}",
+    ):
         self.backend = backend
+        self.effective_config = effective_config  # JSON, secrets left out
         self.engine = backend.engine
         self.replica_id = backend.replica_id
         self.index_state = index_state  # () -> (incarnation, dirty)
@@ -30,7 +36,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         try:
             async for response in self.backend.generate(request):
                 yield response
-        except RouterError as exc:
+        except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -66,4 +72,5 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens,
             index_dirty=dirty,
+            effective_config=self.effective_config,
         )

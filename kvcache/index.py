@@ -1,6 +1,6 @@
 """Client of the shared prefix index (Redis/Valkey), used by replicas and the router.
 
-Every call is one round trip to a server-side function (``router/index.lua``, loaded with
+Every call is one round trip to a server-side function (``index.lua`` beside this file, loaded with
 ``FUNCTION LOAD``). Replicas ``register`` (a new incarnation each time), ``heartbeat``
 with their load, ``publish`` their KV events in order and ``deregister``; the router
 ``lookup``s a prompt's block hashes and lists ``live_replicas``. The key layout and its
@@ -9,7 +9,7 @@ memory cost are documented in ``index.lua`` and the README.
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,12 +21,16 @@ import redis.asyncio as aioredis
 import xxhash
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from kvmesh.kvcache import BlockRemoved, BlockStored, KVEvent
 
-_LIBRARY = resources.files("kvmesh.router").joinpath("index.lua").read_text()
+_LIBRARY = resources.files("kvmesh.kvcache").joinpath("index.lua").read_text()
 _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
+
+
+# What a call to the index raises when Redis is away, slow or refuses: callers degrade on these.
+INDEX_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class IndexSettingsError(RuntimeError):
@@ -56,23 +60,30 @@ def namespace(model_id: str) -> str:
     return f"{{k:{xxhash.xxh32_intdigest(model_id.encode()):08x}}}"
 
 
-def connect(url: str, timeout: float = 2.0) -> aioredis.Redis:
+def connect(
+    url: str,
+    timeout: float = 2.0,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    ca_file: str | None = None,
+) -> aioredis.Redis:
     """A client that fails fast: callers decide how to degrade when Redis is away.
 
-    ``redis://`` or ``rediss://`` (TLS, verified against ``KVMESH_REDIS_CA`` when set). A
-    password (and ACL user) not in the URL comes from ``KVMESH_REDIS_PASSWORD`` /
-    ``KVMESH_REDIS_USERNAME``, so secrets stay out of flags and logs.
+    ``redis://``, ``rediss://`` (TLS, verified against ``ca_file`` when given) or ``unix://``.
+    ``password`` (and ACL ``username``) apply when the URL carries none, so secrets can stay
+    out of URLs, flags and logs.
     """
     extra = {}
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"not a Redis URL (redis://, rediss:// or unix://): {parts.scheme}://...")
-    if not parts.password and os.environ.get("KVMESH_REDIS_PASSWORD"):
-        extra["password"] = os.environ["KVMESH_REDIS_PASSWORD"]
-        if os.environ.get("KVMESH_REDIS_USERNAME"):
-            extra["username"] = os.environ["KVMESH_REDIS_USERNAME"]
-    if parts.scheme == "rediss" and os.environ.get("KVMESH_REDIS_CA"):
-        extra["ssl_ca_certs"] = os.environ["KVMESH_REDIS_CA"]
+    if not parts.password and password:
+        extra["password"] = password
+        if username:
+            extra["username"] = username
+    if parts.scheme == "rediss" and ca_file:
+        extra["ssl_ca_certs"] = ca_file
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout,
@@ -93,8 +104,11 @@ class PrefixIndex:
         self._loaded = False
 
     @classmethod
-    def from_url(cls, url: str, model_id: str, block_size: int, hash_seed: int) -> PrefixIndex:
-        return cls(connect(url), model_id, block_size, hash_seed)
+    def from_url(
+        cls, url: str, model_id: str, block_size: int, hash_seed: int, **credentials: str | None
+    ) -> PrefixIndex:
+        """``credentials``: ``username``, ``password``, ``ca_file`` (see ``connect``)."""
+        return cls(connect(url, **credentials), model_id, block_size, hash_seed)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -1,0 +1,1 @@
+"""One module per ``kvmesh`` command: each ``register``s its parser and the handler it runs."""

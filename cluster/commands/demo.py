@@ -1,0 +1,27 @@
+"""``kvmesh demo``: 4 CPU replicas, prefix vs round-robin routing on a shared-prefix workload."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(commands) -> None:
+    demo = commands.add_parser(
+        "demo", help="4 CPU replicas, prefix vs round-robin on a shared-prefix workload"
+    )
+    demo.add_argument("--out-dir", default="results/demo")
+    demo.add_argument("--replicas", type=int, default=4)
+    demo.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+    demo.add_argument("-v", "--verbose", action="store_true")
+    demo.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.demo import main as demo_main
+    from kvmesh.cluster.errors import UsageError
+    from kvmesh.cluster.logs import setup_logging
+
+    if args.replicas <= 0:
+        raise UsageError("--replicas must be positive")
+    setup_logging(args.verbose)
+    return demo_main(args.out_dir, args.replicas, args.cache_dir, args.verbose)

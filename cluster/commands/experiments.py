@@ -1,0 +1,22 @@
+"""``kvmesh experiments``: the experiment suite W1-W5, regenerating docs/experiments.md."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvmesh.cluster.commands.workload_flags import usage_errors
+
+
+def register(commands) -> None:
+    exp = commands.add_parser("experiments", help="the experiment suite W1-W5 -> docs/experiments.md")
+    exp.add_argument("--out-dir", default="docs")
+    exp.add_argument("--quick", action="store_true", help="a smoke run of the same suite, smaller")
+    exp.add_argument("--no-real", action="store_true", help="skip the scaled-down real-cluster run")
+    exp.add_argument("--cache-dir", default=".cache/tiny-models")
+    exp.set_defaults(handler=usage_errors(experiments))
+
+
+def experiments(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.experiments.suite import main as suite_main
+
+    return suite_main(args.out_dir, args.quick, not args.no_real, args.cache_dir)

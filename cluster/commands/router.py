@@ -1,0 +1,56 @@
+"""``kvmesh router``: the router alone (Kubernetes), over an existing Redis."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+
+from kvmesh.cluster.flags import FlagTable
+from kvmesh.router.config import RouterConfig
+from kvmesh.serving.options import option
+
+
+@dataclass
+class Logging:
+    verbose: bool = option(False, help="info-level logs")
+
+
+FLAGS = FlagTable([RouterConfig, Logging])
+
+
+def register(commands) -> None:
+    router = commands.add_parser("router", help="the router alone (Kubernetes), over an existing Redis")
+    FLAGS.add_to(router)
+    router.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.commands.checks import check_model_folder, check_tls_files
+    from kvmesh.cluster.errors import UsageError
+    from kvmesh.cluster.logs import setup_logging
+
+    config, logging = FLAGS.build(args)
+    if not config.redis_url:
+        raise UsageError(
+            "--redis-url is required (or set KVMESH_REDIS_URL): the router serves over an existing index"
+        )
+    check_model_folder(config.model_dir)
+    check_tls_files(config.tls)
+    setup_logging(logging.verbose)
+    asyncio.run(serve_router(config))
+    return 0
+
+
+async def serve_router(config: RouterConfig) -> None:
+    """The router alone (Kubernetes), until a signal; never loads torch or Ray."""
+    from kvmesh.cluster.signals import wait_for_signal
+    from kvmesh.router.process import RouterServer
+
+    router = RouterServer(config)
+    try:
+        await router.start()
+        print(f"kvmesh router: gRPC {router.address}, HTTP port {router.http_port}", flush=True)
+        await wait_for_signal()
+    finally:
+        await router.stop()

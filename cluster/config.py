@@ -1,0 +1,88 @@
+"""``kvmesh up``'s settings: the router's, every replica's, and the launcher's own.
+
+The router and replica parts are the very objects ``kvmesh router`` and the replica actor
+use; ``kvmesh up`` derives its flags from all three, and one flag given on the command line
+(``--model``, ``--block-size``, ``--tls-ca``, ...) sets every field of that name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.router.config import RouterConfig
+from kvmesh.serving.options import option
+
+# Settings the router and the replicas must agree on, or their block hashes (and so every
+# prefix match) would disagree: (router field, replica field path).
+SHARED = (
+    ("model_dir", ("model_dir",)),
+    ("model_id", ("model_id",)),
+    ("redis_url", ("redis_url",)),
+    ("block_size", ("engine", "block_size")),
+)
+
+
+@dataclass
+class ClusterConfig:
+    router: RouterConfig = option(help="the router's settings")
+    replica: ReplicaConfig = option(help="every replica's settings (the supervisor names each one)")
+    replicas: int = option(2, help="replica actors (one GPU each where present)")
+    ray_address: str | None = option(None, help="join this Ray cluster instead of starting a local one")
+    with_router: bool = option(
+        True,
+        flag="router",
+        help="run the router (--no-router: replicas and supervisor only, the chart's controller)",
+    )
+    verbose: bool = option(False, help="info-level logs")
+
+    def __post_init__(self) -> None:
+        if self.replicas <= 0:
+            raise ValueError(f"replicas must be positive, got {self.replicas}")
+        if self.replica.engine.block_size is None:  # replicas hash with the router's block size
+            engine = dataclasses.replace(self.replica.engine, block_size=self.router.block_size)
+            self.replica = dataclasses.replace(self.replica, engine=engine)
+        for router_field, path in SHARED:
+            mine, theirs = getattr(self.router, router_field), _get(self.replica, path)
+            if mine != theirs:
+                raise ValueError(
+                    f"the router and the replicas disagree on {router_field} ({mine!r} vs {theirs!r})"
+                )
+
+    @classmethod
+    def for_model(
+        cls,
+        model_dir: str,
+        replicas: int = 2,
+        *,
+        engine: dict[str, Any] | None = None,
+        router: dict[str, Any] | None = None,
+        replica: dict[str, Any] | None = None,
+        **launcher: Any,
+    ) -> ClusterConfig:
+        """One model folder for the router and every replica, as ``--model`` does (the demo,
+        benchmarks and tests build their clusters this way)."""
+        return cls(
+            router=RouterConfig(model_dir, **(router or {})),
+            replica=ReplicaConfig(
+                model_dir, engine=EngineConfig.from_kwargs(**(engine or {})), **(replica or {})
+            ),
+            replicas=replicas,
+            **launcher,
+        )
+
+    def with_redis(self, url: str) -> ClusterConfig:
+        """The same cluster over the index at ``url`` (the launcher's embedded Valkey)."""
+        return dataclasses.replace(
+            self,
+            router=dataclasses.replace(self.router, redis_url=url),
+            replica=dataclasses.replace(self.replica, redis_url=url),
+        )
+
+
+def _get(obj: object, path: tuple[str, ...]) -> object:
+    for name in path:
+        obj = getattr(obj, name)
+    return obj

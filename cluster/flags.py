@@ -1,0 +1,175 @@
+"""Command-line flags derived from config dataclasses, with ``KVMESH_<FLAG>`` environment defaults.
+
+Every ``option(...)`` field of a command's configs (nested configs included) becomes one
+flag, named after the field or its ``flag=`` override. Fields that share a flag name across
+the configs share the flag: its value goes to every one of them, so ``kvmesh up --model``
+reaches the router and every replica. Where such fields differ in their defaults, the
+flag shows the first config's, and a field keeps its own default while neither the flag
+nor its environment variable is set.
+
+Precedence: the flag, then ``KVMESH_<FLAG>`` (``kvmesh.serving.options`` has the one rule
+for reading it), then the field's default. Secret fields come from the environment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.cluster.errors import UsageError
+from kvmesh.serving.options import env_name, parse_bool, read_env
+
+Path = tuple[object, ...]  # (root index, field name, field name, ...)
+
+
+@dataclass
+class Flag:
+    name: str  # without the dashes
+    kind: type  # bool, int, float or str
+    optional: bool  # ``X | None``: for numbers, 0 means unset too
+    required: bool  # no default anywhere: the flag or its environment variable must be given
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+    secret: bool
+    targets: list[Path] = field(default_factory=list)
+
+    @property
+    def env(self) -> str:
+        return env_name(self.name)
+
+    @property
+    def dest(self) -> str:
+        return "cfg_" + self.name.replace("-", "_")
+
+    def parse(self, text: str) -> Any:
+        """One rule for flag and environment values; ValueError names the flag."""
+        if self.kind is bool:
+            return parse_bool(text, f"--{self.name}")
+        if self.optional and text == "":
+            return None
+        if self.kind in (int, float):
+            try:
+                value = self.kind(text)
+            except ValueError:
+                what = "an integer" if self.kind is int else "a number"
+                raise ValueError(f"--{self.name} expects {what}, got {text!r}") from None
+            return None if self.optional and value == 0 else value
+        if self.choices and text not in self.choices:
+            raise ValueError(f"--{self.name} must be one of {', '.join(self.choices)}, got {text!r}")
+        return text
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed) of ``X`` or ``X | None``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+class FlagTable:
+    """The flags of one command, derived from its config dataclasses (``roots``, in order)."""
+
+    def __init__(self, roots: Sequence[type]):
+        self.roots = list(roots)
+        self.flags: dict[str, Flag] = {}
+        for i, root in enumerate(self.roots):
+            self._collect(root, (i,))
+
+    def _collect(self, cls: type, path: Path) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind, optional = _unwrap(hints[f.name])
+            if dataclasses.is_dataclass(kind):
+                self._collect(kind, (*path, f.name))
+                continue
+            meta = f.metadata
+            if "help" not in meta:
+                raise TypeError(f"{cls.__name__}.{f.name} is not declared with option(...)")
+            if not meta["cli"]:
+                continue
+            name = meta["flag"] or f.name.replace("_", "-")
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            flag = self.flags.get(name)
+            if flag is None:
+                flag = Flag(
+                    name, kind, optional, not has_default, f.default if has_default else None, meta["help"],
+                    meta["choices"], meta["secret"],
+                )  # fmt: skip
+                self.flags[name] = flag
+            elif (flag.kind, flag.secret) != (kind, meta["secret"]):
+                raise TypeError(f"--{name} is declared with two types ({flag.kind} and {kind})")
+            flag.required = flag.required and not has_default
+            flag.targets.append((*path, f.name))
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        for flag in self.flags.values():
+            if flag.secret:
+                continue
+            shown = (
+                "required; " if flag.required else "" if flag.default is None else f"default {flag.default}; "
+            )
+            text = f"{flag.help} [{shown}env {flag.env}]".replace("%", "%%")
+            names = [f"--{flag.name}"] + (["-v"] if flag.name == "verbose" else [])
+            if flag.kind is bool:
+                parser.add_argument(
+                    *names, dest=flag.dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                    help=text,
+                )  # fmt: skip
+            else:
+                parser.add_argument(
+                    *names, dest=flag.dest, type=_argparse_type(flag), default=argparse.SUPPRESS, help=text,
+                    metavar={int: "N", float: "X"}.get(flag.kind, flag.name.split("-")[-1].upper()),
+                )  # fmt: skip
+
+    def build(self, args: argparse.Namespace) -> list[Any]:
+        """The configs, in the order of ``roots``: flags, then environment, then defaults.
+        Bad values and configs that refuse them are UsageErrors (one line, exit 2)."""
+        values: dict[Path, Any] = {}
+        for flag in self.flags.values():
+            if hasattr(args, flag.dest):
+                value = getattr(args, flag.dest)
+            elif (text := read_env(flag.name)) is not None:
+                try:
+                    value = flag.parse(text)
+                except ValueError as exc:
+                    raise UsageError(f"{flag.env}: {exc}") from None
+            elif flag.required:
+                raise UsageError(f"--{flag.name} is required (or set {flag.env})")
+            else:
+                continue
+            for target in flag.targets:
+                values[target] = value
+        try:
+            return [self._construct(root, (i,), values) for i, root in enumerate(self.roots)]
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _construct(self, cls: type, path: Path, values: dict[Path, Any]) -> Any:
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            kind, _ = _unwrap(hints[f.name])
+            here = (*path, f.name)
+            if dataclasses.is_dataclass(kind):
+                kwargs[f.name] = self._construct(kind, here, values)
+            elif here in values:
+                kwargs[f.name] = values[here]
+        return cls(**kwargs)
+
+
+def _argparse_type(flag: Flag):
+    def parse(text: str) -> Any:
+        try:
+            return flag.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--{flag.name} ")) from None
+
+    parse.__name__ = flag.name  # argparse names the type in some messages
+    return parse

@@ -1,0 +1,81 @@
+"""The router's settings: one dataclass, from which ``kvmesh router`` and ``kvmesh up`` derive
+their flags (and ``KVMESH_*`` environment defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.router.policies import POLICIES
+from kvmesh.serving.options import option
+from kvmesh.serving.tls import TLSConfig
+
+
+def _check_port(name: str, value: int, off_allowed: bool = False) -> None:
+    low = -1 if off_allowed else 0
+    if not low <= value < 65536:
+        extra = ", -1: off" if off_allowed else ""
+        raise ValueError(f"{name} must be in [0, 65535] (0: any free port{extra}), got {value}")
+
+
+def _check_positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """Bounds that keep one router from queueing without limit or taking oversized work."""
+
+    max_inflight: int = option(1024, help="requests streaming through this router at once; beyond: 429")
+    max_prompt_tokens: int | None = option(
+        None, help="longest prompt accepted (default: max model length - 1)"
+    )
+    max_tokens: int | None = option(
+        None, flag="max-tokens-limit", help="ceiling on max_tokens (default: max model length - 1)"
+    )
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_inflight", "max_prompt_tokens", "max_tokens")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: str = option(flag="model", help="local Hugging Face model folder")
+    redis_url: str | None = option(
+        None, help="Redis/Valkey URL of the prefix index (kvmesh up: an embedded valkey-server if unset)"
+    )
+    model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
+    block_size: int = option(16, help="KV block size in tokens (hash granularity)")
+    max_model_len: int | None = option(None, help="longest prompt + output (default: the model's)")
+    host: str = option("127.0.0.1", help="address the router listens on")
+    port: int = option(50051, help="router gRPC port (0: any free port)")
+    http_port: int = option(8000, help="router OpenAI HTTP port (0: any free port, -1: off)")
+    policy: str = option("prefix", choices=tuple(POLICIES), help="default routing policy")
+    refresh_s: float = option(0.5, flag="registry-refresh", help="seconds between reads of the live replicas")
+    speculative_ttl_s: float = option(2.0, flag="speculative-ttl", help="seconds a speculative entry lives")
+    limits: RouterLimits = option(factory=RouterLimits, help="request limits")
+    max_message_bytes: int = option(4 << 20, help="largest request accepted (gRPC message, HTTP body)")
+    drain_timeout_s: float = option(
+        30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
+    )
+    tls: TLSConfig = option(factory=TLSConfig, help="TLS for serving and toward the replicas")
+    auth_token: str | None = option(
+        None, secret=True, help="bearer token clients must send (KVMESH_AUTH_TOKEN; never a flag)"
+    )
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "block_size", "max_model_len", "max_message_bytes", "refresh_s")
+        _check_port("port", self.port)
+        _check_port("http_port", self.http_port, off_allowed=True)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is unknown; known: {', '.join(sorted(POLICIES))}")
+        if self.speculative_ttl_s < 0 or self.drain_timeout_s < 0:
+            raise ValueError("speculative_ttl_s and drain_timeout_s must not be negative")
+        if self.auth_token == "":
+            raise ValueError("the auth token must not be empty")
+
+    @property
+    def serves_http(self) -> bool:
+        return self.http_port >= 0

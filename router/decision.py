@@ -1,0 +1,136 @@
+"""Where a request goes: validate -> tokenize -> hash -> ONE index lookup (merged with the
+speculative entries) -> the policy ranks the live replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from kvmesh.kvcache import block_hashes
+from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
+from kvmesh.protos import pb
+from kvmesh.router.config import RouterLimits
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.policies import Policy, RouteRequest, make_policy
+from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving.errors import InvalidRequest, Unavailable
+from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.prompt import prompt_ids
+from kvmesh.serving.sampling import sampling_from_proto
+from kvmesh.serving.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Decision:
+    """Where a request goes and why (for the relay, metrics and experiments)."""
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    max_tokens: int
+    ranked: list[str]
+    matched: dict[str, int]  # replica -> matched blocks (index + speculative)
+    policy: str
+    decision_s: float
+
+    def predicted_cached_tokens(self, replica_id: str, block_size: int) -> int:
+        """What the replica should reuse: matched blocks, never the prompt's last block."""
+        lookable = (len(self.token_ids) - 1) // block_size
+        return min(self.matched.get(replica_id, 0), lookable) * block_size
+
+
+class Decider:
+    def __init__(
+        self,
+        model: ModelInfo,
+        tokenizer: PromptTokenizer | None,
+        index: PrefixIndex,
+        registry: ReplicaRegistry,
+        overlay: SpeculativeOverlay,
+        metrics: RouterMetrics,
+        limits: RouterLimits,
+        default_policy: str = "prefix",
+        lookup_timeout_s: float = 0.25,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.index = index
+        self.registry = registry
+        self.overlay = overlay
+        self.metrics = metrics
+        self.limits = limits
+        self.lookup_timeout_s = lookup_timeout_s
+        self.policies: dict[str, Policy] = {}
+        self.default_policy = self.policy(default_policy).name
+        self._index_warned = False
+
+    def policy(self, name: str) -> Policy:
+        if name not in self.policies:
+            self.policies[name] = make_policy(name, block_size=self.model.block_size)
+        return self.policies[name]
+
+    async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
+
+    async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], int, str]:
+        """(prompt ids, max_tokens, policy name) or InvalidRequest with the reason."""
+        ids = await self.prompt_ids(request)
+        try:
+            params = sampling_from_proto(request.sampling)
+            policy = self.policy(request.policy or self.default_policy).name
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        max_prompt = self.limits.max_prompt_tokens or self.model.max_model_len - 1
+        if len(ids) > max_prompt:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens, the limit is {max_prompt}")
+        ceiling = self.limits.max_tokens or self.model.max_model_len - 1
+        if params.max_tokens > ceiling:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} is above the limit {ceiling}")
+        if len(ids) + params.max_tokens > self.model.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"({self.model.max_model_len})"
+            )
+        return ids, params.max_tokens, policy
+
+    async def lookup(self, hashes: list[int]) -> dict[str, int]:
+        """Index matches, or {} when Redis is away or slow (logged once per outage)."""
+        if not hashes:
+            return {}
+        start = time.perf_counter()
+        try:
+            found = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s)
+        except INDEX_ERRORS as exc:
+            self.metrics.index_errors.inc()
+            if not self._index_warned:
+                log.warning("prefix index lookup failed: routing by load only", extra={"error": str(exc)})
+                self._index_warned = True
+            return {}
+        self._index_warned = False
+        self.metrics.lookup.observe(time.perf_counter() - start)
+        return found
+
+    async def decide(self, request: pb.GenerateRequest) -> Decision:
+        start = time.perf_counter()
+        ids, max_tokens, policy_name = await self.validate(request)
+        hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
+        if not self.registry.live():
+            raise Unavailable("no live replica")
+        matched = await self.lookup(hashes)
+        for rid, depth in self.overlay.matched(hashes).items():
+            matched[rid] = max(matched.get(rid, 0), depth)
+        states = self.registry.states(matched)
+        if not states:
+            raise Unavailable("no live replica")
+        route = RouteRequest(ids, hashes, max_tokens, request.affinity_key)
+        ranked = self.policy(policy_name).rank(route, states)
+        elapsed = time.perf_counter() - start
+        self.metrics.decision.observe(elapsed)
+        request_id = request.request_id or uuid.uuid4().hex
+        return Decision(request_id, ids, hashes, max_tokens, ranked, matched, policy_name, elapsed)

@@ -1,0 +1,156 @@
+"""Relay a decided request to its replica and stream the answer back, failing over once.
+
+Each attempt is accounted for where it happens: the chosen replica's load and the prompt's
+speculative entries at the start, the prefill paid off at the first response, the
+prediction and the replica's actual reuse on ``Complete``, the decode paid off at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.protos import pb
+from kvmesh.router.decision import Decision
+from kvmesh.router.load import RequestWork
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.registry import ReplicaEntry, ReplicaRegistry
+from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving.errors import Unavailable, upstream_error
+
+log = logging.getLogger(__name__)
+# Codes that say the replica (not the request) failed: it is cooled down, and the request may move.
+REPLICA_FAILURE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+)
+RETRYABLE_CODES = REPLICA_FAILURE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def failover_targets(ranked: list[str]) -> list[str]:
+    """The retry rule: the policy's first choice, then its second, never more.
+
+    A request whose replica fails before sending anything (unreachable, crashed, its
+    channel closed, its queue full) moves once, to the next-ranked replica. One retry
+    bounds what a failing replica adds to a request's latency to one more attempt and keeps
+    a failure from multiplying load across the fleet; the failed replica is cooled down in
+    the registry, so the following requests skip it already. A request that has streamed
+    anything never moves: its client has seen tokens.
+    """
+    return ranked[:2]
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, streamed: bool):
+        super().__init__(details)
+        self.code, self.details, self.streamed = code, details, streamed
+
+
+class Relay:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        overlay: SpeculativeOverlay,
+        metrics: RouterMetrics,
+        block_size: int,
+    ):
+        self.registry = registry
+        self.overlay = overlay
+        self.metrics = metrics
+        self.block_size = block_size
+        self.inflight: dict[str, str] = {}  # request id -> replica id, for Abort
+
+    async def stream(
+        self, request: pb.GenerateRequest, decision: Decision, started: float, timeout: float | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The replica's responses, the prediction added to ``Complete``. Raises ServingError."""
+        upstream = pb.GenerateRequest(
+            request_id=decision.request_id,
+            token_ids=pb.TokenIds(ids=decision.token_ids),
+            sampling=request.sampling,
+        )
+        targets = failover_targets(decision.ranked)
+        for attempt, replica_id in enumerate(targets):
+            entry = self.registry.entries.get(replica_id)
+            if entry is None:  # gone from the index since the decision
+                continue
+            try:
+                async for response in self._attempt(upstream, decision, entry, started, timeout):
+                    yield response
+                return
+            except _AttemptFailed as failed:
+                if failed.code in REPLICA_FAILURE_CODES:
+                    self.registry.mark_failed(replica_id)
+                last = attempt == len(targets) - 1
+                if failed.streamed or failed.code not in RETRYABLE_CODES or last:
+                    raise upstream_error(failed.code, failed.details) from None
+                self.metrics.retries.inc()
+                log.warning(
+                    "replica failed before streaming, retrying elsewhere", extra={"replica_id": replica_id}
+                )
+        raise Unavailable("no replica could take the request")
+
+    async def _attempt(
+        self,
+        upstream: pb.GenerateRequest,
+        decision: Decision,
+        entry: ReplicaEntry,
+        started: float,
+        timeout: float | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        work = self._begin(entry, decision)
+        call = entry.stub.Generate(upstream, timeout=timeout)
+        streamed = False
+        try:
+            async for response in call:
+                if not streamed:
+                    streamed = True
+                    self._first_response(entry, work, started)
+                if response.WhichOneof("kind") == "complete":
+                    self._complete(decision, entry.record.replica_id, response.complete)
+                yield response
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # our caller went away
+            # Nobody cancelled us: the call's channel was closed under it. Re-raising would end
+            # the handler as "cancelled", and gRPC would then send the client no status at all.
+            raise _AttemptFailed(
+                grpc.StatusCode.UNAVAILABLE, "connection to the replica was closed", streamed
+            ) from None
+        except grpc.aio.AioRpcError as exc:
+            raise _AttemptFailed(exc.code(), exc.details(), streamed) from None
+        finally:
+            call.cancel()  # no-op when finished; aborts upstream when the client went away
+            self._end(entry, work, decision.request_id)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _begin(self, entry: ReplicaEntry, decision: Decision) -> RequestWork:
+        """The replica owes this request its prefill and decode; it will hold the prompt's blocks."""
+        matched = decision.matched.get(entry.record.replica_id, 0)
+        work = RequestWork.estimate(len(decision.block_hashes), matched, decision.max_tokens, self.block_size)
+        self.registry.begin(entry, work)
+        self.overlay.record(entry.record.replica_id, decision.block_hashes)
+        self.inflight[decision.request_id] = entry.record.replica_id
+        return work
+
+    def _first_response(self, entry: ReplicaEntry, work: RequestWork, started: float) -> None:
+        self.registry.prefill_done(entry, work)
+        self.metrics.ttft.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(entry.record.replica_id).inc()
+
+    def _complete(self, decision: Decision, replica_id: str, complete: pb.Complete) -> None:
+        """Predicted next to actual reuse: index accuracy, per request and in the metrics."""
+        predicted = decision.predicted_cached_tokens(replica_id, self.block_size)
+        complete.predicted_cached_tokens = predicted
+        complete.router_decision_us = int(decision.decision_s * 1e6)
+        self.metrics.predicted_cached.inc(predicted)
+        self.metrics.actual_cached.inc(complete.usage.cached_tokens)
+        self.metrics.prompt_tokens.inc(complete.usage.prompt_tokens)
+
+    def _end(self, entry: ReplicaEntry, work: RequestWork, request_id: str) -> None:
+        self.registry.end(entry, work)
+        self.inflight.pop(request_id, None)

@@ -1,0 +1,40 @@
+"""What a server tells clients about the model it serves (and what prompts are checked against)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.kvcache import namespace_seed
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    hash_seed: int
+
+    @classmethod
+    def from_folder(
+        cls, model_dir: str | Path, model_id: str | None, block_size: int, max_model_len: int | None
+    ) -> ModelInfo:
+        """From a model folder's ``config.json`` alone (no weights, no torch): the router's view.
+
+        ``model_id`` defaults to the folder's name and ``max_model_len`` to the model's
+        ``max_position_embeddings``, as the replicas' engines choose them.
+        """
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {str(path)!r} has no config.json")
+        hf = json.loads((path / "config.json").read_text())
+        model_id = model_id or path.resolve().name
+        return cls(
+            model_id=model_id,
+            block_size=block_size,
+            max_model_len=max_model_len or hf.get("max_position_embeddings") or 4096,
+            vocab_size=hf["vocab_size"],
+            hash_seed=namespace_seed(model_id, block_size),
+        )

@@ -1,0 +1,91 @@
+"""Config fields declared once, and the one environment rule.
+
+Every setting of a kvmesh process is a dataclass field declared with ``option(...)``: its
+type, its default and a one-line help. ``kvmesh.cluster.flags`` derives the command-line
+flags and their ``KVMESH_<FLAG>`` environment defaults from these fields, so a setting
+cannot be parsed in one place and lost on its way to another.
+
+Environment values follow one rule everywhere (flags included):
+  - empty means unset (the field keeps its default);
+  - booleans are ``1/true/yes/on`` or ``0/false/no/off`` (any case), anything else is an error;
+  - for an optional number (``int | None``), ``0`` means unset too: the chart writes
+    ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own".
+Secret fields (``secret=True``) come only from the environment, never from a flag, and
+never appear in an effective config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+ENV_PREFIX = "KVMESH_"
+TRUE = frozenset({"1", "true", "yes", "on"})
+FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
+    cli: bool = True,
+    factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field: ``flag`` overrides the flag name derived from the field name,
+    ``cli=False`` keeps it off the command line (set by the launcher), ``secret=True``
+    reads it only from the environment and keeps it out of effective configs."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "secret": secret, "cli": cli}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def env_name(flag: str) -> str:
+    """``max-model-len`` -> ``KVMESH_MAX_MODEL_LEN``."""
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
+def read_env(flag: str) -> str | None:
+    """The environment value for ``flag`` (``KVMESH_<FLAG>``), None when unset or empty."""
+    value = os.environ.get(env_name(flag), "").strip()
+    return value or None
+
+
+def parse_bool(text: str, what: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE:
+        return True
+    if word in FALSE:
+        return False
+    raise ValueError(f"{what} must be one of 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+
+def redacted_url(url: str | None) -> str | None:
+    """A URL without its password (never print or export secrets)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def effective_config(config: Any) -> dict:
+    """A config as plain data for operators and tests: secrets left out, URL passwords masked."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.metadata.get("secret"):
+            continue
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            value = effective_config(value)
+        elif f.name.endswith("_url"):
+            value = redacted_url(value)
+        out[f.name] = value
+    return out

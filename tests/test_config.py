@@ -1,0 +1,151 @@
+"""Config defined once: flags and KVMESH_* environment defaults derived from the dataclasses,
+one truth rule for booleans, secrets only from the environment, and ``kvmesh up``'s shared
+flags reaching the router and the replicas alike. No servers here; the round trip through
+running processes is ``test_config_roundtrip.py``."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from kvmesh.cluster.commands import router as router_command
+from kvmesh.cluster.commands import up as up_command
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.errors import UsageError
+from kvmesh.cluster.flags import FlagTable
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.router.config import RouterConfig
+from kvmesh.serving.options import effective_config, parse_bool
+
+TABLES = {"up": up_command.FLAGS, "router": router_command.FLAGS}
+
+
+def build(table: FlagTable, *argv: str):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    table.add_to(parser)
+    return table.build(parser.parse_args(argv))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """Tests set exactly the KVMESH_* variables they mean (a developer's shell may have some)."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("KVMESH_")]:
+        monkeypatch.delenv(name)
+
+
+def test_every_field_of_every_config_is_declared_with_help():
+    for config in (RouterConfig, ReplicaConfig, EngineConfig, ClusterConfig):
+        for f in dataclasses.fields(config):
+            assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no help"
+    assert len(TABLES["up"].flags) > 40 and "auth-token" in TABLES["router"].flags
+
+
+def test_flag_beats_environment_beats_default(monkeypatch, tmp_path):
+    ((router,),) = [build(TABLES["router"], "--model", str(tmp_path))[:1]]
+    assert router.port == 50051
+    monkeypatch.setenv("KVMESH_PORT", "6001")
+    assert build(TABLES["router"], "--model", str(tmp_path))[0].port == 6001
+    assert build(TABLES["router"], "--model", str(tmp_path), "--port", "6002")[0].port == 6002
+
+
+def test_required_flag_may_come_from_the_environment(monkeypatch, tmp_path):
+    with pytest.raises(UsageError, match="--model is required \\(or set KVMESH_MODEL\\)"):
+        build(TABLES["router"])
+    monkeypatch.setenv("KVMESH_MODEL", str(tmp_path))
+    assert build(TABLES["router"])[0].model_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["1", "true", "YES", "on", " True "])
+def test_one_truth_rule_true(text):
+    assert parse_bool(text, "x") is True
+
+
+@pytest.mark.parametrize("text", ["0", "false", "No", "off"])
+def test_one_truth_rule_false(text):
+    assert parse_bool(text, "x") is False
+
+
+def test_a_bad_boolean_is_a_usage_error_naming_the_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVMESH_TLS_CLIENT_AUTH", "maybe")
+    with pytest.raises(UsageError, match="KVMESH_TLS_CLIENT_AUTH: --tls-client-auth must be one of"):
+        build(TABLES["router"], "--model", str(tmp_path))
+    monkeypatch.setenv("KVMESH_TLS_CLIENT_AUTH", "yes")
+    monkeypatch.setenv("KVMESH_TLS_CA", "/ca.pem")
+    assert build(TABLES["router"], "--model", str(tmp_path))[0].tls.client_auth is True
+
+
+def test_zero_or_empty_means_unset_where_unset_exists(monkeypatch, tmp_path):
+    """The chart writes KVMESH_MAX_MODEL_LEN=0 for "the model's own"; a port of 0 stays 0 (any port)."""
+    monkeypatch.setenv("KVMESH_MAX_MODEL_LEN", "0")
+    monkeypatch.setenv("KVMESH_MODEL_ID", "")
+    monkeypatch.setenv("KVMESH_PORT", "0")
+    config = build(TABLES["router"], "--model", str(tmp_path))[0]
+    assert config.max_model_len is None and config.model_id is None and config.port == 0
+    assert build(TABLES["router"], "--model", str(tmp_path), "--max-model-len", "0")[0].max_model_len is None
+
+
+def test_bad_values_are_usage_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVMESH_MAX_INFLIGHT", "lots")
+    with pytest.raises(UsageError, match="KVMESH_MAX_INFLIGHT: --max-inflight expects an integer"):
+        build(TABLES["router"], "--model", str(tmp_path))
+    monkeypatch.delenv("KVMESH_MAX_INFLIGHT")
+    monkeypatch.setenv("KVMESH_POLICY", "fastest")
+    with pytest.raises(UsageError, match="KVMESH_POLICY: --policy must be one of prefix, round_robin"):
+        build(TABLES["router"], "--model", str(tmp_path))
+    monkeypatch.delenv("KVMESH_POLICY")
+    with pytest.raises(ValueError, match="policy 'fastest' is unknown"):  # the config checks too
+        RouterConfig(str(tmp_path), policy="fastest")
+    with pytest.raises(UsageError, match="max_inflight must be positive"):
+        build(TABLES["router"], "--model", str(tmp_path), "--max-inflight", "-3")
+
+
+def test_secrets_come_from_the_environment_only_and_never_leave(monkeypatch, tmp_path):
+    with pytest.raises(SystemExit):  # argparse: unrecognized arguments: --auth-token
+        build(TABLES["router"], "--model", str(tmp_path), "--auth-token", "x")
+    monkeypatch.setenv("KVMESH_AUTH_TOKEN", "t0ken")
+    config = build(TABLES["router"], "--model", str(tmp_path), "--redis-url", "redis://u:pw@r:6379/0")[0]
+    assert config.auth_token == "t0ken"
+    shown = json.dumps(effective_config(config))
+    assert "t0ken" not in shown and "pw" not in shown and "redis://u:***@r:6379/0" in shown
+
+
+def test_up_shares_one_flag_between_the_router_and_every_replica(tmp_path):
+    (config,) = build(
+        TABLES["up"], "--model", str(tmp_path), "--block-size", "32", "--max-model-len", "900",
+        "--model-id", "m", "--max-message-bytes", "2048", "--tls-ca", "/ca.pem", "--drain-timeout", "3",
+    )  # fmt: skip
+    router, replica = config.router, config.replica
+    assert router.model_dir == replica.model_dir == str(tmp_path)
+    assert router.block_size == replica.engine.block_size == 32
+    assert router.max_model_len == replica.engine.max_model_len == 900
+    assert router.model_id == replica.model_id == "m"
+    assert router.tls.ca == replica.tls.ca == "/ca.pem"
+    assert router.drain_timeout_s == replica.drain_timeout_s == 3.0
+    assert router.max_message_bytes == 2048  # parsed, and kept (it used to be dropped on the way)
+
+
+def test_up_defaults_match_kvmesh_router_and_the_engine_follows_the_router(tmp_path):
+    (up,) = build(TABLES["up"], "--model", str(tmp_path))
+    alone = build(TABLES["router"], "--model", str(tmp_path))[0]
+    assert up.router == alone
+    assert up.replica.engine.block_size == up.router.block_size == 16
+    assert up.with_router and up.replicas == 2
+
+
+def test_router_and_replicas_that_disagree_are_refused(tmp_path):
+    engine = EngineConfig(block_size=32)
+    with pytest.raises(ValueError, match="disagree on block_size"):
+        ClusterConfig(RouterConfig(str(tmp_path)), ReplicaConfig(str(tmp_path), engine=engine))
+    with pytest.raises(ValueError, match="disagree on redis_url"):
+        ClusterConfig.for_model(str(tmp_path), router={"redis_url": "redis://a"})
+
+
+def test_router_only_and_replica_only_flags_do_not_cross(tmp_path):
+    (config,) = build(
+        TABLES["up"], "--model", str(tmp_path), "--host", "10.0.0.1", "--replica-host", "0.0.0.0"
+    )
+    assert config.router.host == "10.0.0.1" and config.replica.host == "0.0.0.0"
+    assert "policy" not in {f.name for f in dataclasses.fields(ReplicaConfig)}

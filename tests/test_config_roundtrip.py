@@ -1,0 +1,222 @@
+"""Every setting given on ``kvmesh up``'s (and ``kvmesh router``'s) command line arrives in the
+running router and in every running replica, read back over gRPC from the processes
+themselves (``GetModelInfo`` / ``GetStats`` carry a redacted effective config).
+
+What is checked comes from the same flag table the CLI is built from, so a new setting
+without a value here fails the test instead of going unchecked.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from certs import CertificateAuthority
+
+from kvmesh.cluster.commands import router as router_command
+from kvmesh.cluster.commands import up as up_command
+from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
+from kvmesh.protos import pb, pb_grpc
+
+pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+
+# flag -> (command-line value, value expected in the effective config); every one differs
+# from its default. Paths, ports and URLs are filled in per test.
+VALUES = {
+    "model-id": ("roundtrip-model", "roundtrip-model"),
+    "block-size": ("32", 32),
+    "max-model-len": ("2000", 2000),
+    "host": ("localhost", "localhost"),
+    "policy": ("least_loaded", "least_loaded"),
+    "registry-refresh": ("0.3", 0.3),
+    "speculative-ttl": ("1.5", 1.5),
+    "max-inflight": ("77", 77),
+    "max-prompt-tokens": ("1500", 1500),
+    "max-tokens-limit": ("300", 300),
+    "max-message-bytes": ("65536", 65536),
+    "drain-timeout": ("7.5", 7.5),
+    "tls-client-auth": (None, True),  # a switch: --tls-client-auth
+    "tls-server-name": ("kvmesh-replica", "kvmesh-replica"),
+    "replica-host": ("localhost", "localhost"),
+    "replica-http-port": ("-1", -1),
+    "replica-advertise-host": ("127.0.0.1", "127.0.0.1"),
+    "heartbeat-interval": ("0.4", 0.4),
+    "heartbeat-ttl": ("3.5", 3.5),
+    "torch-threads": ("1", 1),
+    "num-kv-blocks": ("96", 96),
+    "kv-cache-memory": ("123456789", 123456789),
+    "gpu-memory-utilization": ("0.5", 0.5),
+    "max-num-seqs": ("7", 7),
+    "max-num-batched-tokens": ("333", 333),
+    "max-queued-requests": ("55", 55),
+    "dtype": ("float32", "float32"),
+    "device": ("cpu", "cpu"),
+    "seed": ("5", 5),
+    "attention-backend": ("torch", "torch"),
+    "check-invariants": (None, True),
+}
+# Flags the round trip cannot vary here, and why.
+NOT_VARIED = {
+    "replica-port": "two replicas on one machine cannot share a fixed port (replica-http-port takes the same path)",
+    "replicas": "the launcher's own setting: the number of replicas read back is the check",
+    "ray-address": "joining another Ray cluster: the chart's controller path",
+    "router": "the launcher's own setting: --no-router is test_cli_serving's controller test",
+    "verbose": "logging only",
+    "auth-token": "a secret: never shown (the router test checks it stays out of the effective config)",
+}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    ca = CertificateAuthority(tmp_path_factory.mktemp("pki"))
+    server = ca.issue("server", dns=["localhost", "kvmesh-replica"], ips=["127.0.0.1"])
+    client = ca.issue("client", client=True)
+    return {"ca": ca.path, "server": server, "client": client}
+
+
+def per_run_values(pki, qwen3_dir, redis_url: str) -> dict[str, tuple]:
+    cert, key = pki["server"]
+    port, http_port = free_port(), free_port()
+    return {
+        **VALUES,
+        "model": (str(qwen3_dir), str(qwen3_dir)),
+        "redis-url": (redis_url, redis_url),
+        "port": (str(port), port),
+        "http-port": (str(http_port), http_port),
+        "tls-cert": (cert, cert),
+        "tls-key": (key, key),
+        "tls-ca": (pki["ca"], pki["ca"]),
+    }
+
+
+def command_line(values: dict[str, tuple], flags) -> list[str]:
+    argv = []
+    for name in flags:
+        if name in values:
+            text, _ = values[name]
+            argv += [f"--{name}"] if text is None else [f"--{name}={text}"]
+    return argv
+
+
+def credentials(pki) -> grpc.ChannelCredentials:
+    cert, key = (Path(p).read_bytes() for p in pki["client"])
+    return grpc.ssl_channel_credentials(Path(pki["ca"]).read_bytes(), key, cert)
+
+
+def lookup(config: dict, path: tuple[str, ...]):
+    for name in path:
+        config = config[name]
+    return config
+
+
+def wait_for_line(proc: subprocess.Popen, marker: str, timeout: float = 240) -> str:
+    text, deadline = "", time.monotonic() + timeout
+    while marker not in text and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        text += line
+    assert marker in text, text + (proc.stderr.read() if proc.poll() is not None else "")
+    return text
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_every_flag_of_up_is_varied_or_excused():
+    assert set(up_command.FLAGS.flags) - {
+        "model",
+        "redis-url",
+        "port",
+        "http-port",
+        "tls-cert",
+        "tls-key",
+        "tls-ca",
+    } == (set(VALUES) | set(NOT_VARIED))
+
+
+def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, valkey_server):
+    values = per_run_values(pki, qwen3_dir, valkey_server.url)
+    argv = [KVMESH, "up", "--replicas", "2", *command_line(values, up_command.FLAGS.flags)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(proc, "Ctrl-C")
+        address = f"localhost:{values['port'][1]}"
+        with grpc.secure_channel(address, credentials(pki)) as channel:
+            router = pb_grpc.RouterStub(channel)
+            info = router.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            replicas = router.ListReplicas(pb.ListReplicasRequest(), timeout=10).replicas
+            too_big = pb.GenerateRequest(text="x" * 70_000)
+            with pytest.raises(grpc.RpcError) as err:
+                list(router.Generate(too_big, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # --max-message-bytes is enforced
+        assert info.max_model_len == 2000 and info.block_size == 32 and info.model == "roundtrip-model"
+        router_config = json.loads(info.effective_config)
+        assert len(replicas) == 2 and all(r.address.startswith("127.0.0.1:") for r in replicas)
+        replica_configs = []
+        for r in replicas:
+            with grpc.secure_channel(r.address, credentials(pki)) as channel:
+                stats = pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+            replica_configs.append(json.loads(stats.effective_config))
+            assert stats.num_blocks == 96 and stats.block_size == 32
+        assert {c["replica_id"] for c in replica_configs} == {"replica-0", "replica-1"}
+        for name, flag in up_command.FLAGS.flags.items():
+            if name in NOT_VARIED:
+                continue
+            expected = values[name][1]
+            for _, part, *path in flag.targets:
+                configs = [router_config] if part == "router" else replica_configs
+                for config in configs:
+                    assert lookup(config, path) == expected, (name, part, path)
+    finally:
+        stop(proc)
+
+
+def test_router_settings_arrive_from_flags_and_environment(pki, qwen3_dir, tmp_path):
+    """``kvmesh router`` alone: half the settings as flags, half as KVMESH_* variables; the
+    token and the Redis password never show."""
+    with EmbeddedRedis(extra_args=["--requirepass", "pa55word"]) as redis:
+        url = redis.url.replace("redis://", "redis://:pa55word@")
+        values = per_run_values(pki, qwen3_dir, url)
+        names = list(router_command.FLAGS.flags)
+        assert set(names) - {"auth-token", "verbose"} <= set(values)
+        as_env = {n for i, n in enumerate(names) if i % 2 and n in values}
+        env = {
+            router_command.FLAGS.flags[n].env: "true" if values[n][0] is None else values[n][0]
+            for n in as_env
+        }
+        env["KVMESH_AUTH_TOKEN"] = "t0ken-xyz"
+        argv = [KVMESH, "router", *command_line({n: v for n, v in values.items() if n not in as_env}, names)]
+        import os
+
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+        )
+        try:
+            wait_for_line(proc, "kvmesh router:", timeout=60)
+            with grpc.secure_channel(f"localhost:{values['port'][1]}", credentials(pki)) as channel:
+                info = pb_grpc.RouterStub(channel).GetModelInfo(
+                    pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer t0ken-xyz"),), timeout=10
+                )
+        finally:
+            stop(proc)
+    config = json.loads(info.effective_config)
+    for name, flag in router_command.FLAGS.flags.items():
+        if name in values and name != "redis-url":
+            for _, *path in flag.targets:
+                assert lookup(config, path) == values[name][1], name
+    assert config["redis_url"] == re.sub(":pa55word@", ":***@", url)
+    assert "t0ken-xyz" not in info.effective_config and "pa55word" not in info.effective_config
