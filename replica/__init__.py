@@ -1,7 +1,7 @@
 """kvmesh.replica: the per-accelerator engine, its gRPC service and Ray actor.
 
-Names are imported lazily, so ``kvmesh.serving.sampling`` (used by the torch-free
-router) does not pull in torch.
+Names are imported lazily, so ``kvmesh.replica.config`` (read by the CLI, which never loads
+torch to parse flags) does not pull in torch.
 """
 
 from importlib import import_module

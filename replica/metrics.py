@@ -6,25 +6,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvmesh.serving.metrics import LATENCY_BUCKETS, ServerMetrics
 
 if TYPE_CHECKING:
     from kvmesh.replica.engine import EngineStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-
-class ReplicaMetrics:
+class ReplicaMetrics(ServerMetrics):
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
         self.requests = Counter("kvmesh_replica_requests", "Requests by outcome", ["outcome"], registry=r)
         self.ttft = Histogram(
-            "kvmesh_replica_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+            "kvmesh_replica_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
         self.latency = Histogram(
-            "kvmesh_replica_request_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
+            "kvmesh_replica_request_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
         )
         self.cached_tokens = Counter(
             "kvmesh_replica_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
@@ -35,9 +35,6 @@ class ReplicaMetrics:
             registry=r,
         )
         r.register(_EngineCollector(stats))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 class _EngineCollector:

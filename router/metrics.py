@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+from kvmesh.serving.metrics import LATENCY_BUCKETS, ServerMetrics
+
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
-class RouterMetrics:
+class RouterMetrics(ServerMetrics):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
         self.requests = Counter(
             "kvmesh_router_requests", "Generate requests by outcome", ["policy", "outcome"], registry=r
         )
         self.ttft = Histogram(
-            "kvmesh_router_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+            "kvmesh_router_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
         self.latency = Histogram(
-            "kvmesh_router_request_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
+            "kvmesh_router_request_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
         )
         self.decisions = Counter(
             "kvmesh_router_routing_decisions", "Requests sent, by replica", ["replica"], registry=r
@@ -49,6 +50,3 @@ class RouterMetrics:
         self.index_errors = Counter(
             "kvmesh_router_index_errors", "Lookups that fell back to load only", registry=r
         )
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -8,6 +8,7 @@ prediction and the replica's actual reuse on ``Complete``, the decode paid off a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -78,8 +79,13 @@ class Relay:
             if entry is None:  # gone from the index since the decision
                 continue
             try:
-                async for response in self._attempt(upstream, decision, entry, started, timeout):
-                    yield response
+                # aclosing: when our caller stops reading (an HTTP client went away), the
+                # attempt's cleanup (cancel the upstream call, release the load) runs now.
+                async with contextlib.aclosing(
+                    self._attempt(upstream, decision, entry, started, timeout)
+                ) as out:
+                    async for response in out:
+                        yield response
                 return
             except _AttemptFailed as failed:
                 if failed.code in REPLICA_FAILURE_CODES:

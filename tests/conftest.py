@@ -104,6 +104,17 @@ def valkey_server():
     server.close()
 
 
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A throwaway CA, a server certificate (localhost, kvmesh-replica, 127.0.0.1) and a client one."""
+    from certs import CertificateAuthority
+
+    ca = CertificateAuthority(tmp_path_factory.mktemp("pki"))
+    server = ca.issue("server", dns=["localhost", "kvmesh-replica"], ips=["127.0.0.1"])
+    client = ca.issue("client", client=True)
+    return {"ca": ca.path, "server": server, "client": client}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for the whole session (start-ups are slow)."""

@@ -12,3 +12,13 @@ async def eventually(predicate, timeout: float = 10.0) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+def local_router_config(model_dir, redis_url: str, **overrides):
+    """A router for tests: any free ports (HTTP on: pass http_port=-1 for none), a quick
+    registry refresh; everything else as given."""
+    from kvmesh.router.config import RouterConfig
+
+    return RouterConfig(
+        str(model_dir), redis_url, **{"port": 0, "http_port": 0, "refresh_s": 0.1, **overrides}
+    )

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from certs import CertificateAuthority
 
 from kvmesh.cluster.commands import router as router_command
 from kvmesh.cluster.commands import up as up_command
@@ -71,14 +70,6 @@ NOT_VARIED = {
     "verbose": "logging only",
     "auth-token": "a secret: never shown (the router test checks it stays out of the effective config)",
 }
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    ca = CertificateAuthority(tmp_path_factory.mktemp("pki"))
-    server = ca.issue("server", dns=["localhost", "kvmesh-replica"], ips=["127.0.0.1"])
-    client = ca.issue("client", client=True)
-    return {"ca": ca.path, "server": server, "client": client}
 
 
 def per_run_values(pki, qwen3_dir, redis_url: str) -> dict[str, tuple]:

@@ -9,14 +9,13 @@ import pytest
 import pytest_asyncio
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import eventually
+from helpers import eventually, local_router_config
 from reference import hf_greedy, prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.config import RouterConfig
 from kvmesh.router.process import RouterServer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
@@ -98,16 +97,41 @@ async def test_client_cancellation_frees_blocks_on_the_replica(cluster):
         first = await stream.read()
         assert first.WhichOneof("kind") == "chunk"
         stream.cancel()
+    assert await eventually(lambda: replicas_idle(cluster))
 
-    async def all_idle():
-        for address in cluster.supervisor.addresses.values():
-            async with grpc.aio.insecure_channel(address) as channel:
-                s = await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest())
-                if s.num_running or s.num_free_blocks != s.num_blocks:
-                    return False
-        return True
 
-    assert await eventually(all_idle)
+async def replicas_idle(cluster) -> bool:
+    """No replica runs anything or holds a block."""
+    for address in cluster.supervisor.addresses.values():
+        async with grpc.aio.insecure_channel(address) as channel:
+            s = await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest())
+            if s.num_running or s.num_free_blocks != s.num_blocks:
+                return False
+    return True
+
+
+async def test_http_client_that_goes_away_frees_the_replica_and_the_routers_load(cluster):
+    import httpx
+
+    body = {
+        "prompt": prompts_of_lengths([30], salt=6)[0],
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async with (
+        httpx.AsyncClient(base_url=cluster.http_url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        while not (await anext(lines)).startswith("data:"):
+            pass  # the first event: the request is generating on a replica
+
+    async def router_idle():
+        return all(e.load.requests == 0 for e in cluster.router.registry.entries.values())
+
+    assert await eventually(router_idle) and await eventually(lambda: replicas_idle(cluster))
 
 
 async def test_abort_through_the_router(cluster):
@@ -274,7 +298,7 @@ async def test_no_live_replica_is_unavailable(ray_cluster, qwen3_dir):
     import httpx
 
     with EmbeddedRedis() as redis:
-        router = RouterServer(RouterConfig(str(qwen3_dir), redis.url, port=0, http_port=0))
+        router = RouterServer(local_router_config(qwen3_dir, redis.url))
         await router.start()
         try:
             async with grpc.aio.insecure_channel(router.address) as channel:

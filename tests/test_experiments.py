@@ -208,6 +208,7 @@ def test_simulate_cli_writes_every_policy(tmp_path):
     )
 
 
+@pytest.mark.slow  # a benchmark's smoke run: make test-fast leaves it out
 def test_experiment_suite_quick(tmp_path):
     run = subprocess.run(
         [KVMESH, "experiments", "--quick", "--no-real", "--out-dir", str(tmp_path)],

@@ -11,14 +11,13 @@ import grpc
 import pytest
 import pytest_asyncio
 import ray
-from helpers import eventually
+from helpers import eventually, local_router_config
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.kvcache.index import PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.config import RouterConfig
 from kvmesh.router.load import RequestWork
 from kvmesh.router.process import RouterServer
 from kvmesh.router.registry import ReplicaRegistry
@@ -184,9 +183,7 @@ async def test_redis_away_for_10s_under_load(cluster):
 
 
 async def test_router_restart_under_load(cluster, qwen3_dir):
-    port_router = RouterServer(
-        RouterConfig(str(qwen3_dir), cluster.redis_url, port=0, http_port=-1, refresh_s=0.1)
-    )
+    port_router = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1))
     await port_router.start()
     port = port_router.grpc.port
     await eventually(lambda: _sees(port_router, 3))
@@ -208,9 +205,7 @@ async def test_router_restart_under_load(cluster, qwen3_dir):
     await asyncio.sleep(1.0)
     await port_router.stop(grace=0.2)
     await asyncio.sleep(0.5)
-    again = RouterServer(
-        RouterConfig(str(qwen3_dir), cluster.redis_url, http_port=-1, port=port, refresh_s=0.1)
-    )
+    again = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1, port=port))
     await again.start()
     await eventually(lambda: _sees(again, 3))
     restarted.set()

@@ -10,6 +10,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import local_router_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
-from kvmesh.router.config import RouterConfig, RouterLimits
+from kvmesh.router.config import RouterLimits
 from kvmesh.router.process import RouterServer
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
@@ -46,15 +47,7 @@ def servers(qwen3_dir):
         await replica.start()
         limits = RouterLimits(max_inflight=64, max_tokens=64)
         router = RouterServer(
-            RouterConfig(
-                str(qwen3_dir),
-                redis.url,
-                port=0,
-                http_port=0,
-                limits=limits,
-                max_message_bytes=1 << 20,
-                refresh_s=0.1,
-            )
+            local_router_config(qwen3_dir, redis.url, limits=limits, max_message_bytes=1 << 20)
         )
         await router.start()
         while not router.registry.live():

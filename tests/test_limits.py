@@ -9,14 +9,14 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
-from helpers import eventually
+from helpers import eventually, local_router_config
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
-from kvmesh.router.config import RouterConfig, RouterLimits
+from kvmesh.router.config import RouterLimits
 from kvmesh.router.process import RouterServer
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -36,15 +36,7 @@ async def stack(qwen3_dir):
         replicas.append(r)
     limits = RouterLimits(max_inflight=6, max_prompt_tokens=500, max_tokens=300)
     router = RouterServer(
-        RouterConfig(
-            str(qwen3_dir),
-            redis.url,
-            port=0,
-            http_port=0,
-            limits=limits,
-            max_message_bytes=64 << 10,
-            refresh_s=0.1,
-        )
+        local_router_config(qwen3_dir, redis.url, limits=limits, max_message_bytes=64 << 10)
     )
     await router.start()
     await eventually(lambda: _live(router, 2))
@@ -161,7 +153,7 @@ async def test_deadlines_are_honoured_and_free_the_blocks(stack):
 
 async def test_router_drain_finishes_inflight_and_refuses_new_work(stack, qwen3_dir):
     _, _, redis = stack
-    second = RouterServer(RouterConfig(str(qwen3_dir), redis.url, port=0, http_port=-1, refresh_s=0.1))
+    second = RouterServer(local_router_config(qwen3_dir, redis.url, http_port=-1))
     await second.start()
     await eventually(lambda: _live(second, 2))
     inflight = asyncio.create_task(run(second.address, request(max_tokens=60, salt=11)))

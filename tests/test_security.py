@@ -13,14 +13,13 @@ import httpx
 import pytest
 import pytest_asyncio
 import redis.exceptions
-from certs import CertificateAuthority
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import local_router_config
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
-from kvmesh.router.config import RouterConfig
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.options import redacted_url
@@ -31,14 +30,6 @@ pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh process
 module_loop = pytest.mark.asyncio(loop_scope="module")  # the secured servers live for the module
 TOKEN = "s3cret-token-7f"
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    ca = CertificateAuthority(tmp_path_factory.mktemp("pki"))
-    server = ca.issue("server", dns=["localhost", "kvmesh-replica"], ips=["127.0.0.1"])
-    client = ca.issue("client", client=True)
-    return {"ca": ca.path, "server": server, "client": client}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -66,17 +57,7 @@ async def secured(pki, qwen3_dir):
     # The router serves clients over TLS (they prove themselves with the token, not a
     # certificate) and presents the same certificate to the replicas, which require one.
     router_tls = dataclasses.replace(tls, client_auth=False)
-    router = RouterServer(
-        RouterConfig(
-            str(qwen3_dir),
-            redis_server.url,
-            port=0,
-            http_port=0,
-            tls=router_tls,
-            auth_token=TOKEN,
-            refresh_s=0.1,
-        )
-    )
+    router = RouterServer(local_router_config(qwen3_dir, redis_server.url, tls=router_tls, auth_token=TOKEN))
     await router.start()
     for _ in range(100):
         if router.registry.live():

@@ -29,7 +29,6 @@ from kvmesh.cluster.benchmarks.peer_routers import (
     Contender,
     GuidellmLoad,
     RouterProcess,
-    check_peers,
     router_command,
     run_guidellm,
 )
@@ -365,8 +364,7 @@ def write_docs(result: dict, tables: str, out: str, docs: Path) -> None:
 
 
 def main(config: PeersConfig) -> int:
-    if config.guidellm or any(c.router != "kvmesh" for c in config.contenders):
-        check_peers(config.venv)
+    """The whole comparison (the command checked the peers are installed)."""
     result = asyncio.run(run(config))
     write_result(config.out, result)
     tables = write_tables(result, config.out)

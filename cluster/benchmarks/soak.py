@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import grpc
+from ray.exceptions import RayError
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.config import ClusterConfig
@@ -116,7 +117,7 @@ async def _sample_memory(cluster: LocalCluster, now: float, memory: dict) -> Non
     for replica_id, actor in list(cluster.supervisor.actors.items()):
         try:
             pid = await asyncio.wait_for(actor.pid.remote(), 2.0)
-        except Exception:  # killed a moment ago
+        except (RayError, TimeoutError):  # killed a moment ago
             continue
         pids[f"{replica_id}/pid{pid}"] = pid
     for name, pid in pids.items():

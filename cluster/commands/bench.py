@@ -145,8 +145,7 @@ def _peers(benches) -> None:
 def _run_peers(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad
-    from kvmesh.cluster.benchmarks.peers import PeersConfig, main
+    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad, check_peers
     from kvmesh.cluster.logs import setup_logging
 
     known = {c.name: c for c in CONTENDERS}
@@ -157,14 +156,20 @@ def _run_peers(args: argparse.Namespace) -> int:
              args.output_tokens, args.requests)  # fmt: skip
     if min(sizes) <= 0 or args.rate <= 0 or args.max_seconds <= 0:
         raise UsageError("sizes, --rate and --max-seconds must be positive")
+    contenders = tuple(known[n] for n in names)
+    venv = Path(args.peers_venv).resolve()
+    if not args.no_guidellm or any(c.router != "kvmesh" for c in contenders):
+        check_peers(venv)
+    from kvmesh.cluster.benchmarks.peers import PeersConfig, main  # Ray and the rest: only now
+
     setup_logging(False)
     load = GuidellmLoad(
         args.prefix_tokens, args.prefix_count, args.prompt_tokens, args.output_tokens, args.rate, args.requests,
         args.max_seconds,
     )  # fmt: skip
     config = PeersConfig(
-        out=args.out, venv=Path(args.peers_venv).resolve(), cache_dir=Path(args.cache_dir), replicas=args.replicas,
-        num_kv_blocks=args.num_kv_blocks, load=load, contenders=tuple(known[n] for n in names),
+        out=args.out, venv=venv, cache_dir=Path(args.cache_dir), replicas=args.replicas,
+        num_kv_blocks=args.num_kv_blocks, load=load, contenders=contenders,
         guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
     )  # fmt: skip
     return main(config)
