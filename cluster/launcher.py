@@ -27,8 +27,6 @@ from kvmesh.router.process import RouterServer
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.options import redacted_url
 
-log = logging.getLogger(__name__)
-
 
 class LocalCluster:
     def __init__(self, config: ClusterConfig):

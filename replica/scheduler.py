@@ -30,9 +30,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> list[Request]:
         """Pick this step's requests and set each one's ``num_scheduled_tokens``."""
         budget = self.max_num_batched_tokens

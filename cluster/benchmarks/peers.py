@@ -68,14 +68,13 @@ _TABLE = [
 @dataclass(frozen=True)
 class Replica:
     replica_id: str
-    grpc_address: str
     http_url: str
 
 
 async def replicas_of(cluster: LocalCluster) -> list[Replica]:
     records = await cluster.index.live_replicas()
     return sorted(
-        (Replica(r.replica_id, r.address, r.fields["http_address"]) for r in records),
+        (Replica(r.replica_id, r.fields["http_address"]) for r in records),
         key=lambda r: r.replica_id,
     )
 

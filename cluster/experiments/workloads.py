@@ -13,7 +13,7 @@ import functools
 import gzip
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,7 +237,3 @@ def make_workload(name: str, **kwargs) -> list[WorkloadRequest]:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     return WORKLOADS[name](**kwargs)
-
-
-def total_tokens(requests: Iterable[WorkloadRequest]) -> int:
-    return sum(r.prompt_len for r in requests)
