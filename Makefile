@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast lint bench peers protos venv clean
+.PHONY: demo test test-fast lint bench peers protos venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -57,5 +57,21 @@ peers: venv
 	echo '$(TORCH)' > $(PEERS_VENV)/constraints.txt
 	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(PEERS_VENV)/constraints.txt $(PEERS)
 
+# The first thing to run on a machine with a CUDA GPU (nothing here has run on one yet):
+# CUDA torch (PyPI's torch wheel for Linux is the CUDA build) and flash-attn in their own venv,
+# the CUDA tests, then the engine benchmark against transformers on that GPU, as JSON.
+# flash-attn compiles from source where no matching wheel can be downloaded (long).
+GPU_VENV := .venv-gpu
+gpu-check:
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade pip wheel packaging ninja
+	$(GPU_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(GPU_VENV)/bin/python -m pip install --quiet --no-build-isolation 'flash-attn>=2.6' \
+	  || echo "flash-attn did not install: only the torch path runs on the GPU"
+	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+	$(GPU_VENV)/bin/python -m pytest -q tests/test_cuda.py tests/test_flash_attention_cpu.py tests/test_attention.py tests/test_engine.py
+	$(GPU_VENV)/bin/kvmesh bench engine --device cuda --out results/bench_engine_cuda.json
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) results .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) results .pytest_cache .ruff_cache .hypothesis

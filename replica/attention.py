@@ -13,6 +13,10 @@ cached prefix and chunked prefill are all that one shape.
 - ``FlashPagedAttention``: CUDA + flash-attn. ``flash_attn_varlen_func`` with a block
   table for any batch holding a prefill, ``flash_attn_with_kvcache`` for pure decode.
   flash-attn's paged kernels need a block size that is a multiple of 256.
+
+``choose_backend`` picks flash-attn only where its kernels can run (CUDA, the package,
+fp16/bf16, compute capability 8.0+, a head size that is a multiple of 8 up to 256, a block
+size that is a multiple of 256) and says why it picked what it picked.
 """
 
 from __future__ import annotations
@@ -49,6 +53,53 @@ def flash_attn_available() -> bool:
         log.warning("flash-attn is not usable, attention falls back to torch: %s", exc)
         return False
     return True
+
+
+def flash_attn_unusable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why flash-attn's kernels cannot run here (None: they can, given a 256-multiple block size)."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, flash-attn needs CUDA"
+    if not flash_attn_available():
+        return "the flash-attn package is not installed (the 'gpu' extra)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (
+            f"the weights are {str(dtype).removeprefix('torch.')}; flash-attn runs float16 and bfloat16 only"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"compute capability {major}.{minor}; flash-attn 2 needs 8.0 (Ampere) or newer"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim}; flash-attn needs a multiple of 8 up to 256 (else it pads a copy of the cache)"
+    return None
+
+
+def choose_backend(
+    name: str | None, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> tuple[str, str]:
+    """(backend name, why): flash-attn where it can run, torch elsewhere; an explicit request
+    for flash-attn that cannot run is a ValueError saying why."""
+    unusable = flash_attn_unusable(device, dtype, head_dim)
+    if name == "flash_attn":
+        if unusable:
+            raise ValueError(f"attention_backend='flash_attn' cannot run here: {unusable}")
+        if block_size % 256:
+            raise ValueError(
+                f"flash-attn paged KV needs a block size that is a multiple of 256, got {block_size}"
+            )
+        return "flash_attn", "asked for"
+    if name == "torch":
+        return "torch", "asked for"
+    if unusable:
+        return "torch", unusable
+    if block_size % 256:
+        return (
+            "torch",
+            f"block size {block_size} is not a multiple of 256, which flash-attn's paged kernels need",
+        )
+    return (
+        "flash_attn",
+        f"CUDA, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}, block size {block_size}",
+    )
 
 
 def store_kv(
@@ -246,14 +297,11 @@ class FlashPagedAttention:
 AttentionBackend = TorchPagedAttention | FlashPagedAttention
 
 
-def make_backend(name: str | None, block_size: int, device: torch.device) -> AttentionBackend:
-    """The requested backend, or flash-attn when it is usable for this device and block size."""
-    if name == "flash_attn" or (
-        name is None and device.type == "cuda" and flash_attn_available() and block_size % 256 == 0
-    ):
-        if device.type != "cuda" or not flash_attn_available():
-            raise ValueError(
-                "attention_backend='flash_attn' needs CUDA and the flash-attn package (extra 'gpu')"
-            )
-        return FlashPagedAttention(block_size, device)
-    return TorchPagedAttention(block_size, device)
+def make_backend(
+    name: str | None, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> AttentionBackend:
+    """The backend ``choose_backend`` picks, with one log line saying which and why."""
+    chosen, why = choose_backend(name, block_size, device, dtype, head_dim)
+    log.info("attention backend", extra={"backend": chosen, "why": why})
+    cls = FlashPagedAttention if chosen == "flash_attn" else TorchPagedAttention
+    return cls(block_size, device)

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import torch
 
-from kvmesh.replica.attention import AttentionBackend, BatchLayout, flash_attn_available, make_backend
+from kvmesh.replica.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
@@ -24,32 +24,57 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str | None) -> torch.device:
+    """The device to run on, with an index for CUDA (``torch.cuda.set_device`` and memory
+    queries need one; "cuda" alone means the current device, which Ray sets per actor)."""
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
-def default_block_size(device: torch.device, backend: str | None) -> int:
+def default_block_size(device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> int:
     """256 where flash-attn's paged kernels will run (they need multiples of 256), else 16."""
     wants_flash = backend == "flash_attn" or (
-        backend is None and device.type == "cuda" and flash_attn_available()
+        backend is None and flash_attn_unusable(device, dtype, head_dim) is None
     )
     return 256 if wants_flash else 16
+
+
+def kv_pool_bytes(
+    total: int, free: int, utilization: float, weights: int, activations: int
+) -> tuple[int, str]:
+    """Bytes for the KV pool on a GPU, and which bound set them.
+
+    The engine may use ``utilization`` of the whole device for weights, activations and KV
+    (vLLM's meaning of gpu_memory_utilization); and the KV pool must also fit in what is
+    free now, leaving room for the activations, so a GPU shared with another process is
+    not overcommitted."""
+    by_share = int(total * utilization) - weights - activations
+    by_free = free - activations
+    if by_free < by_share:
+        return by_free, f"free memory ({free / 2**30:.2f} GiB free, another process may hold the rest)"
+    return by_share, f"gpu_memory_utilization={utilization} of {total / 2**30:.2f} GiB"
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, config: EngineConfig, hf_config, spec: DecoderSpec):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.block_size = config.block_size or default_block_size(self.device, config.attention_backend)
+        self.block_size = config.block_size or default_block_size(
+            self.device, config.attention_backend, self.dtype, spec.head_dim
+        )
         self.spec = spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model: DecoderForCausalLM = load_model(model_dir, spec, self.dtype, self.device)
-        self.backend: AttentionBackend = make_backend(config.attention_backend, self.block_size, self.device)
+        self.backend: AttentionBackend = make_backend(
+            config.attention_backend, self.block_size, self.device, self.dtype, spec.head_dim
+        )
         self.num_blocks = self._pool_size(config)
         self.kv_cache = torch.zeros(
             2, spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
@@ -86,11 +111,14 @@ class ModelRunner:
         return blocks
 
     def _profile_cuda_blocks(self, config: EngineConfig) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` after a warm-up at the full budget."""
+        """Blocks that fit after a warm-up forward at the full token budget: its peak memory
+        is what the activations need next to the weights; the rest of the memory share, and
+        of what is free, goes to the KV pool."""
         tokens = config.max_num_batched_tokens
         seqs = min(config.max_num_seqs, max(1, tokens // 512))
         lens = [tokens // seqs] * seqs
         warm_blocks = sum(-(-n // self.block_size) for n in lens)
+        weights = torch.cuda.memory_allocated(self.device)
         warm_cache = torch.zeros(
             2, self.spec.num_layers, warm_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim,
             dtype=self.dtype, device=self.device,
@@ -103,21 +131,29 @@ class ModelRunner:
             count = -(-n // self.block_size)
             tables.append(list(range(next_block, next_block + count)))
             next_block += count
-        self._forward_layout([list(range(n)) for n in lens], [0] * seqs, tables, need_logits=[True] * seqs)
+        ids = [[t % self.spec.vocab_size for t in range(n)] for n in lens]  # any valid ids will do
+        with torch.inference_mode():  # as in serving: no autograd state kept alive
+            self._forward_layout(ids, [0] * seqs, tables, need_logits=[True] * seqs)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - warm_cache.numel() * warm_cache.element_size()
+        cache_bytes = warm_cache.numel() * warm_cache.element_size()
+        activations = max(0, torch.cuda.max_memory_allocated(self.device) - cache_bytes - weights)
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         del warm_cache
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_for_kv = int(total * config.gpu_memory_utilization) - peak
-        blocks = free_for_kv // self.block_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        kv_bytes, bound = kv_pool_bytes(total, free, config.gpu_memory_utilization, weights, activations)
+        blocks = kv_bytes // self.block_bytes
         if blocks < 1:
             raise ValueError(
-                f"no room for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} of "
-                f"{total / 2**30:.1f} GiB, {peak / 2**30:.1f} GiB used by weights and activations"
+                f"no room for the KV cache: bounded by {bound}; weights take {weights / 2**30:.2f} GiB "
+                f"and activations {activations / 2**30:.2f} GiB at max_num_batched_tokens={tokens}"
             )
+        log.info(
+            "KV pool sized by profiling",
+            extra={"blocks": blocks, "bound": bound, "weights_gib": round(weights / 2**30, 2),
+                   "activations_gib": round(activations / 2**30, 2)},
+        )  # fmt: skip
         return blocks
 
     @torch.inference_mode()

@@ -3,62 +3,23 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from paged_attention_cases import naive_attention, paged_case
 
 from kvmesh.replica.attention import BatchLayout, TorchPagedAttention, flash_plan
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
 
-def naive(q, k, v, scale):
-    """Causal attention of the last len(q) positions over all of k/v (bottom-right aligned)."""
-    n_q, n_k = q.shape[0], k.shape[0]
-    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    visible = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
 @pytest.mark.parametrize(
     "query_lens", [[1, 1, 1], [5, 1, 9], [7], [3, 12, 1, 1]], ids=["decode", "mixed", "prefill", "chunks"]
 )
 def test_torch_paged_attention_matches_naive(query_lens):
-    g = torch.Generator().manual_seed(0)
-    num_blocks = 64
-    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM)
-    v_cache = torch.zeros_like(k_cache)
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-contiguous blocks
-    cached = [6, 0, 13, 2][: len(query_lens)]  # tokens already in the cache before this step
-    full_k, full_v, tables, slots = [], [], [], []
-    for cached_n, q_n in zip(cached, query_lens, strict=True):
-        total = cached_n + q_n
-        table = [perm.pop() for _ in range(-(-total // BLOCK))]
-        k = torch.randn(total, KV_HEADS, DIM, generator=g)
-        v = torch.randn(total, KV_HEADS, DIM, generator=g)
-        for pos in range(cached_n):  # what earlier steps stored
-            k_cache[table[pos // BLOCK], pos % BLOCK] = k[pos]
-            v_cache[table[pos // BLOCK], pos % BLOCK] = v[pos]
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached_n, total)]
-        full_k.append(k)
-        full_v.append(v)
-        tables.append(table)
-    layout = BatchLayout(
-        query_lens=query_lens,
-        context_lens=[c + q for c, q in zip(cached, query_lens, strict=True)],
-        block_tables=tables,
-        slot_mapping=slots,
-    )
-    q = torch.randn(sum(query_lens), HEADS, DIM, generator=g)
-    new_k = torch.cat([k[c:] for k, c in zip(full_k, cached, strict=True)])
-    new_v = torch.cat([v[c:] for v, c in zip(full_v, cached, strict=True)])
+    case = paged_case(query_lens, [6, 0, 13, 2][: len(query_lens)], BLOCK, HEADS, KV_HEADS, DIM)
     backend = TorchPagedAttention(BLOCK, torch.device("cpu"))
-    out = backend.forward(q, new_k, new_v, k_cache, v_cache, backend.plan(layout), DIM**-0.5)
-    start = 0
-    for k, v, q_n in zip(full_k, full_v, query_lens, strict=True):
-        expected = naive(q[start : start + q_n], k, v, DIM**-0.5)
-        torch.testing.assert_close(out[start : start + q_n], expected, rtol=1e-5, atol=1e-5)
-        start += q_n
+    out = backend.forward(
+        case.q, case.new_k, case.new_v, case.k_cache, case.v_cache, backend.plan(case.layout), DIM**-0.5
+    )
+    case.check(out, DIM**-0.5, tol=1e-5)
 
 
 def test_flash_plan_arguments():
@@ -82,4 +43,4 @@ def test_sdpa_reference_is_what_we_think():
         vv.repeat_interleave(2, 1).transpose(0, 1),
         is_causal=True,
     ).transpose(0, 1)
-    torch.testing.assert_close(naive(q, kk, vv, DIM**-0.5), ref)
+    torch.testing.assert_close(naive_attention(q, kk, vv, DIM**-0.5), ref)

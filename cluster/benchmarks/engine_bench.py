@@ -5,8 +5,9 @@
    padding (``max_new_tokens`` = the batch's longest output; only requested tokens count).
 2. Time to first token of a 2k-token prompt whose first 1.75k tokens are cached, against
    the same prompt on a cold cache.
-With ``--device cuda``: the CUDA path's greedy tokens against the CPU path's, and CUDA
-throughput (flash-attn where installed).
+With ``--device cuda`` (``make gpu-check`` runs it first on a GPU machine): the CUDA path's
+greedy tokens against the CPU path's, the pool sized by profiling, and the same throughput
+comparison with transformers on the same GPU and in the same dtype (flash-attn where it runs).
 """
 
 from __future__ import annotations
@@ -154,9 +155,34 @@ def calibrate(engine: LLMEngine, rng: random.Random) -> dict:
     }
 
 
-def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
+def throughput_vs_transformers(
+    engine: LLMEngine, model_dir: Path, reqs: list[tuple[list[int], int]], repeats: int, dtype: torch.dtype
+) -> dict:
+    """The same requests through the engine and through transformers ``generate`` on the
+    engine's device and in ``dtype``; medians over ``repeats``, alternating."""
     from transformers import AutoModelForCausalLM
 
+    device = engine.runner.device
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype).to(device).eval()
+    ours, base = [], []
+    for i in range(repeats):
+        ours.append(engine_throughput(engine, reqs))
+        engine.reset_prefix_cache()
+        base.append(hf_throughput(hf, reqs, batch_size=64, device=str(device)))
+        progress(
+            f"throughput repeat {i + 1}/{repeats}: kvmesh {ours[-1]:.0f} tok/s, transformers {base[-1]:.0f} tok/s"
+        )
+    return {
+        "requests": len(reqs),
+        "output_tokens": sum(k for _, k in reqs),
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "kvmesh_tokens_per_s": round(statistics.median(ours), 1),
+        "transformers_tokens_per_s": round(statistics.median(base), 1),
+        "speedup": round(statistics.median(ours) / statistics.median(base), 2),
+    }
+
+
+def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
     torch.manual_seed(0)
     model_dir = bench_model_dir(cache)
     n = 16 if quick else 64
@@ -165,23 +191,7 @@ def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
         model_dir, num_kv_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=2048
     )
     reqs = workload(n, rng, engine.vocab_size)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
-    ours, base = [], []
-    for i in range(repeats):
-        ours.append(engine_throughput(engine, reqs))
-        engine.reset_prefix_cache()
-        base.append(hf_throughput(hf, reqs, batch_size=64, device="cpu"))
-        progress(
-            f"throughput repeat {i + 1}/{repeats}: kvmesh {ours[-1]:.0f} tok/s, transformers {base[-1]:.0f} tok/s"
-        )
-    throughput = {
-        "requests": n,
-        "output_tokens": sum(k for _, k in reqs),
-        "prompt_tokens": sum(len(p) for p, _ in reqs),
-        "kvmesh_tokens_per_s": round(statistics.median(ours), 1),
-        "transformers_tokens_per_s": round(statistics.median(base), 1),
-        "speedup": round(statistics.median(ours) / statistics.median(base), 2),
-    }
+    throughput = throughput_vs_transformers(engine, model_dir, reqs, repeats, torch.float32)
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
     cost_model = calibrate(engine, random.Random(2))
@@ -203,7 +213,8 @@ def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
 
 
 def run_cuda(repeats: int, quick: bool, cache: Path) -> dict:
-    """CUDA path vs CPU path greedy tokens, then CUDA throughput (needs a CUDA machine)."""
+    """CUDA path vs CPU path greedy tokens, the pool sized by profiling, then CUDA throughput
+    against transformers on the same GPU (needs a CUDA machine)."""
     if not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA machine")
     from kvmesh.replica.attention import flash_attn_available
@@ -219,24 +230,29 @@ def run_cuda(repeats: int, quick: bool, cache: Path) -> dict:
     if flash_attn_available():
         variants["flash_attn_bf16"] = dict(dtype="bfloat16", attention_backend="flash_attn")
     engines = {}
-    for name, options in variants.items():
+    for name, options in variants.items():  # no num_kv_blocks: the pool is sized by profiling
         engines[name] = LLMEngine(model_dir, block_size=256, device="cuda", max_num_seqs=64, **options)
         got = [o.token_ids for o in engines[name].generate([p for p, _ in reqs], params)]
         same = sum(a == b for a, b in zip(got, reference, strict=True))
         first = sum(a[0] == b[0] for a, b in zip(got, reference, strict=True))
-        checks[name] = {"identical_outputs": same, "first_token_equal": first, "requests": len(reqs)}
+        checks[name] = {
+            "identical_outputs": same, "first_token_equal": first, "requests": len(reqs),
+            "num_kv_blocks": engines[name].block_manager.num_blocks,
+        }  # fmt: skip
         progress(f"{name}: {same}/{len(reqs)} outputs identical to CPU fp32")
-    fast = engines.get("flash_attn_bf16") or engines["torch_fp32"]
+    name = "flash_attn_bf16" if "flash_attn_bf16" in engines else "torch_fp32"
+    fast = engines[name]
     big = workload(64 if quick else 256, random.Random(2), cpu.vocab_size)
-    rates = [engine_throughput(fast, big) for _ in range(repeats)]
+    throughput = throughput_vs_transformers(fast, model_dir, big, repeats, fast.runner.dtype)
     return {
         "device": torch.cuda.get_device_name(),
         "flash_attn": flash_attn_available(),
         "greedy_vs_cpu": checks,
-        "throughput_tokens_per_s": round(statistics.median(rates), 1),
-        "throughput_requests": len(big),
+        "throughput": throughput,
         "attention_backend": fast.runner.backend.name,
-        "num_kv_blocks": fast.block_manager.num_blocks,
+        "dtype": str(fast.runner.dtype).removeprefix("torch."),
+        "ttft": bench_ttft(fast, random.Random(1), repeats),
+        "targets": [target("CUDA throughput vs transformers generate", throughput["speedup"], ">=", 2.0)],
     }
 
 
@@ -251,6 +267,7 @@ def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str) -> in
     }
     if device == "cuda":
         result["cuda"] = run_cuda(repeats, quick, cache)
+        result["targets"] = result["cuda"].pop("targets")
     else:
         result.update(run_cpu(out, repeats, quick, cache))
     _print(result)
