@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from kvmesh.cluster.errors import UsageError
+from kvmesh.cluster.extras import require_extra
 
 
 def _repeats(value: str) -> int:
@@ -144,6 +145,8 @@ def _peers(benches) -> None:
 
 def _run_peers(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    require_extra("experiments", "httpx", "matplotlib")
 
     from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad, check_peers
     from kvmesh.cluster.logs import setup_logging

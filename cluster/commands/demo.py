@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvmesh.cluster.extras import require_extra
+
 
 def register(commands) -> None:
     demo = commands.add_parser(
@@ -23,5 +25,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas <= 0:
         raise UsageError("--replicas must be positive")
+    require_extra("experiments", "matplotlib")
     setup_logging(args.verbose)
     return demo_main(args.out_dir, args.replicas, args.cache_dir, args.verbose)

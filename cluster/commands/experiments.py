@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvmesh.cluster.commands.workload_flags import usage_errors
+from kvmesh.cluster.extras import require_extra
 
 
 def register(commands) -> None:
@@ -18,5 +19,7 @@ def register(commands) -> None:
 
 def experiments(args: argparse.Namespace) -> int:
     from kvmesh.cluster.experiments.suite import main as suite_main
+
+    require_extra("experiments", "matplotlib")
 
     return suite_main(args.out_dir, args.quick, not args.no_real, args.cache_dir)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from kvmesh.cluster.commands.workload_flags import usage_errors
+from kvmesh.cluster.extras import require_extra
 
 
 def register(commands) -> None:
@@ -18,6 +19,8 @@ def register(commands) -> None:
 
 def report(args: argparse.Namespace) -> int:
     from kvmesh.cluster.experiments.report import report as make_report
+
+    require_extra("experiments", "matplotlib")
 
     paths = [Path(p) for p in args.runs]
     missing = [str(p) for p in paths if not p.is_file()]
