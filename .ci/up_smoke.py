@@ -11,7 +11,20 @@ import grpc
 from kvmesh.protos import pb, pb_grpc
 
 kvmesh, model = sys.argv[1], sys.argv[2]
-argv = [kvmesh, "up", "--model", model, "--replicas", "1", "--port", "0", "--http-port", "0", "--num-kv-blocks", "64"]
+argv = [
+    kvmesh,
+    "up",
+    "--model",
+    model,
+    "--replicas",
+    "1",
+    "--port",
+    "0",
+    "--http-port",
+    "0",
+    "--num-kv-blocks",
+    "64",
+]
 proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 try:
     text, deadline = "", time.monotonic() + 300
