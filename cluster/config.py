@@ -8,8 +8,10 @@ use; ``kvmesh up`` derives its flags from all three, and one flag given on the c
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.config import RouterConfig
@@ -36,11 +38,20 @@ class ClusterConfig:
         flag="router",
         help="run the router (--no-router: replicas and supervisor only, the chart's controller)",
     )
+    keep_replicas: bool = option(
+        False, help="leave the replicas running when this process stops (the chart's controller re-attaches)"
+    )
     verbose: bool = option(False, help="info-level logs")
 
     def __post_init__(self) -> None:
         if self.replicas <= 0:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
+        if self.ray_address and not on_this_machine(self.ray_address) and is_loopback(self.router.redis_url):
+            raise ValueError(
+                f"--ray-address {self.ray_address} puts replicas on other machines, which cannot reach "
+                f"{'an embedded Redis' if self.router.redis_url is None else 'a Redis on loopback'} here: "
+                "give --redis-url of a Redis they can reach"
+            )
         if self.replica.engine.block_size is None:  # replicas hash with the router's block size
             engine = dataclasses.replace(self.replica.engine, block_size=self.router.block_size)
             self.replica = dataclasses.replace(self.replica, engine=engine)
@@ -80,6 +91,30 @@ class ClusterConfig:
             router=dataclasses.replace(self.router, redis_url=url),
             replica=dataclasses.replace(self.replica, redis_url=url),
         )
+
+
+def _host(address: str) -> str:
+    return urlsplit(address if "://" in address else f"//{address}").hostname or ""
+
+
+def is_loopback(address: str | None) -> bool:
+    """Whether only this machine can reach an address (None: the embedded Redis)."""
+    if address is None:
+        return True
+    host = _host(address)
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether a Ray address is this machine's (loopback, or an address it can bind)."""
+    if address in ("auto", "local") or is_loopback(address):
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in _host(address) else socket.AF_INET) as probe:
+            probe.bind((_host(address), 0))
+    except OSError:  # not one of ours, or not resolvable here
+        return False
+    return True
 
 
 def _get(obj: object, path: tuple[str, ...]) -> object:

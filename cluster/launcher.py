@@ -11,12 +11,14 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import grpc
 import ray
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.signals import wait_for_signal
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
@@ -28,9 +30,22 @@ from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.options import redacted_url
 
 
+def check_gpus(replicas: int, gpus: float, local: bool, progress: Callable[[str], None]) -> None:
+    """Refuse at once what cannot be placed on this machine's GPUs; on a cluster that may
+    grow (an autoscaler), say what the replicas wait for."""
+    if not gpus or replicas <= gpus:
+        return
+    if local:
+        raise UsageError(
+            f"{replicas} replicas need one GPU each and this machine has {int(gpus)}: use --replicas {int(gpus)}"
+        )
+    progress(f"waiting for GPUs: {replicas} replicas need {replicas}, the Ray cluster has {int(gpus)} now")
+
+
 class LocalCluster:
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] | None = None):
         self.config = config
+        self.progress = progress or (lambda line: None)  # one line per step while starting
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.router.redis_url
         self.supervisor: Supervisor | None = None
@@ -73,9 +88,13 @@ class LocalCluster:
             self.redis_url, model_id, block_size, namespace_seed(model_id, block_size)
         )
         use_gpu = cluster_has_gpus()
+        check_gpus(c.replicas, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
         if replica.torch_threads is None and not use_gpu:  # CPU replicas share this machine's cores
             replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // c.replicas))
-        self.supervisor = Supervisor(replica, c.replicas, use_gpu, self._index)
+        self.supervisor = Supervisor(replica, c.replicas, use_gpu, self._index, on_ready=self._ready)
+        self.progress(
+            f"starting {c.replicas} replica(s) of {replica.model_dir} ({'GPU' if use_gpu else 'CPU'}) ..."
+        )
         await self.supervisor.start()
         if not c.with_router:
             await self.wait_for_replicas(c.replicas, ready_timeout_s)
@@ -99,6 +118,9 @@ class LocalCluster:
         await self.router.registry.refresh()
         return len(self.router.registry.live())
 
+    def _ready(self, replica_id: str, address: str, seconds: float) -> None:
+        self.progress(f"  {replica_id} serving at {address} ({seconds:.1f} s)")
+
     async def reset_prefix_caches(self) -> None:
         """Cold caches everywhere (experiments compare policies from the same start): replicas
         forget their prefixes, and the router's speculative entries, which would still point
@@ -115,7 +137,8 @@ class LocalCluster:
         if self.router:
             await self.router.stop(grace)
         if self.supervisor:
-            await self.supervisor.stop(self.config.replica.drain_timeout_s if grace is None else grace)
+            grace = self.config.replica.drain_timeout_s if grace is None else grace
+            await self.supervisor.stop(grace, keep_replicas=self.config.keep_replicas)
         if self._index:
             await self._index.close()
         if self.redis:
@@ -132,7 +155,7 @@ class LocalCluster:
 
 async def serve_cluster(config: ClusterConfig) -> None:
     """``kvmesh up``: start everything, print the endpoints, drain and stop on a signal."""
-    cluster = LocalCluster(config)
+    cluster = LocalCluster(config, progress=lambda line: print(line, flush=True))
     try:
         await cluster.start()
         print(f"kvmesh up: {config.replicas} replicas of {config.replica.model_dir}", flush=True)

@@ -1,15 +1,45 @@
-"""``kvmesh status``: every model served through one Redis, its live replicas and their load."""
+"""``kvmesh status``: a deployment's live replicas, their load, and the controller's view of
+its replica slots; from a router (``ListReplicas``) or straight from the index."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import grpc
+
 from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.protos import pb, pb_grpc
 from kvmesh.serving.index_connection import connect_redis
+from kvmesh.serving.options import read_env
+
+COLUMNS = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks",
+           "tokens_per_s", "heartbeat_age_s")  # fmt: skip
 
 
-async def collect(redis_url: str) -> list[dict]:
+async def from_router(address: str, tls_ca: str | None, timeout: float = 10.0) -> list[dict]:
+    """One model: what a router knows (it asks nobody else)."""
+    token = read_env("auth-token")
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.aio.insecure_channel(address)
+    async with channel:
+        stub = pb_grpc.RouterStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=timeout)
+        listing = await stub.ListReplicas(pb.ListReplicasRequest(), metadata=metadata, timeout=timeout)
+    replicas = [{c: getattr(r, c) for c in COLUMNS} for r in listing.replicas]
+    return [{
+        "model_id": info.model, "block_size": info.block_size, "router": address, "replicas": replicas,
+        "controller": json.loads(listing.controller_state or "{}"),
+    }]  # fmt: skip
+
+
+async def from_index(redis_url: str) -> list[dict]:
+    """Every model served through one Redis."""
     client = connect_redis(redis_url)
     try:
         models = []
@@ -18,7 +48,22 @@ async def collect(redis_url: str) -> list[dict]:
             index = PrefixIndex(
                 client, settings["model_id"], int(settings["block_size"]), int(settings["hash_seed"])
             )
-            models.append({"settings": settings, "replicas": await index.live_replicas()})
+            now = time.time()
+            replicas = [
+                {
+                    "replica_id": r.replica_id, "address": r.address, "http_address": r.fields.get("http_address", ""),
+                    "incarnation": r.incarnation, "num_running": int(r.load("num_running")),
+                    "num_waiting": int(r.load("num_waiting")), "num_free_blocks": int(r.load("num_free_blocks")),
+                    "num_blocks": int(r.load("num_blocks")), "num_cached_free_blocks": int(r.load("num_cached_free_blocks")),
+                    "prefix_hit_rate": r.load("prefix_hit_rate"), "tokens_per_s": r.load("tokens_per_s"),
+                    "heartbeat_age_s": round(now - r.load("heartbeat_at", now), 1),
+                }
+                for r in sorted(await index.live_replicas(), key=lambda r: r.replica_id)
+            ]  # fmt: skip
+            models.append({
+                "model_id": settings["model_id"], "block_size": int(settings["block_size"]), "replicas": replicas,
+                "controller": json.loads(await index.controller_state() or "{}"),
+            })  # fmt: skip
         return models
     finally:
         await client.aclose()
@@ -27,26 +72,32 @@ async def collect(redis_url: str) -> list[dict]:
 def render(models: list[dict]) -> str:
     if not models:
         return "no kvmesh model in this Redis"
-    lines, now = [], time.time()
+    lines = []
     for m in models:
-        s = m["settings"]
+        where = f"  router {m['router']}" if "router" in m else ""
         lines.append(
-            f"model {s['model_id']}  block_size {s['block_size']}  replicas live: {len(m['replicas'])}"
+            f"model {m['model_id']}  block_size {m['block_size']}{where}  replicas live: {len(m['replicas'])}"
         )
         lines.append(
             f"  {'replica':<14}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
-            f"{'cached':>8}{'hit rate':>9}{'tok/s':>8}{'hb age':>8}"
+            f"{'tok/s':>8}{'hb age':>8}"
         )
-        for r in sorted(m["replicas"], key=lambda r: r.replica_id):
-            free, total = int(r.load("num_free_blocks")), int(r.load("num_blocks"))
+        for r in m["replicas"]:
+            blocks = f"{r['num_free_blocks']}/{r['num_blocks']}"
             lines.append(
-                f"  {r.replica_id:<14}{r.address:<22}{r.fields.get('http_address', '-'):<30}{r.incarnation:>5}{int(r.load('num_running')):>5}"
-                f"{int(r.load('num_waiting')):>5}{f'{free}/{total}':>19}{int(r.load('num_cached_free_blocks')):>8}"
-                f"{r.load('prefix_hit_rate'):>9.3f}{r.load('tokens_per_s'):>8.1f}{now - r.load('heartbeat_at', now):>7.1f}s"
+                f"  {r['replica_id']:<14}{r['address']:<22}{r.get('http_address') or '-':<30}{r['incarnation']:>5}"
+                f"{r['num_running']:>5}{r['num_waiting']:>5}{blocks:>19}{r['tokens_per_s']:>8.1f}{r['heartbeat_age_s']:>7.1f}s"
             )
+        for replica_id, slot in sorted(m["controller"].items()):
+            if slot["state"] != "ready":
+                retry = f", retry in {slot['retry_in_s']} s" if slot.get("retry_in_s") is not None else ""
+                lines.append(
+                    f"  {replica_id}: {slot['state']} ({slot['failures']} failed starts{retry}) {slot['error']}"
+                )
     return "\n".join(lines)
 
 
-def main(redis_url: str) -> int:
-    print(render(asyncio.run(collect(redis_url))))
+def main(address: str, redis_url: str | None, as_json: bool, tls_ca: str | None) -> int:
+    models = asyncio.run(from_index(redis_url) if redis_url else from_router(address, tls_ca))
+    print(json.dumps(models, indent=2) if as_json else render(models))
     return 0

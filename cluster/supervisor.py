@@ -1,11 +1,22 @@
-"""Keeps N replica actors alive: starts them, notices deaths, retires and replaces them."""
+"""Keeps N replica actors alive: starts them, notices deaths, retires and replaces them.
+
+Replicas are named, detached Ray actors, so they outlive the process that supervises them: a
+controller that restarts (a ``helm upgrade``, a crash) re-attaches to the replicas still
+running with the same settings instead of reloading every model, and replaces only the dead
+ones or those whose settings changed. A start that fails is retried with exponential
+backoff; each slot's state is written to the index, where ``kvmesh status`` shows it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -16,6 +27,43 @@ from kvmesh.replica.config import ReplicaConfig
 from kvmesh.serving.background import BackgroundLoops
 
 log = logging.getLogger(__name__)
+RAY_NAMESPACE = "kvmesh"
+# A start fails with the actor's error (RayError), a timeout, or a name still taken (ValueError).
+START_ERRORS = (RayError, TimeoutError, ValueError)
+
+
+class ReplicaStartError(RuntimeError):
+    """A replica could not start; the message is the one line a user needs (the actor's error)."""
+
+
+def start_error(replica_id: str, exc: BaseException) -> ReplicaStartError:
+    """The cause of a failed start, without Ray's traceback around it."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(exc, TimeoutError):
+        text = "did not start in time"
+    else:
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        text = lines[-1] if lines else type(cause).__name__
+    return ReplicaStartError(f"{replica_id} failed to start: {text}")
+
+
+@dataclass
+class Slot:
+    """One replica the supervisor keeps: its actor, and how its starts have gone."""
+
+    replica_id: str
+    actor: ray.actor.ActorHandle | None = None
+    address: str = ""
+    state: str = "starting"  # starting | ready | waiting (a failed start, retried at retry_at)
+    failures: int = 0  # failed starts in a row
+    retry_at: float = 0.0
+    error: str = ""
+
+    def as_dict(self, now: float) -> dict:
+        return {
+            "state": self.state, "address": self.address, "failures": self.failures, "error": self.error,
+            "retry_in_s": round(max(0.0, self.retry_at - now), 1) if self.state == "waiting" else None,
+        }  # fmt: skip
 
 
 class Supervisor:
@@ -27,59 +75,174 @@ class Supervisor:
         index: PrefixIndex,
         check_s: float = 1.0,
         start_timeout_s: float = 600.0,
+        backoff_s: tuple[float, float] = (1.0, 60.0),
+        on_ready: Callable[[str, str, float], None] | None = None,
     ):
         self.template = template  # every replica's config; the supervisor names each one
-        self.replica_ids = [f"replica-{i}" for i in range(replicas)]
         self.use_gpu = use_gpu
         self.index = index
         self.check_s = check_s
         self.start_timeout_s = start_timeout_s
-        self.actors: dict[str, ray.actor.ActorHandle] = {}
-        self.addresses: dict[str, str] = {}
+        self.backoff_s = backoff_s  # first retry after backoff_s[0], doubling up to backoff_s[1]
+        self.on_ready = on_ready  # (replica id, address, seconds it took)
+        self.slots = {f"replica-{i}": Slot(f"replica-{i}") for i in range(replicas)}
         self.restarts = 0
+        self.reattached = 0
         self._loops = BackgroundLoops()
 
-    async def start(self) -> dict[str, str]:
-        """Start every replica (in parallel) and begin watching them; returns their addresses."""
-        await asyncio.gather(*(self._start_one(rid) for rid in self.replica_ids))
-        self._loops.start(self._watch(), "kvmesh-supervisor")
-        return dict(self.addresses)
+    @property
+    def actors(self) -> dict[str, ray.actor.ActorHandle]:
+        return {rid: s.actor for rid, s in self.slots.items() if s.actor is not None}
 
-    async def _start_one(self, replica_id: str) -> None:
-        config = dataclasses.replace(self.template, replica_id=replica_id)
-        actor = replica_actor_class(self.use_gpu).remote(config)
-        self.actors[replica_id] = actor
-        self.addresses[replica_id] = await asyncio.wait_for(actor.start.remote(), self.start_timeout_s)
-        log.info("replica started", extra={"replica_id": replica_id, "address": self.addresses[replica_id]})
+    @property
+    def addresses(self) -> dict[str, str]:
+        return {rid: s.address for rid, s in self.slots.items() if s.state == "ready"}
+
+    def actor_name(self, replica_id: str) -> str:
+        model = self.template.model_id or self.template.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        return f"{model}/{replica_id}"
+
+    def config_of(self, replica_id: str) -> ReplicaConfig:
+        return dataclasses.replace(self.template, replica_id=replica_id)
+
+    async def start(self) -> dict[str, str]:
+        """Attach to or start every replica (in parallel); a replica that cannot start is a
+        ReplicaStartError here (a first start is not retried: its error is the user's to fix).
+        Then keep watching them; returns their addresses."""
+        self._retire_extra_actors()
+        results = await asyncio.gather(
+            *(self._ensure(s) for s in self.slots.values()), return_exceptions=True
+        )
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        self._loops.start(self._watch(), "kvmesh-supervisor")
+        await self._publish()
+        return self.addresses
+
+    async def _ensure(self, slot: Slot) -> None:
+        """Re-attach to a live replica with the same settings, else start one."""
+        actor = self._named(slot.replica_id)
+        if actor is not None:
+            try:
+                same = await asyncio.wait_for(actor.config.remote(), 10) == self.config_of(slot.replica_id)
+                address = await asyncio.wait_for(actor.address.remote(), 10) if same else ""
+            except (RayError, TimeoutError):
+                same, address = False, ""
+            if same and address:
+                slot.actor, slot.address, slot.state = actor, address, "ready"
+                self.reattached += 1
+                log.info("replica re-attached", extra={"replica_id": slot.replica_id, "address": address})
+                return
+            self._kill(actor)
+        try:
+            await self._launch(slot)
+        except START_ERRORS as exc:
+            raise start_error(slot.replica_id, exc) from None
+
+    async def _launch(self, slot: Slot) -> None:
+        """Create the named actor and wait for it to serve."""
+        started = time.monotonic()
+        await self._name_released(slot.replica_id)
+        cls = replica_actor_class(self.use_gpu).options(
+            name=self.actor_name(slot.replica_id), namespace=RAY_NAMESPACE, lifetime="detached"
+        )
+        slot.actor, slot.state = cls.remote(self.config_of(slot.replica_id)), "starting"
+        slot.address = await asyncio.wait_for(slot.actor.start.remote(), self.start_timeout_s)
+        slot.state, slot.failures, slot.error = "ready", 0, ""
+        seconds = time.monotonic() - started
+        log.info("replica started", extra={"replica_id": slot.replica_id, "address": slot.address})
+        if self.on_ready:
+            self.on_ready(slot.replica_id, slot.address, seconds)
+
+    async def _name_released(self, replica_id: str, timeout_s: float = 10.0) -> None:
+        """A killed actor gives its name back a moment later; a new one cannot take it before."""
+        deadline = time.monotonic() + timeout_s
+        while self._named(replica_id) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    def _named(self, replica_id: str) -> ray.actor.ActorHandle | None:
+        try:
+            return ray.get_actor(self.actor_name(replica_id), namespace=RAY_NAMESPACE)
+        except ValueError:  # no such actor
+            return None
+
+    def _retire_extra_actors(self) -> None:
+        """Replicas left from a larger deployment of this model (the count went down)."""
+        prefix = self.actor_name("replica-")
+        wanted = {self.actor_name(rid) for rid in self.slots}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry["namespace"] == RAY_NAMESPACE and name.startswith(prefix) and name not in wanted:
+                with contextlib.suppress(ValueError):
+                    self._kill(ray.get_actor(name, namespace=RAY_NAMESPACE))
+                log.info("extra replica stopped", extra={"actor": name})
+
+    @staticmethod
+    def _kill(actor: ray.actor.ActorHandle) -> None:
+        with contextlib.suppress(RayError, ValueError):
+            ray.kill(actor, no_restart=True)
 
     async def _watch(self) -> None:
         while self._loops.running:
             await asyncio.sleep(self.check_s)
-            for replica_id, actor in list(self.actors.items()):
-                try:
-                    await asyncio.wait_for(actor.address.remote(), timeout=max(2.0, self.check_s * 5))
-                except (RayActorError, TimeoutError) as exc:
-                    await self._replace(replica_id, exc)
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                if slot.state == "ready":
+                    try:
+                        await asyncio.wait_for(
+                            slot.actor.address.remote(), timeout=max(2.0, self.check_s * 5)
+                        )
+                    except (RayActorError, TimeoutError) as exc:
+                        await self._replace(slot, exc)
+                elif slot.state == "waiting" and now >= slot.retry_at:
+                    await self._restart(slot)
+            await self._publish()
 
-    async def _replace(self, replica_id: str, why: Exception) -> None:
+    async def _replace(self, slot: Slot, why: Exception) -> None:
         log.warning(
-            "replica died, replacing it", extra={"replica_id": replica_id, "error": type(why).__name__}
+            "replica died, replacing it", extra={"replica_id": slot.replica_id, "error": type(why).__name__}
         )
         with contextlib.suppress(*INDEX_ERRORS):  # Redis may be away too: its TTL retires it then
-            await self.index.retire(replica_id)
-        with contextlib.suppress(RayError, ValueError):
-            ray.kill(self.actors[replica_id])
+            await self.index.retire(slot.replica_id)
+        self._kill(slot.actor)
         self.restarts += 1
-        try:
-            await self._start_one(replica_id)
-        except (RayError, TimeoutError) as exc:  # try again at the next check
-            log.error("replica restart failed", extra={"replica_id": replica_id, "error": str(exc)})
+        await self._restart(slot)
 
-    async def stop(self, grace: float) -> None:
+    async def _restart(self, slot: Slot) -> None:
+        try:
+            await self._launch(slot)
+        except START_ERRORS as exc:
+            self._kill(slot.actor)
+            slot.failures += 1
+            slot.error = str(start_error(slot.replica_id, exc))
+            low, high = self.backoff_s
+            slot.retry_at = time.monotonic() + min(high, low * 2 ** (slot.failures - 1))
+            slot.state = "waiting"
+            log.error(
+                "replica restart failed, retrying later",
+                extra={"replica_id": slot.replica_id, "failures": slot.failures, "error": slot.error},
+            )
+
+    async def _publish(self) -> None:
+        """Each slot's state, for ``kvmesh status`` (best effort: Redis may be away)."""
+        now = time.monotonic()
+        states = {rid: s.as_dict(now) for rid, s in self.slots.items()}
+        with contextlib.suppress(*INDEX_ERRORS):
+            await self.index.set_controller_state(json.dumps(states))
+
+    async def stop(self, grace: float, keep_replicas: bool = False) -> None:
+        """Stop watching; then stop the replicas, unless they are to outlive this process
+        (the chart's controller: a new controller re-attaches to them)."""
         await self._loops.stop()
-        stops = [asyncio.wait_for(actor.stop.remote(grace), grace + 10) for actor in self.actors.values()]
+        if keep_replicas:
+            return
+        actors = list(self.actors.values())
+        stops = [asyncio.wait_for(actor.stop.remote(grace), grace + 10) for actor in actors]
         await asyncio.gather(*stops, return_exceptions=True)
-        for actor in self.actors.values():
-            with contextlib.suppress(RayError, ValueError):
-                ray.kill(actor)
-        self.actors.clear()
+        for actor in actors:
+            self._kill(actor)
+        for slot in self.slots.values():
+            slot.actor, slot.state = None, "stopped"
+        with contextlib.suppress(*INDEX_ERRORS):
+            await self.index.set_controller_state("{}")

@@ -233,6 +233,14 @@ class PrefixIndex:
         next_cursor, removed = await self._call("kvmesh_sweep", cursor, count)
         return int(next_cursor), int(removed)
 
+    async def set_controller_state(self, state: str) -> None:
+        """The controller's view of its replica slots (JSON), for ``kvmesh status``."""
+        await self.client.set(f"{self.ns}controller", state)
+
+    async def controller_state(self) -> str | None:
+        value = await self.client.get(f"{self.ns}controller")
+        return value.decode() if value is not None else None
+
     async def snapshot(self) -> dict[str, set[int]]:
         """Every live replica's hashes, read by SCAN (O(index); for tests and debugging)."""
         live = {str(r.incarnation): r.replica_id for r in await self.live_replicas()}

@@ -16,6 +16,10 @@ class ReplicaActor:
     def __init__(self, config: ReplicaConfig):
         self.server = ReplicaServer(config)
 
+    def config(self) -> ReplicaConfig:
+        """The settings it runs with (a controller re-attaches only to replicas with its own)."""
+        return self.server.config
+
     async def start(self) -> str:
         return await self.server.start()
 

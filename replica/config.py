@@ -15,6 +15,8 @@ from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
 GiB = 1 << 30
+# What ``dtype`` may name (the loader maps each to a torch dtype; "auto": the checkpoint's).
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
 
 
 @dataclass
@@ -56,6 +58,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in (None, *DTYPE_NAMES):
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.attention_backend not in (None, "torch", "flash_attn"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'flash_attn', got {self.attention_backend!r}"

@@ -4,6 +4,7 @@ their flags (and ``KVMESH_*`` environment defaults)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvmesh.router.policies import POLICIES
 from kvmesh.serving.options import option
@@ -62,8 +63,10 @@ class RouterConfig:
     )
     tls: TLSConfig = option(factory=TLSConfig, help="TLS for serving and toward the replicas")
     auth_token: str | None = option(
-        None, secret=True, help="bearer token clients must send (KVMESH_AUTH_TOKEN; never a flag)"
-    )
+        None, secret=True, flag="api-key", env="auth-token",
+        help="bearer token clients must send (shows in ps: prefer --api-key-file or KVMESH_AUTH_TOKEN)",
+    )  # fmt: skip
+    auth_token_file: str | None = option(None, flag="api-key-file", help="a file holding that bearer token")
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size", "max_model_len", "max_message_bytes", "refresh_s")
@@ -75,6 +78,20 @@ class RouterConfig:
             raise ValueError("speculative_ttl_s and drain_timeout_s must not be negative")
         if self.auth_token == "":
             raise ValueError("the auth token must not be empty")
+        if self.auth_token and self.auth_token_file:
+            raise ValueError("give the API key once: --api-key (KVMESH_AUTH_TOKEN) or --api-key-file")
+
+    def token(self) -> str | None:
+        """The bearer token clients must send, if any (read from its file when given one)."""
+        if not self.auth_token_file:
+            return self.auth_token
+        try:
+            token = Path(self.auth_token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --api-key-file {self.auth_token_file!r}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"--api-key-file {self.auth_token_file!r} is empty")
+        return token
 
     @property
     def serves_http(self) -> bool:

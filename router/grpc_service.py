@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.serving.errors import ServingError
@@ -60,4 +61,8 @@ class RouterService(pb_grpc.RouterServicer):
                     heartbeat_age_s=max(0.0, now - rec.load("heartbeat_at", now)),
                 )
             )
-        return pb.ListReplicasResponse(replicas=replicas)
+        try:
+            controller = await self.core.registry.index.controller_state() or ""
+        except INDEX_ERRORS:  # Redis away: the live replicas are still known
+            controller = ""
+        return pb.ListReplicasResponse(replicas=replicas, controller_state=controller)

@@ -68,7 +68,8 @@ class RouterServer:
             raise
         except INDEX_ERRORS as exc:  # Redis away at start: serve anyway, the registry keeps trying
             log.warning("prefix index unreachable at start", extra={"error": str(exc)})
-        interceptors = [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
+        token = self.config.token()
+        interceptors = [TokenAuthInterceptor(token)] if token else []
         self.grpc = await start_grpc_server(
             [
                 (
@@ -90,7 +91,7 @@ class RouterServer:
             app = build_app(
                 self.core,
                 self.health,
-                auth_token=self.config.auth_token,
+                auth_token=token,
                 max_body_bytes=self.config.max_message_bytes,
             )
             self.http = await start_http_server(app, self.config.host, self.config.http_port, self.config.tls)

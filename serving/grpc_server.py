@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,8 +14,24 @@ from kvmesh.serving.tls import TLSConfig
 
 MAX_MESSAGE_BYTES = 64 << 20
 
+
+class ListenError(OSError):
+    """A server could not listen where it was told to (the port is taken, the address is wrong)."""
+
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def check_free(host: str, port: int, what: str) -> None:
+    """ListenError naming the address when ``host:port`` cannot be bound now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {host}:{port} for {what} ({exc.strerror})") from None
 
 
 @dataclass
@@ -48,11 +65,14 @@ async def start_grpc_server(
 ) -> GrpcServer:
     """Serve ``(add_XServicer_to_server, servicer, full service name)`` triples on host:port
     (0: any), over TLS when ``tls`` has a certificate. Larger messages: RESOURCE_EXHAUSTED."""
+    if port:
+        check_free(host, port, "gRPC")  # a clear message, before grpc logs its own
     server = grpc.aio.server(
         interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # else a second server on a taken port silently shares it
         ],
     )
     names = []
@@ -64,9 +84,12 @@ async def start_grpc_server(
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     creds = tls.server_credentials() if tls else None
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise ListenError(f"cannot listen on {host}:{port} for gRPC (is the port in use?)")
     await server.start()
     result = GrpcServer(server=server, port=bound, health=health_servicer, service_names=names)
     await result.set_serving(serving)

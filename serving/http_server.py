@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from dataclasses import dataclass
 
 import uvicorn
 
+from kvmesh.serving.grpc_server import ListenError, check_free
 from kvmesh.serving.tls import TLSConfig
 
 
@@ -45,11 +47,21 @@ async def start_http_server(app, host: str, port: int, tls: TLSConfig | None = N
         ssl_cert_reqs=ssl.CERT_REQUIRED if mtls else ssl.CERT_NONE,
         timeout_graceful_shutdown=30,
     )
+    sock = _bind(host, port)  # here, not in uvicorn: it would sys.exit() when the port is taken
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(), name=f"kvmesh-http-{port}")
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"kvmesh-http-{port}")
     while not server.started:
         if task.done():
             task.result()  # re-raise why it could not start
-            raise OSError(f"HTTP server on port {port} did not start")
+            raise ListenError(f"HTTP server on {host}:{port} did not start")
         await asyncio.sleep(0.01)
-    return HttpServer(server, task, server.servers[0].sockets[0].getsockname()[1])
+    return HttpServer(server, task, sock.getsockname()[1])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    check_free(host, port, "HTTP")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock

@@ -10,8 +10,8 @@ Environment values follow one rule everywhere (flags included):
   - booleans are ``1/true/yes/on`` or ``0/false/no/off`` (any case), anything else is an error;
   - for an optional number (``int | None``), ``0`` means unset too: the chart writes
     ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own".
-Secret fields (``secret=True``) come only from the environment, never from a flag, and
-never appear in an effective config.
+Secret fields (``secret=True``) come from the environment (or, where a field names a flag
+explicitly, from that flag too), and never appear in an effective config.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ def option(
     flag: str | None = None,
     choices: tuple[str, ...] | None = None,
     secret: bool = False,
+    env: str | None = None,
     cli: bool = True,
     factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A config field: ``flag`` overrides the flag name derived from the field name,
-    ``cli=False`` keeps it off the command line (set by the launcher), ``secret=True``
-    reads it only from the environment and keeps it out of effective configs."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "secret": secret, "cli": cli}
+    """A config field: ``flag`` overrides the flag name derived from the field name, ``env``
+    the flag-style name of its environment variable (default: the flag's), ``cli=False``
+    keeps it off the command line (set by the launcher). ``secret=True`` keeps it out of
+    effective configs, and off the command line unless ``flag`` is given explicitly."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "secret": secret, "env": env, "cli": cli}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

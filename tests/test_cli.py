@@ -84,3 +84,17 @@ def test_bench_engine_quick_writes_json(tmp_path):
         "throughput vs transformers generate",
         "TTFT cold / cached (1.75k of 2k cached)",
     }
+
+
+def test_nothing_the_user_made_is_deleted_or_flushed_without_force(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    out = run("make-tiny-model", str(target), "--hidden", "16", "--layers", "1")
+    assert out.returncode == 2 and "--force replaces it" in out.stderr and (target / "notes.txt").is_file()
+    out = run("bench", "index", "--redis-url", "redis://127.0.0.1:1/0")
+    assert out.returncode == 2 and "FLUSHes the database" in out.stderr
+    forced = run("make-tiny-model", str(target), "--hidden", "16", "--layers", "1", "--force")
+    assert (
+        forced.returncode == 0 and (target / "config.json").is_file() and not (target / "notes.txt").exists()
+    )

@@ -75,6 +75,13 @@ def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
             and "replica-0" in status.stdout
             and "replica-1" in status.stdout
         )
+        via_router = run("status", "--address", address, "--json")  # the default reads a router
+        assert via_router.returncode == 0, via_router.stderr
+        (model,) = json.loads(via_router.stdout)
+        assert model["router"] == address and len(model["replicas"]) == 2
+        assert {s["state"] for s in model["controller"].values()} == {"ready"}
+        nobody = run("status", "--address", "127.0.0.1:1")
+        assert nobody.returncode == 2 and "cannot read the router at 127.0.0.1:1" in nobody.stderr
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -40,7 +40,7 @@ def test_every_field_of_every_config_is_declared_with_help():
     for config in (RouterConfig, ReplicaConfig, EngineConfig, ClusterConfig):
         for f in dataclasses.fields(config):
             assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no help"
-    assert len(TABLES["up"].flags) > 40 and "auth-token" in TABLES["router"].flags
+    assert len(TABLES["up"].flags) > 40 and "api-key" in TABLES["router"].flags
 
 
 def test_flag_beats_environment_beats_default(monkeypatch, tmp_path):
@@ -110,6 +110,15 @@ def test_secrets_come_from_the_environment_only_and_never_leave(monkeypatch, tmp
     assert config.auth_token == "t0ken"
     shown = json.dumps(effective_config(config))
     assert "t0ken" not in shown and "pw" not in shown and "redis://u:***@r:6379/0" in shown
+    # vLLM's spellings: --api-key (visible in ps) and --api-key-file
+    assert build(TABLES["router"], "--model", str(tmp_path), "--api-key", "k")[0].token() == "k"
+    (tmp_path / "key").write_text("from-file\n")
+    monkeypatch.delenv("KVMESH_AUTH_TOKEN")
+    by_file = build(TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"))[0]
+    assert by_file.token() == "from-file" and by_file.auth_token is None
+    monkeypatch.setenv("KVMESH_AUTH_TOKEN", "t0ken")
+    with pytest.raises(UsageError, match="give the API key once"):
+        build(TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"))
 
 
 def test_up_shares_one_flag_between_the_router_and_every_replica(tmp_path):

@@ -67,12 +67,16 @@ NOT_VARIED = {
     "replicas": "the launcher's own setting: the number of replicas read back is the check",
     "ray-address": "joining another Ray cluster: the chart's controller path",
     "router": "the launcher's own setting: --no-router is test_cli_serving's controller test",
+    "keep-replicas": "the launcher's own setting: test_supervisor restarts a controller that keeps them",
     "verbose": "logging only",
-    "auth-token": "a secret: never shown (the router test checks it stays out of the effective config)",
+    "api-key": "a secret: never shown (the router test sends it from KVMESH_AUTH_TOKEN and checks it stays hidden)",
 }
 
 
-def per_run_values(pki, qwen3_dir, redis_url: str) -> dict[str, tuple]:
+PER_RUN = {"model", "redis-url", "port", "http-port", "tls-cert", "tls-key", "tls-ca", "api-key-file"}
+
+
+def per_run_values(pki, qwen3_dir, redis_url: str, token_file: str) -> dict[str, tuple]:
     cert, key = pki["server"]
     port, http_port = free_port(), free_port()
     return {
@@ -84,6 +88,7 @@ def per_run_values(pki, qwen3_dir, redis_url: str) -> dict[str, tuple]:
         "tls-cert": (cert, cert),
         "tls-key": (key, key),
         "tls-ca": (pki["ca"], pki["ca"]),
+        "api-key-file": (token_file, token_file),
     }
 
 
@@ -128,31 +133,28 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def test_every_flag_of_up_is_varied_or_excused():
-    assert set(up_command.FLAGS.flags) - {
-        "model",
-        "redis-url",
-        "port",
-        "http-port",
-        "tls-cert",
-        "tls-key",
-        "tls-ca",
-    } == (set(VALUES) | set(NOT_VARIED))
+    assert set(up_command.FLAGS.flags) - PER_RUN == set(VALUES) | set(NOT_VARIED)
 
 
-def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, valkey_server):
-    values = per_run_values(pki, qwen3_dir, valkey_server.url)
+def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, valkey_server, tmp_path):
+    (tmp_path / "key").write_text("k3y-from-a-file\n")
+    values = per_run_values(pki, qwen3_dir, valkey_server.url, str(tmp_path / "key"))
     argv = [KVMESH, "up", "--replicas", "2", *command_line(values, up_command.FLAGS.flags)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(proc, "Ctrl-C")
         address = f"localhost:{values['port'][1]}"
+        key = (("authorization", "Bearer k3y-from-a-file"),)
         with grpc.secure_channel(address, credentials(pki)) as channel:
             router = pb_grpc.RouterStub(channel)
-            info = router.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-            replicas = router.ListReplicas(pb.ListReplicasRequest(), timeout=10).replicas
+            with pytest.raises(grpc.RpcError) as refused:
+                router.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            info = router.GetModelInfo(pb.GetModelInfoRequest(), metadata=key, timeout=10)
+            replicas = router.ListReplicas(pb.ListReplicasRequest(), metadata=key, timeout=10).replicas
             too_big = pb.GenerateRequest(text="x" * 70_000)
             with pytest.raises(grpc.RpcError) as err:
-                list(router.Generate(too_big, timeout=30))
+                list(router.Generate(too_big, metadata=key, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED  # --api-key-file is enforced
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # --max-message-bytes is enforced
         assert info.max_model_len == 2000 and info.block_size == 32 and info.model == "roundtrip-model"
         router_config = json.loads(info.effective_config)
@@ -165,7 +167,7 @@ def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, v
             assert stats.num_blocks == 96 and stats.block_size == 32
         assert {c["replica_id"] for c in replica_configs} == {"replica-0", "replica-1"}
         for name, flag in up_command.FLAGS.flags.items():
-            if name in NOT_VARIED:
+            if name in NOT_VARIED or name == "api-key-file":  # enforced above, by the router
                 continue
             expected = values[name][1]
             for _, part, *path in flag.targets:
@@ -181,9 +183,10 @@ def test_router_settings_arrive_from_flags_and_environment(pki, qwen3_dir, tmp_p
     token and the Redis password never show."""
     with EmbeddedRedis(extra_args=["--requirepass", "pa55word"]) as redis:
         url = redis.url.replace("redis://", "redis://:pa55word@")
-        values = per_run_values(pki, qwen3_dir, url)
+        values = per_run_values(pki, qwen3_dir, url, "")
+        del values["api-key-file"]  # the token comes from KVMESH_AUTH_TOKEN here
         names = list(router_command.FLAGS.flags)
-        assert set(names) - {"auth-token", "verbose"} <= set(values)
+        assert set(names) - {"api-key", "api-key-file", "verbose"} <= set(values)
         as_env = {n for i, n in enumerate(names) if i % 2 and n in values}
         env = {
             router_command.FLAGS.flags[n].env: "true" if values[n][0] is None else values[n][0]

@@ -51,7 +51,7 @@ def test_dtype_defaults_and_override(qwen3_dir):
     assert bf16.runner.kv_cache.dtype == torch.bfloat16
     out = bf16.generate([BATCH[2]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
-    with pytest.raises(ValueError, match="unknown dtype"):
+    with pytest.raises(ValueError, match="dtype must be one of"):
         LLMEngine(qwen3_dir, num_kv_blocks=16, dtype="float8")
 
 
@@ -127,3 +127,10 @@ def test_make_tiny_model_cli_bad_args(tmp_path, args):
     )
     assert run.returncode == 2
     assert len(run.stderr.strip().splitlines()) == 1 and "error" in run.stderr
+
+
+def test_every_dtype_name_the_config_accepts_is_one_the_loader_knows():
+    from kvmesh.replica.config import DTYPE_NAMES
+    from kvmesh.replica.models.loader import DTYPES
+
+    assert set(DTYPE_NAMES) == set(DTYPES) | {"auto"}

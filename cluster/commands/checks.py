@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmesh.cluster.errors import UsageError
-from kvmesh.serving.tls import TLSConfig
+from kvmesh.router.config import RouterConfig
 
 
 def check_model_folder(model_dir: str) -> None:
@@ -13,8 +13,10 @@ def check_model_folder(model_dir: str) -> None:
         raise UsageError(f"--model {model_dir!r} is not a model folder (no config.json)")
 
 
-def check_tls_files(tls: TLSConfig) -> None:
+def check_files(router: RouterConfig) -> None:
+    """The TLS files and the API key file are there and readable (one line, exit 2, if not)."""
     try:
-        tls.check_files()
+        router.tls.check_files()
+        router.token()
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -10,7 +10,11 @@ from kvmesh.cluster.extras import require_extra
 
 def register(commands) -> None:
     exp = commands.add_parser("experiments", help="the experiment suite W1-W5 -> docs/experiments.md")
-    exp.add_argument("--out-dir", default="docs")
+    exp.add_argument(
+        "--out-dir",
+        default="results/experiments",
+        help="where experiments.md/.json go (docs: update the docs)",
+    )
     exp.add_argument("--quick", action="store_true", help="a smoke run of the same suite, smaller")
     exp.add_argument("--no-real", action="store_true", help="skip the scaled-down real-cluster run")
     exp.add_argument("--cache-dir", default=".cache/tiny-models")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 SIZES = ("hidden", "layers", "heads", "kv_heads", "vocab_size", "max_position_embeddings")
 
@@ -11,7 +12,8 @@ def register(commands) -> None:
     tiny = commands.add_parser(
         "make-tiny-model", help="write a small random model + tokenizer folder (offline)"
     )
-    tiny.add_argument("dir", help="output folder (replaced if it exists)")
+    tiny.add_argument("dir", help="output folder (must not exist or be empty, unless --force)")
+    tiny.add_argument("--force", action="store_true", help="replace DIR if it already holds something")
     tiny.add_argument("--arch", choices=["qwen3", "qwen2", "llama"], default="qwen3")
     tiny.add_argument("--hidden", type=int, default=64, help="hidden size")
     tiny.add_argument("--layers", type=int, default=2)
@@ -31,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
     for name in SIZES:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    target = Path(args.dir)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not args.force:
+        raise UsageError(f"{args.dir} already exists and is not empty; --force replaces it")
     sizes = {name: getattr(args, name) for name in SIZES}
     try:
         path = make_tiny_model(

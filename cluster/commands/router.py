@@ -26,9 +26,10 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.commands.checks import check_model_folder, check_tls_files
+    from kvmesh.cluster.commands.checks import check_files, check_model_folder
     from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.logs import setup_logging
+    from kvmesh.serving.grpc_server import ListenError
 
     config, logging = FLAGS.build(args)
     if not config.redis_url:
@@ -36,9 +37,12 @@ def run(args: argparse.Namespace) -> int:
             "--redis-url is required (or set KVMESH_REDIS_URL): the router serves over an existing index"
         )
     check_model_folder(config.model_dir)
-    check_tls_files(config.tls)
+    check_files(config)
     setup_logging(logging.verbose)
-    asyncio.run(serve_router(config))
+    try:
+        asyncio.run(serve_router(config))
+    except ListenError as exc:
+        raise UsageError(str(exc)) from None
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``kvmesh status``: live replicas, load and hit rates, read from the index."""
+"""``kvmesh status``: live replicas, load and the controller's replica slots, from a router
+(default: the local one) or from the index."""
 
 from __future__ import annotations
 
@@ -11,19 +12,25 @@ from kvmesh.serving.options import option
 
 @dataclass
 class StatusConfig:
-    redis_url: str = option(help="Redis/Valkey URL of the prefix index")
+    address: str = option("127.0.0.1:50051", help="a router's gRPC address (ListReplicas)")
+    redis_url: str | None = option(None, help="read the index instead: every model served through this Redis")
+    json: bool = option(False, help="print JSON")
+    tls_ca: str | None = option(
+        None, help="CA to verify a TLS router with (KVMESH_AUTH_TOKEN is sent if set)"
+    )
 
 
 FLAGS = FlagTable([StatusConfig])
 
 
 def register(commands) -> None:
-    status = commands.add_parser("status", help="live replicas, load and hit rates from the index")
+    status = commands.add_parser("status", help="live replicas, load and replica slots (router or index)")
     FLAGS.add_to(status)
     status.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import grpc
     from redis.exceptions import RedisError
 
     from kvmesh.cluster.errors import UsageError
@@ -31,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.serving.options import redacted_url
 
     (config,) = FLAGS.build(args)
+    source = redacted_url(config.redis_url) if config.redis_url else f"the router at {config.address}"
     try:
-        return status_main(config.redis_url)
+        return status_main(config.address, config.redis_url, config.json, config.tls_ca)
+    except grpc.aio.AioRpcError as exc:
+        raise UsageError(f"cannot read {source}: {exc.code().name}: {exc.details()}") from None
     except (RedisError, OSError, ValueError) as exc:
-        raise UsageError(f"cannot read the index at {redacted_url(config.redis_url)}: {exc}") from None
+        raise UsageError(f"cannot read {source}: {exc}") from None

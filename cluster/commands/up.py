@@ -18,13 +18,19 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.commands.checks import check_model_folder, check_tls_files
+    from kvmesh.cluster.commands.checks import check_files, check_model_folder
+    from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.launcher import serve_cluster
     from kvmesh.cluster.logs import setup_logging
+    from kvmesh.cluster.supervisor import ReplicaStartError
+    from kvmesh.serving.grpc_server import ListenError
 
     (config,) = FLAGS.build(args)
     check_model_folder(config.router.model_dir)
-    check_tls_files(config.router.tls)
+    check_files(config.router)
     setup_logging(config.verbose)
-    asyncio.run(serve_cluster(config))
+    try:
+        asyncio.run(serve_cluster(config))
+    except (ReplicaStartError, ListenError) as exc:
+        raise UsageError(str(exc)) from None
     return 0
