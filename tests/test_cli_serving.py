@@ -172,3 +172,20 @@ def test_replicas_listening_everywhere_advertise_their_node_ip(ray_cluster):
     )
     node_ip = advertised_host(ReplicaConfig("m", "r", "redis://x", host="0.0.0.0"))
     assert node_ip == ray_cluster.util.get_node_ip_address() and node_ip != "0.0.0.0"
+
+
+def test_a_taken_port_is_one_line_not_a_traceback(qwen3_dir, valkey_server):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--port", "--http-port"):
+            out = run(
+                "router", "--model", str(qwen3_dir), "--redis-url", "redis://127.0.0.1:1/0", flag, str(port)
+            )
+            lines = out.stderr.strip().splitlines()
+            assert (
+                out.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
+            ), out.stderr
