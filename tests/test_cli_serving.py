@@ -182,9 +182,7 @@ def test_a_taken_port_is_one_line_not_a_traceback(qwen3_dir, valkey_server):
         taken.listen()
         port = taken.getsockname()[1]
         for flag in ("--port", "--http-port"):
-            out = run(
-                "router", "--model", str(qwen3_dir), "--redis-url", "redis://127.0.0.1:1/0", flag, str(port)
-            )
+            out = run("router", "--model", str(qwen3_dir), "--redis-url", valkey_server.url, flag, str(port))
             lines = out.stderr.strip().splitlines()
             assert (
                 out.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
