@@ -181,8 +181,8 @@ def test_a_taken_port_is_one_line_not_a_traceback(qwen3_dir, valkey_server):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for flag in ("--port", "--http-port"):
-            out = run("router", "--model", str(qwen3_dir), "--redis-url", valkey_server.url, flag, str(port))
+        for flags in (["--port", str(port)], ["--port", "0", "--http-port", str(port)]):
+            out = run("router", "--model", str(qwen3_dir), "--redis-url", valkey_server.url, *flags)
             lines = out.stderr.strip().splitlines()
             assert (
                 out.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
