@@ -52,12 +52,13 @@ class ClusterConfig:
                 f"{'an embedded Redis' if self.router.redis_url is None else 'a Redis on loopback'} here: "
                 "give --redis-url of a Redis they can reach"
             )
-        if self.replica.engine.block_size is None:  # replicas hash with the router's block size
+        if self.replica.engine.block_size is None and self.router.block_size is not None:
+            # a router told its block size: the replicas hash with the same (auto may differ on a GPU)
             engine = dataclasses.replace(self.replica.engine, block_size=self.router.block_size)
             self.replica = dataclasses.replace(self.replica, engine=engine)
         for router_field, path in SHARED:
             mine, theirs = getattr(self.router, router_field), _get(self.replica, path)
-            if mine != theirs:
+            if mine != theirs and not (router_field == "block_size" and mine is None):  # auto learns theirs
                 raise ValueError(
                     f"the router and the replicas disagree on {router_field} ({mine!r} vs {theirs!r})"
                 )

@@ -57,6 +57,8 @@ class Flag:
         if self.optional and text == "":
             return None
         if self.kind in (int, float):
+            if self.optional and text.strip().lower() == "auto":
+                return None
             try:
                 value = self.kind(text)
             except ValueError:

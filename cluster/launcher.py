@@ -84,9 +84,8 @@ class LocalCluster:
         replica = c.replica
         model_id = replica.model_id or os.path.basename(os.path.realpath(replica.model_dir))
         block_size = replica.engine.block_size
-        self._index = connect_index(
-            self.redis_url, model_id, block_size, namespace_seed(model_id, block_size)
-        )
+        seed = namespace_seed(model_id, block_size) if block_size else None
+        self._index = connect_index(self.redis_url, model_id, block_size, seed)
         use_gpu = cluster_has_gpus()
         check_gpus(c.replicas, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
         if replica.torch_threads is None and not use_gpu:  # CPU replicas share this machine's cores

@@ -95,7 +95,9 @@ def connect(
 
 
 class PrefixIndex:
-    def __init__(self, client: aioredis.Redis, model_id: str, block_size: int, hash_seed: int):
+    def __init__(self, client: aioredis.Redis, model_id: str, block_size: int | None, hash_seed: int | None):
+        """``block_size``/``hash_seed`` None: a client that never stores the settings (it may
+        read them: a router whose block size is "auto", a supervisor, a status tool)."""
         self.client = client
         self.model_id = model_id
         self.block_size = block_size
@@ -105,7 +107,7 @@ class PrefixIndex:
 
     @classmethod
     def from_url(
-        cls, url: str, model_id: str, block_size: int, hash_seed: int, **credentials: str | None
+        cls, url: str, model_id: str, block_size: int | None, hash_seed: int | None, **credentials: str | None
     ) -> PrefixIndex:
         """``credentials``: ``username``, ``password``, ``ca_file`` (see ``connect``)."""
         return cls(connect(url, **credentials), model_id, block_size, hash_seed)
@@ -131,6 +133,8 @@ class PrefixIndex:
 
     async def ensure_settings(self) -> None:
         """Store the cluster settings once; refuse to run with different ones."""
+        if self.block_size is None or self.hash_seed is None:
+            raise ValueError("this index client has no settings to store (block size 'auto')")
         mine = {
             "model_id": self.model_id,
             "block_size": str(self.block_size),
@@ -143,6 +147,11 @@ class PrefixIndex:
                 f"{k}: cluster has {have!r}, this process has {want!r}" for k, (have, want) in wrong.items()
             )
             raise IndexSettingsError(f"prefix index settings differ ({detail})")
+
+    async def settings(self) -> dict[str, str] | None:
+        """The settings the first replica (or router) stored, None while there are none."""
+        stored = await self.client.hgetall(f"{self.ns}settings")
+        return {k.decode(): v.decode() for k, v in stored.items()} or None
 
     async def has_settings(self) -> bool:
         """False when the server lost this model's data (restarted without persistence)."""

@@ -300,8 +300,10 @@ AttentionBackend = TorchPagedAttention | FlashPagedAttention
 def make_backend(
     name: str | None, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> AttentionBackend:
-    """The backend ``choose_backend`` picks, with one log line saying which and why."""
+    """The backend ``choose_backend`` picks, with one log line saying which and why (a warning
+    when flash-attn is installed on this GPU but left unused)."""
     chosen, why = choose_backend(name, block_size, device, dtype, head_dim)
-    log.info("attention backend", extra={"backend": chosen, "why": why})
+    unused_flash = chosen == "torch" and name is None and device.type == "cuda" and flash_attn_available()
+    (log.warning if unused_flash else log.info)("attention backend", extra={"backend": chosen, "why": why})
     cls = FlashPagedAttention if chosen == "flash_attn" else TorchPagedAttention
     return cls(block_size, device)

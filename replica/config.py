@@ -21,7 +21,9 @@ DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half",
 
 @dataclass
 class EngineConfig:
-    block_size: int | None = option(None, help="tokens per KV block (default: 256 with flash-attn, else 16)")
+    block_size: int | None = option(
+        None, help="KV block size in tokens; auto: the replicas' choice (256 where flash-attn runs, else 16)"
+    )
     num_kv_blocks: int | None = option(None, help="KV blocks per replica (wins over the memory settings)")
     kv_cache_memory: int = option(GiB // 2, help="bytes for the KV pool on CPU")
     gpu_memory_utilization: float = option(0.9, help="share of GPU memory for weights, activations and KV")

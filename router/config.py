@@ -48,7 +48,9 @@ class RouterConfig:
         None, help="Redis/Valkey URL of the prefix index (kvmesh up: an embedded valkey-server if unset)"
     )
     model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
-    block_size: int = option(16, help="KV block size in tokens (hash granularity)")
+    block_size: int | None = option(
+        None, help="KV block size in tokens; auto: the replicas' choice (256 where flash-attn runs, else 16)"
+    )
     max_model_len: int | None = option(None, help="longest prompt + output (default: the model's)")
     host: str = option("127.0.0.1", help="address the router listens on")
     port: int = option(50051, help="router gRPC port (0: any free port)")

@@ -1,4 +1,7 @@
-"""The ``kvmesh.v1.Router`` gRPC service over RouterCore."""
+"""The ``kvmesh.v1.Router`` gRPC service over RouterCore.
+
+It serves from the moment the router listens; until the router has its core (block size
+"auto": until a replica stored it) every call is UNAVAILABLE with the reason."""
 
 from __future__ import annotations
 
@@ -13,27 +16,37 @@ from kvmesh.serving.errors import ServingError
 
 
 class RouterService(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore, effective_config: str = "{}"):
-        self.core = core
+    def __init__(self, core: RouterCore | None, effective_config: str = "{}"):
+        self.core = core  # set by the router process once the model's block size is known
         self.effective_config = effective_config  # JSON, secrets left out
 
+    async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
+        if self.core is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "router starting: waiting for a replica to register the block size",
+            )
+        return self.core
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        core = await self._ready(context)
         try:
-            async for response in self.core.generate(request, timeout=context.time_remaining()):
+            async for response in core.generate(request, timeout=context.time_remaining()):
                 yield response
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        core = await self._ready(context)
         try:
-            return pb.AbortResponse(found=await self.core.abort(request.request_id))
+            return pb.AbortResponse(found=await core.abort(request.request_id))
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        m = self.core.model
+        m = (await self._ready(context)).model
         return pb.ModelInfo(
             model=m.model_id,
             block_size=m.block_size,
@@ -44,9 +57,10 @@ class RouterService(pb_grpc.RouterServicer):
         )
 
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext):
+        core = await self._ready(context)
         now = time.time()
         replicas = []
-        for e in sorted(self.core.registry.live(), key=lambda e: e.record.replica_id):
+        for e in sorted(core.registry.live(), key=lambda e: e.record.replica_id):
             rec = e.record
             replicas.append(
                 pb.ReplicaInfo(
@@ -62,7 +76,7 @@ class RouterService(pb_grpc.RouterServicer):
                 )
             )
         try:
-            controller = await self.core.registry.index.controller_state() or ""
+            controller = await core.registry.index.controller_state() or ""
         except INDEX_ERRORS:  # Redis away: the live replicas are still known
             controller = ""
         return pb.ListReplicasResponse(replicas=replicas, controller_state=controller)

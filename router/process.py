@@ -30,54 +30,37 @@ log = logging.getLogger(__name__)
 
 class RouterServer:
     def __init__(self, config: RouterConfig):
-        self.config = config
-        self.model = ModelInfo.from_folder(
-            config.model_dir, config.model_id, config.block_size, config.max_model_len
-        )
-        tokenizer = (
-            PromptTokenizer(config.model_dir)
-            if (Path(config.model_dir) / "tokenizer.json").is_file()
-            else None
-        )
         if not config.redis_url:
             raise ValueError("the router needs the prefix index's redis_url")
-        self.index = connect_index(
-            config.redis_url, self.model.model_id, self.model.block_size, self.model.hash_seed
-        )
+        self.config = config
+        self.model_id = config.model_id or Path(config.model_dir).resolve().name
+        has_tokenizer = (Path(config.model_dir) / "tokenizer.json").is_file()
+        self.tokenizer = PromptTokenizer(config.model_dir) if has_tokenizer else None
+        # With block size "auto" the model's hash namespace is known once a replica stored it.
+        self.model = self._model_info(config.block_size) if config.block_size else None
+        seed = self.model.hash_seed if self.model else None
+        self.index = connect_index(config.redis_url, self.model_id, config.block_size, seed)
         self.registry = ReplicaRegistry(self.index, refresh_s=config.refresh_s, tls=config.tls)
-        self.core = RouterCore(
-            self.model,
-            tokenizer,
-            self.index,
-            self.registry,
-            config.policy,
-            speculative_ttl_s=config.speculative_ttl_s,
-            limits=config.limits,
-        )
+        self.service = RouterService(None, json.dumps(effective_config(config)))
+        self.core: RouterCore | None = None
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
+
+    def _model_info(self, block_size: int) -> ModelInfo:
+        c = self.config
+        return ModelInfo.from_folder(c.model_dir, self.model_id, block_size, c.max_model_len)
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.grpc.port}"
 
     async def start(self) -> None:
-        try:
-            await self.index.ensure_settings()
-        except IndexSettingsError:
-            raise
-        except INDEX_ERRORS as exc:  # Redis away at start: serve anyway, the registry keeps trying
-            log.warning("prefix index unreachable at start", extra={"error": str(exc)})
+        """Serve gRPC at once (health NOT_SERVING, requests UNAVAILABLE until the model's block
+        size is known and a replica is live), then routing, then HTTP."""
         token = self.config.token()
         interceptors = [TokenAuthInterceptor(token)] if token else []
         self.grpc = await start_grpc_server(
-            [
-                (
-                    pb_grpc.add_RouterServicer_to_server,
-                    RouterService(self.core, json.dumps(effective_config(self.config))),
-                    "kvmesh.v1.Router",
-                )
-            ],
+            [(pb_grpc.add_RouterServicer_to_server, self.service, "kvmesh.v1.Router")],
             self.config.host,
             self.config.port,
             serving=False,
@@ -85,6 +68,20 @@ class RouterServer:
             interceptors=interceptors,
             max_message_bytes=self.config.max_message_bytes,
         )
+        if self.model is None:
+            self.model = await self._learn_block_size()
+        else:
+            await self._store_settings()
+        self.core = RouterCore(
+            self.model,
+            self.tokenizer,
+            self.index,
+            self.registry,
+            self.config.policy,
+            speculative_ttl_s=self.config.speculative_ttl_s,
+            limits=self.config.limits,
+        )
+        self.service.core = self.core
         self.registry.on_change(self._health_follows)
         await self.registry.start()
         if self.config.serves_http:
@@ -97,6 +94,40 @@ class RouterServer:
             self.http = await start_http_server(app, self.config.host, self.config.http_port, self.config.tls)
         log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
 
+    async def _store_settings(self) -> None:
+        try:
+            await self.index.ensure_settings()
+        except IndexSettingsError:
+            raise
+        except INDEX_ERRORS as exc:  # Redis away at start: serve anyway, the registry keeps trying
+            log.warning("prefix index unreachable at start", extra={"error": str(exc)})
+
+    async def _learn_block_size(self) -> ModelInfo:
+        """Block size "auto": the one the replicas chose (they store it when they register)."""
+        said = False
+        while True:
+            try:
+                settings = await self.index.settings()
+            except INDEX_ERRORS as exc:
+                settings = None
+                if not said:
+                    log.warning("prefix index unreachable, waiting for it", extra={"error": str(exc)})
+            if settings:
+                model = self._model_info(int(settings["block_size"]))
+                if str(model.hash_seed) != settings.get("hash_seed"):
+                    raise IndexSettingsError(
+                        f"the replicas of {self.model_id!r} hash with seed {settings.get('hash_seed')}, "
+                        f"this router would use {model.hash_seed}"
+                    )
+                log.info("block size from the replicas", extra={"block_size": model.block_size})
+                return model
+            if not said:
+                log.info(
+                    "waiting for a replica to register the model's block size", extra={"model": self.model_id}
+                )
+                said = True
+            await asyncio.sleep(self.config.refresh_s)
+
     async def _health_follows(self, live: int) -> None:
         await self.grpc.set_serving(live > 0)
 
@@ -105,7 +136,7 @@ class RouterServer:
         return self.http.port if self.http else None
 
     def health(self) -> dict:
-        live = len(self.registry.live())
+        live = len(self.registry.live()) if self.core else 0
         return {"status": "ok" if live else "no live replica", "replicas": live}
 
     async def stop(self, grace: float | None = None) -> None:
@@ -113,11 +144,12 @@ class RouterServer:
         streams get up to ``grace`` seconds (default: the config's drain timeout), then
         everything closes."""
         grace = self.config.drain_timeout_s if grace is None else grace
-        self.core.draining = True
+        if self.core:
+            self.core.draining = True
         if self.grpc:
             await self.grpc.set_serving(False)
             deadline = asyncio.get_running_loop().time() + grace
-            while self.core.active and asyncio.get_running_loop().time() < deadline:
+            while self.core and self.core.active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             await self.grpc.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         if self.http:

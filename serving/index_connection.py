@@ -25,5 +25,5 @@ def connect_redis(url: str) -> aioredis.Redis:
     return connect(url, **_credentials())
 
 
-def connect_index(url: str, model_id: str, block_size: int, hash_seed: int) -> PrefixIndex:
+def connect_index(url: str, model_id: str, block_size: int | None, hash_seed: int | None) -> PrefixIndex:
     return PrefixIndex.from_url(url, model_id, block_size, hash_seed, **_credentials())

@@ -8,8 +8,8 @@ cannot be parsed in one place and lost on its way to another.
 Environment values follow one rule everywhere (flags included):
   - empty means unset (the field keeps its default);
   - booleans are ``1/true/yes/on`` or ``0/false/no/off`` (any case), anything else is an error;
-  - for an optional number (``int | None``), ``0`` means unset too: the chart writes
-    ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own".
+  - for an optional number (``int | None``), ``0`` and ``auto`` mean unset too: the chart
+    writes ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own", ``KVMESH_BLOCK_SIZE=auto``.
 Secret fields (``secret=True``) come from the environment (or, where a field names a flag
 explicitly, from that flag too), and never appear in an effective config.
 """

@@ -16,9 +16,9 @@ async def eventually(predicate, timeout: float = 10.0) -> bool:
 
 def local_router_config(model_dir, redis_url: str, **overrides):
     """A router for tests: any free ports (HTTP on: pass http_port=-1 for none), a quick
-    registry refresh; everything else as given."""
+    registry refresh, block size 16 (the CPU replicas'; "auto" would wait for a replica to
+    store it); everything else as given."""
     from kvmesh.router.config import RouterConfig
 
-    return RouterConfig(
-        str(model_dir), redis_url, **{"port": 0, "http_port": 0, "refresh_s": 0.1, **overrides}
-    )
+    defaults = {"port": 0, "http_port": 0, "refresh_s": 0.1, "block_size": 16}
+    return RouterConfig(str(model_dir), redis_url, **{**defaults, **overrides})

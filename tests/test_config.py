@@ -136,18 +136,24 @@ def test_up_shares_one_flag_between_the_router_and_every_replica(tmp_path):
     assert router.max_message_bytes == 2048  # parsed, and kept (it used to be dropped on the way)
 
 
-def test_up_defaults_match_kvmesh_router_and_the_engine_follows_the_router(tmp_path):
+def test_up_defaults_match_kvmesh_router_and_block_size_is_auto(tmp_path, monkeypatch):
     (up,) = build(TABLES["up"], "--model", str(tmp_path))
     alone = build(TABLES["router"], "--model", str(tmp_path))[0]
     assert up.router == alone
-    assert up.replica.engine.block_size == up.router.block_size == 16
+    assert up.replica.engine.block_size is None and up.router.block_size is None  # the engine decides
     assert up.with_router and up.replicas == 2
+    monkeypatch.setenv("KVMESH_BLOCK_SIZE", "auto")  # what the chart writes by default
+    assert build(TABLES["up"], "--model", str(tmp_path))[0].router.block_size is None
+    (told,) = build(TABLES["up"], "--model", str(tmp_path), "--block-size", "32")
+    assert told.router.block_size == told.replica.engine.block_size == 32
+    coded = ClusterConfig.for_model(str(tmp_path), router={"block_size": 64})
+    assert coded.replica.engine.block_size == 64  # replicas follow a router told its block size
 
 
 def test_router_and_replicas_that_disagree_are_refused(tmp_path):
     engine = EngineConfig(block_size=32)
     with pytest.raises(ValueError, match="disagree on block_size"):
-        ClusterConfig(RouterConfig(str(tmp_path)), ReplicaConfig(str(tmp_path), engine=engine))
+        ClusterConfig(RouterConfig(str(tmp_path), block_size=16), ReplicaConfig(str(tmp_path), engine=engine))
     with pytest.raises(ValueError, match="disagree on redis_url"):
         ClusterConfig.for_model(str(tmp_path), router={"redis_url": "redis://a"})
 

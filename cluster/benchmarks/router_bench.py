@@ -24,7 +24,6 @@ from kvmesh.cluster.stats import latency_ms
 from kvmesh.kvcache import BlockStored, block_hashes
 from kvmesh.kvcache.index import PrefixIndex
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.serving.model_info import ModelInfo
@@ -72,7 +71,7 @@ async def added_latency(model_dir: str, samples: int) -> dict:
 
 async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
     with EmbeddedRedis() as redis:
-        info = ModelInfo.from_folder(model_dir, None, RouterConfig.block_size, None)
+        info = ModelInfo.from_folder(model_dir, None, 16, None)
         tokenizer = PromptTokenizer(model_dir)
         index = PrefixIndex.from_url(redis.url, info.model_id, info.block_size, info.hash_seed)
         await index.ensure_settings()

@@ -52,6 +52,10 @@ async def serve_router(config: RouterConfig) -> None:
     from kvmesh.router.process import RouterServer
 
     router = RouterServer(config)
+    if config.block_size is None:
+        print(
+            f"kvmesh router: waiting for a replica of {router.model_id} to store its block size", flush=True
+        )
     try:
         await router.start()
         print(f"kvmesh router: gRPC {router.address}, HTTP port {router.http_port}", flush=True)
