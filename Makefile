@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast lint bench peers protos venv clean gpu-check
+.PHONY: demo test test-fast lint bench peers protos venv clean gpu-check chart-docs
 
 venv: $(STAMP)
 
@@ -38,6 +38,9 @@ lint: venv
 
 protos: venv
 	$(PY) protos/generate.py
+
+chart-docs: venv
+	$(PY) helm/values_reference.py
 
 bench: venv
 	$(VENV)/bin/kvmesh bench kvcache --out results/bench_kvcache.json

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvmesh.cluster.commands import (
     bench,
     demo,
+    download_model,
     experiments,
     make_tiny_model,
     report,
@@ -25,7 +26,7 @@ from kvmesh.cluster.commands import (
 from kvmesh.cluster.errors import UsageError
 
 EXIT_USAGE = 2
-COMMANDS = (up, router, status, demo, bench, simulate, report, experiments, make_tiny_model)
+COMMANDS = (up, router, status, download_model, demo, bench, simulate, report, experiments, make_tiny_model)
 
 
 class _Parser(argparse.ArgumentParser):

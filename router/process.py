@@ -17,7 +17,7 @@ from kvmesh.router.core import RouterCore
 from kvmesh.router.grpc_service import RouterService
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.serving.auth import TokenAuthInterceptor
-from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
+from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.model_info import ModelInfo
@@ -59,6 +59,8 @@ class RouterServer:
         size is known and a replica is live), then routing, then HTTP."""
         token = self.config.token()
         interceptors = [TokenAuthInterceptor(token)] if token else []
+        if self.config.http_port > 0:  # HTTP listens only once routing can start: fail fast now
+            check_free(self.config.host, self.config.http_port, "HTTP")
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_RouterServicer_to_server, self.service, "kvmesh.v1.Router")],
             self.config.host,

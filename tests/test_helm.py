@@ -83,6 +83,8 @@ def test_chart_metadata(chart):
 
 def test_golden_renders(rendered):
     path, docs = rendered
+    for secret in by_kind(docs, "Secret"):  # the generated Ray token differs on every render
+        secret["data"] = dict.fromkeys(secret["data"], "<generated>")
     text = yaml.safe_dump_all(docs, sort_keys=True)
     golden = GOLDEN / f"{path.stem}.yaml"
     if os.environ.get("KVMESH_UPDATE_GOLDEN"):
@@ -132,8 +134,8 @@ def merge(base: dict, override: dict) -> dict:
 FAILS = [
     ({"redis": {"external": {"url": "redis://r:6379/0"}}}, "not both"),
     ({"redis": {"bundled": {"enabled": False}}}, "no index"),
-    ({"model": {"cache": {"create": True}}}, "existingClaim or create, not both"),
-    ({"model": {"cache": {"existingClaim": ""}}}, "the model needs a volume"),
+    ({"model": {"cache": {"create": True, "existingClaim": "models"}}}, "existingClaim or create, not both"),
+    ({"model": {"download": {"enabled": False}}}, "must already be in model.cache.existingClaim"),
     ({"model": {"path": "/data/model"}}, "not under model.cache.mountPath"),
     ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 3, "maxReplicas": 2, "gpusPerWorker": 1, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "minReplicas 3 > maxReplicas 2"),
     ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 5, "minReplicas": 1, "maxReplicas": 2, "gpusPerWorker": 1, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "replicas 5 outside"),
@@ -272,9 +274,11 @@ def _selects(selector: dict, labels: dict) -> bool:
 def test_no_plain_text_secrets(rendered):
     _, docs = rendered
     text = yaml.safe_dump_all(docs)
-    assert "hunter2" not in text and "kind: Secret" not in text
+    assert "hunter2" not in text
+    # the one Secret the chart writes holds a token it generated (Ray's), never a value given to it
+    assert [s["metadata"]["name"] for s in by_kind(docs, "Secret")] in ([], ["llm-kvmesh-ray-auth"])
     for _, _, spec in pods(docs):
-        for c in spec["containers"]:
+        for c in spec["containers"] + spec.get("initContainers", []):
             for e in c.get("env", []):
                 if any(word in e["name"].upper() for word in ("PASSWORD", "TOKEN", "SECRET")):
                     assert "valueFrom" in e and "value" not in e, e["name"]
@@ -408,3 +412,105 @@ def test_dockerfile_builds_cpu_and_cuda_variants_as_the_charts_user():
     assert "USER 1000:1000" in text and 'ENTRYPOINT ["kvmesh"]' in text
     chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert chart_values["podSecurityContext"]["runAsUser"] == 1000
+
+
+# ---------------------------------------------------------------------- model delivery, hygiene
+
+
+def kvmesh_pods(docs) -> dict[str, dict]:
+    return {owner: spec for owner, _, spec in pods(docs) if "valkey" not in owner}
+
+
+def test_the_model_is_downloaded_at_deploy_time_by_default(chart):
+    docs = render(chart, {})
+    specs = kvmesh_pods(docs)
+    [cm] = by_kind(docs, "ConfigMap")
+    assert (
+        cm["data"]["KVMESH_MODEL"] == "/models/Qwen--Qwen3-0.6B" and cm["data"]["KVMESH_BLOCK_SIZE"] == "auto"
+    )
+    worker = specs["ray-gpu"]
+    [init] = worker["initContainers"]
+    assert init["args"] == ["download-model", "Qwen/Qwen3-0.6B", "/models/Qwen--Qwen3-0.6B"]
+    assert {"name": "model", "emptyDir": {"sizeLimit": "64Gi"}} in worker["volumes"]
+    assert any(m["name"] == "model" and not m.get("readOnly") for m in init["volumeMounts"])
+    assert any(m["name"] == "model" and m["readOnly"] for m in worker["containers"][0]["volumeMounts"])
+    router = specs["llm-kvmesh-router"]
+    [router_init] = router["initContainers"]
+    assert router_init["args"][-1] == "--tokenizer-only"  # no shared model volume for the router
+    assert {"name": "model", "emptyDir": {"sizeLimit": "1Gi"}} in router["volumes"]
+    assert "initContainers" not in specs["llm-kvmesh-controller"]
+    assert not any(v["name"] == "model" for v in specs["llm-kvmesh-controller"]["volumes"])
+    assert "initContainers" not in specs["ray-head"]
+
+
+def test_a_gated_repo_gets_its_token_and_a_shared_claim_downloads_once(chart):
+    docs = render(chart, values_of(CHART / "ci" / "multi-gpu-values.yaml"))
+    for owner, spec in kvmesh_pods(docs).items():
+        for init in spec.get("initContainers", []):
+            env = {e["name"]: e for e in init["env"]}
+            assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}, owner
+    worker = kvmesh_pods(docs)["ray-h100"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama-models"}} in worker["volumes"]
+    off = render(chart, values_of(CHART / "ci" / "secure-values.yaml"))  # download off: the claim has it
+    assert not any("initContainers" in spec for spec in kvmesh_pods(off).values())
+
+
+def test_every_pod_gets_pull_secrets_annotations_and_priority(chart):
+    docs = render(chart, values_of(CHART / "ci" / "secure-values.yaml"))
+    owners = [owner for owner, _, _ in pods(docs)]
+    assert {"ray-head", "ray-gpu", "llm-kvmesh-router", "llm-kvmesh-controller", "llm-kvmesh-valkey"} <= set(
+        owners
+    )
+    for owner, meta, spec in pods(docs):
+        assert spec["imagePullSecrets"] == [{"name": "registry-creds"}], owner
+        assert spec["priorityClassName"] == "high-priority", owner
+        assert meta["annotations"]["team"] == "inference", owner
+
+
+def test_ray_token_authentication_is_on_by_default(chart):
+    docs = render(chart, {})
+    [secret] = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "llm-kvmesh-ray-auth" and len(secret["data"]["auth_token"]) >= 48
+    expected = {"name": "llm-kvmesh-ray-auth", "key": "auth_token"}
+    for owner, spec in kvmesh_pods(docs).items():
+        env = {e["name"]: e for e in spec["containers"][0].get("env", [])}
+        if owner.endswith("-router"):
+            assert "RAY_AUTH_TOKEN" not in env  # the router never talks to Ray
+        else:
+            assert env["RAY_AUTH_MODE"]["value"] == "token", owner
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == expected, owner
+    [ray] = by_kind(docs, "RayCluster")
+    autoscaler = {e["name"]: e for e in ray["spec"]["autoscalerOptions"]["env"]}
+    assert autoscaler["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == expected
+    own = render(chart, {"ray": {"auth": {"existingSecret": "my-ray-token"}}})
+    assert not by_kind(own, "Secret")
+
+
+def test_subchart_and_naming_values(chart):
+    values = {"global": {"imageRegistry": "x"}, "nameOverride": "llm-mesh", "podLabels": {"cost": "a"}}
+    jsonschema.validate(chart.merge_values(values), SCHEMA)
+    docs = render(chart, values)
+    names = {d["metadata"]["name"] for d in docs}
+    assert "llm-llm-mesh-router" in names and all(meta["labels"]["cost"] == "a" for _, meta, _ in pods(docs))
+    docs = render(chart, {"fullnameOverride": "prod"})
+    assert {"prod-router", "prod-controller", "prod"} <= {d["metadata"]["name"] for d in docs}
+
+
+def test_network_policy_is_on_and_leaves_room_for_metrics(chart):
+    docs = render(chart, {})
+    internal = next(d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-internal"))
+    assert len(internal["spec"]["ingress"]) == 1
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    docs = render(chart, {"networkPolicy": {"metricsFrom": [scraper]}})
+    internal = next(d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-internal"))
+    assert internal["spec"]["ingress"][1]["from"] == [scraper]
+
+
+def test_values_reference_is_current():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("values_reference", ROOT / "helm" / "values_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = (CHART / "README.md").read_text()
+    assert module.reference() in readme, "the chart README's values reference is stale: run make chart-docs"

@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.serving.grpc_server import ListenError
 
     (config,) = FLAGS.build(args)
-    check_model_folder(config.router.model_dir)
+    if config.ray_address is None:  # with a Ray cluster, the model folder is on its workers
+        check_model_folder(config.router.model_dir)
     check_files(config.router)
     setup_logging(config.verbose)
     try:

@@ -1,15 +1,21 @@
 {{/* Names, labels and the pieces every kvmesh pod shares. */}}
 
+{{- define "kvmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "kvmesh.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else if contains (include "kvmesh.name" .) .Release.Name -}}
 {{- .Release.Name | trunc 50 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name (include "kvmesh.name" .) | trunc 50 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "kvmesh.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ include "kvmesh.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
@@ -19,9 +25,38 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* Selector labels of one component: include "kvmesh.selector" (list . "router") */}}
 {{- define "kvmesh.selector" -}}
 {{- $root := index . 0 -}}
-app.kubernetes.io/name: {{ $root.Chart.Name }}
+app.kubernetes.io/name: {{ include "kvmesh.name" $root }}
 app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* A pod template's metadata: kvmesh's labels and the user's pod labels and annotations,
+     plus annotations of its own: (list . "component") or (list . "component" (dict ...)). */}}
+{{- define "kvmesh.podMetadata" -}}
+{{- $root := index . 0 -}}
+{{- $own := dict -}}
+{{- if gt (len .) 2 }}{{ $own = index . 2 }}{{ end -}}
+{{- $annotations := merge (deepCopy $own) (deepCopy ($root.Values.podAnnotations | default dict)) -}}
+labels:
+  {{- include "kvmesh.labels" $root | nindent 2 }}
+  app.kubernetes.io/component: {{ index . 1 }}
+  {{- with $root.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvmesh.podCommon" -}}
+{{- with .Values.image.pullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "kvmesh.image" -}}
@@ -62,8 +97,15 @@ envFrom:
 {{- $tls := $root.Values.security.tls }}
 {{- $auth := $root.Values.security.auth }}
 {{- $router := eq $who "router" }}
-{{- if or $secret $tls.enabled $router }}
+{{- $ray := and $root.Values.ray.auth.enabled (ne $who "router") }}
+{{- if or $secret $tls.enabled $router $ray $root.Values.extraEnv }}
 env:
+  {{- with $root.Values.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+  {{- if $ray }}
+  {{- include "kvmesh.rayAuthEnv" $root | nindent 2 }}
+  {{- end }}
   {{- if $router }}
   - {name: KVMESH_POLICY, value: {{ $root.Values.router.policy | quote }}}
   {{- end }}
@@ -107,15 +149,81 @@ env:
 {{- end -}}
 {{- end -}}
 
+{{/* The model folder: model.path, or <mountPath>/<model.id with "/" as "--">. */}}
+{{- define "kvmesh.modelPath" -}}
+{{- .Values.model.path | default (printf "%s/%s" .Values.model.cache.mountPath (replace "/" "--" .Values.model.id)) -}}
+{{- end -}}
+
+{{/* The Ray workers' model volume: a claim (existing, or created by the chart), else an
+     emptyDir each worker downloads into. */}}
 {{- define "kvmesh.modelVolume" -}}
+{{- if or .Values.model.cache.existingClaim .Values.model.cache.create }}
 - name: model
   persistentVolumeClaim:
     claimName: {{ .Values.model.cache.existingClaim | default (printf "%s-model" (include "kvmesh.fullname" .)) }}
-    readOnly: true
+{{- else }}
+- name: model
+  emptyDir: {sizeLimit: {{ .Values.model.cache.sizeLimit }}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvmesh.modelMount" -}}
 - name: model
   mountPath: {{ .Values.model.cache.mountPath }}
   readOnly: true
+{{- end -}}
+
+{{/* The init container that fetches the model at deploy time (never at run time):
+     (list . tokenizerOnly). Pods that only tokenize (the router) fetch config and tokenizer. */}}
+{{- define "kvmesh.downloadModel" -}}
+{{- $root := index . 0 -}}
+{{- $tokenizerOnly := index . 1 -}}
+{{- $d := $root.Values.model.download -}}
+{{- if $d.enabled }}
+initContainers:
+  - name: download-model
+    image: {{ include "kvmesh.image" $root }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    args:
+      - download-model
+      - {{ $d.repo | default $root.Values.model.id | quote }}
+      - {{ include "kvmesh.modelPath" $root | quote }}
+      {{- with $d.revision }}
+      - --revision={{ . }}
+      {{- end }}
+      {{- if $tokenizerOnly }}
+      - --tokenizer-only
+      {{- end }}
+    env:
+      - {name: HOME, value: /tmp}
+      {{- with $d.endpoint }}
+      - {name: HF_ENDPOINT, value: {{ . | quote }}}
+      {{- end }}
+      {{- if $d.tokenSecret.name }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef: {name: {{ $d.tokenSecret.name }}, key: {{ $d.tokenSecret.key }}}
+      {{- end }}
+    resources:
+      {{- toYaml $d.resources | nindent 6 }}
+    securityContext:
+      {{- toYaml $root.Values.securityContext | nindent 6 }}
+    volumeMounts:
+      - {name: model, mountPath: {{ $root.Values.model.cache.mountPath }}}
+      - {name: tmp, mountPath: /tmp}
+{{- end }}
+{{- end -}}
+
+{{/* Ray token authentication, on every Ray pod and every Ray client (the controller). */}}
+{{- define "kvmesh.rayAuthSecret" -}}
+{{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "kvmesh.fullname" .)) }}
+{{- end -}}
+
+{{- define "kvmesh.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled }}
+- {name: RAY_AUTH_MODE, value: token}
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "kvmesh.rayAuthSecret" . }}, key: auth_token}
+{{- end }}
 {{- end -}}
