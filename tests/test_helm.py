@@ -408,10 +408,21 @@ def test_tls_and_token_are_wired_by_reference(chart):
 def test_dockerfile_builds_cpu_and_cuda_variants_as_the_charts_user():
     text = (ROOT / "helm" / "Dockerfile").read_text()
     assert "ARG VARIANT=cpu" in text and "FROM build-${VARIANT}" in text and "FROM run-${VARIANT}" in text
-    assert text.count("torch==2.13.0") == 2 and ".[gpu]" in text
+    assert text.count("torch==2.13.0") == 2
     assert "USER 1000:1000" in text and 'ENTRYPOINT ["kvmesh"]' in text
     chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert chart_values["podSecurityContext"]["runAsUser"] == 1000
+    # KubeRay: ray[default] (the dashboard agent) at the chart's Ray version, and wget for its probes
+    assert f"ARG RAY_VERSION={chart_values['ray']['version']}" in text
+    assert 'pip install --no-cache-dir . "ray[default]==${RAY_VERSION}"' in text  # the project without extras
+    runs = [
+        block
+        for block in text.split("FROM ")
+        if block.startswith("python:3.11-slim-bookworm AS run-") or "AS run-cuda" in block
+    ]
+    assert len(runs) == 2 and all("wget" in block for block in runs)
+    # flash-attn comes as a prebuilt wheel, never compiled in the build
+    assert "FLASH_ATTN_WHEEL" in text and "--no-build-isolation" not in text and ".[gpu]" not in text
 
 
 # ---------------------------------------------------------------------- model delivery, hygiene
