@@ -351,7 +351,7 @@ def write_docs(result: dict, tables: str, out: str, docs: Path) -> None:
     )
     body = "\n\n".join(
         [
-            "## Side by side with real peers: sglang-router and vllm-router (`kvmesh bench peers`)",
+            "## Side by side with real peers: sglang-router and vllm-router (`kvmesh bench peers --docs docs/experiments.md`)",
             setup,
             load_note,
             "| target | value | bound | met |\n|---|---:|---|---|\n" + checks,
