@@ -69,8 +69,8 @@ class LocalCluster:
         c = self.config
         if not ray.is_initialized():
             local_cpus = None if c.ray_address else max(os.cpu_count() or 1, c.replicas + 1)
-            ray.init(
-                address=c.ray_address,
+            ray.init(  # no --ray-address: a new local Ray, never one an earlier `ray start` left running
+                address=c.ray_address or "local",
                 num_cpus=local_cpus,
                 include_dashboard=False,
                 log_to_driver=c.verbose,

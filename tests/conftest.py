@@ -120,6 +120,7 @@ def ray_cluster():
     """One local Ray for the whole session (start-ups are slow)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # address="local": a new cluster, whatever an earlier `ray start` left behind
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()

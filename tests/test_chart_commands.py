@@ -116,6 +116,8 @@ def ray_start(params: dict, extra: list[str]) -> list[str]:
 def chart_on_this_machine(tmp_path_factory, qwen3_dir):
     started = time.monotonic()
     work = tmp_path_factory.mktemp("chart")
+    address_file = Path("/tmp/ray/ray_current_cluster")  # `ray start --head` writes it: restored after
+    earlier = address_file.read_text() if address_file.is_file() else None
     docs = rendered()
     configmap = docs["ConfigMap/llm-kvmesh-config"]["data"]
     secrets = {
@@ -201,6 +203,10 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
         pods.stop()
         redis.close()
         hub.close()
+        if earlier is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(earlier)
 
 
 def wait_live(address: str, n: int, timeout: float = 60) -> list:

@@ -60,6 +60,7 @@ def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
         assert "Ctrl-C" in text, text + proc.stderr.read() if proc.poll() is not None else text
         address = re.search(r"router gRPC\s+(\S+)", text).group(1)
         redis_url = re.search(r"redis\s+(\S+)", text).group(1)
+        assert "replica-0 serving at" in text and "replica-1 serving at" in text  # progress while loading
 
         with grpc.insecure_channel(address) as channel:
             request = pb.GenerateRequest(
@@ -187,3 +188,21 @@ def test_a_taken_port_is_one_line_not_a_traceback(qwen3_dir, valkey_server):
             assert (
                 out.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
             ), out.stderr
+
+
+def test_a_replica_that_cannot_start_is_one_line_and_up_prints_progress(qwen3_dir, tmp_path):
+    import shutil
+
+    odd = tmp_path / "gpt2-ish"
+    shutil.copytree(qwen3_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(
+        json.dumps({**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    out = run("up", "--model", str(odd), "--replicas", "1", "--port", "0", "--http-port", "-1", timeout=180)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-1].startswith("kvmesh: error: replica-0 failed to start:"), (
+        out.stderr[-2000:]
+    )
+    assert "Traceback" not in out.stderr
+    assert "starting 1 replica(s)" in out.stdout  # progress before the failure
