@@ -26,6 +26,7 @@ from kvmesh.replica.detokenizer import IncrementalDetokenizer
 from kvmesh.replica.model_runner import ModelRunner
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
 from kvmesh.replica.request import Request, RequestOutput, Status
+from kvmesh.replica.sampler import TokenLogprob
 from kvmesh.replica.scheduler import Scheduler
 from kvmesh.serving.sampling import SamplingParams
 
@@ -40,6 +41,8 @@ class CompletionOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 2.., when asked
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class LLMEngine:
     ) -> Request:
         params = params or SamplingParams()
         params.validate()
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request: submit n requests (the front end does)")
+        bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -161,20 +169,20 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        tokens = self.runner.run(scheduled)
+        picks = self.runner.run(scheduled)
         self.scheduler.step_done(scheduled)
         if self.config.check_invariants:
             self.block_manager.check_invariants()
-        for request, token in zip(scheduled, tokens, strict=True):
-            if token is not None:
-                outputs.append(request.output(self._append_token(request, token)))
+        for request, pick in zip(scheduled, picks, strict=True):
+            if pick is not None:
+                outputs.append(request.output(self._append_token(request, *pick)))
                 if request.status is Status.FINISHED:
                     del self.requests[request.request_id]
         return outputs
 
-    def _append_token(self, request: Request, token: int) -> str:
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> str:
         """Append a sampled token, apply every stop rule; returns the text it releases."""
-        request.append_token(token)
+        request.add_token(token, logprob)
         self._generation_tokens += 1
         text, stop_string = request.detokenizer.push(token) if request.detokenizer else ("", False)
         reason = None
@@ -223,6 +231,8 @@ class LLMEngine:
                 text="".join(texts[r.request_id]),
                 finish_reason=r.finish_reason or "",
                 num_cached_tokens=r.cached_prompt_tokens or 0,
+                logprobs=r.logprobs if r.params.logprobs is not None else None,
+                prompt_logprobs=r.prompt_logprobs if r.params.prompt_logprobs is not None else None,
             )
             for r in batch
         ]

@@ -18,7 +18,7 @@ from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
 from kvmesh.replica.request import Request
-from kvmesh.replica.sampler import sample
+from kvmesh.replica.sampler import TokenLogprob, sample
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ModelRunner:
             next_block += count
         ids = [[t % self.spec.vocab_size for t in range(n)] for n in lens]  # any valid ids will do
         with torch.inference_mode():  # as in serving: no autograd state kept alive
-            self._forward_layout(ids, [0] * seqs, tables, need_logits=[True] * seqs)
+            self._forward_layout(ids, [0] * seqs, tables, rows=[[n - 1] for n in lens])
         torch.cuda.synchronize(self.device)
         cache_bytes = warm_cache.numel() * warm_cache.element_size()
         activations = max(0, torch.cuda.max_memory_allocated(self.device) - cache_bytes - weights)
@@ -157,24 +157,42 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def run(self, requests: list[Request]) -> list[int | None]:
-        """Compute this step's tokens; returns a sampled token for requests that reached their end."""
+    def run(self, requests: list[Request]) -> list[tuple[int, TokenLogprob | None] | None]:
+        """Compute this step's tokens: for each request that reached its end, the sampled token
+        (and its log-probability, if asked). Prompt log-probabilities, where asked, are
+        recorded on the request as its prefill chunks go by."""
         chunks = [
             r.token_ids[r.num_computed_tokens : r.num_computed_tokens + r.num_scheduled_tokens]
             for r in requests
         ]
         starts = [r.num_computed_tokens for r in requests]
         need = [r.num_computed_tokens + r.num_scheduled_tokens == len(r) for r in requests]
-        logits = self._forward_layout(chunks, starts, [r.block_table for r in requests], need)
+        # Positions (within each chunk) whose logits are needed: the last to sample from, and
+        # every prompt position of a request that asked for prompt log-probabilities.
+        rows = [
+            list(range(len(c))) if r.wants_prompt_logprobs else ([len(c) - 1] if n else [])
+            for r, c, n in zip(requests, chunks, need, strict=True)
+        ]
+        logits = self._forward_layout(chunks, starts, [r.block_table for r in requests], rows)
+        sample_rows, offset = [], 0
+        for r, start, chunk_rows, n in zip(requests, starts, rows, need, strict=True):
+            if r.wants_prompt_logprobs:
+                r.record_prompt_logprobs(logits[offset : offset + len(chunk_rows)].log_softmax(dim=-1), start)
+            offset += len(chunk_rows)
+            if n:
+                sample_rows.append(offset - 1)
         sampling = [r for r, n in zip(requests, need, strict=True) if n]
         if not sampling:
             return [None] * len(requests)
-        tokens = iter(sample(logits, [r.params for r in sampling], [r.generator for r in sampling]))
-        return [next(tokens) if n else None for n in need]
+        tokens, scored = sample(logits[sample_rows], sampling)
+        picks = iter(zip(tokens, scored, strict=True))
+        return [next(picks) if n else None for n in need]
 
     def _forward_layout(
-        self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], need_logits: list[bool]
+        self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], rows: list[list[int]]
     ) -> torch.Tensor:
+        """Run the model over this step's chunks; logits of the ``rows`` positions of each
+        chunk, in order."""
         bs = self.block_size
         per_seq = [np.arange(s, s + len(c)) for s, c in zip(starts, chunks, strict=True)]
         slots = np.concatenate(
@@ -191,10 +209,6 @@ class ModelRunner:
         hidden = self.model(
             input_ids, torch.from_numpy(positions).to(self.device), self.backend, self.backend.plan(layout)
         )
-        last = np.cumsum([len(c) for c in chunks]) - 1
-        rows = torch.tensor(
-            [int(i) for i, n in zip(last, need_logits, strict=True) if n],
-            dtype=torch.long,
-            device=self.device,
-        )
-        return self.model.compute_logits(hidden[rows])
+        first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
+        picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
+        return self.model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=self.device)])

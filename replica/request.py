@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the simulator schedules these without torch
     import torch
 
     from kvmesh.replica.detokenizer import IncrementalDetokenizer
+    from kvmesh.replica.sampler import TokenLogprob
 
 
 class Status(enum.Enum):
@@ -34,6 +35,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 2.., once, when asked
 
 
 class Request(Sequence):
@@ -59,9 +62,42 @@ class Request(Sequence):
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.emitted_tokens = 0  # completion tokens already handed out
+        self.logprobs: list[TokenLogprob] = []  # of completion tokens, when asked
+        self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1.., when asked
+        self.prompt_logprobs_sent = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still computing a prompt whose log-probabilities were asked for."""
+        return (
+            self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
+
+    def record_prompt_logprobs(self, log_probs: torch.Tensor, start: int) -> None:
+        """Row j of ``log_probs`` is the distribution after position ``start + j``: it scores
+        prompt token ``start + j + 1`` (computed again after a preemption: kept once)."""
+        from kvmesh.replica.sampler import logprobs_of
+
+        targets = range(
+            max(start + 1, len(self.prompt_logprobs) + 1),
+            min(start + len(log_probs) + 1, self.num_prompt_tokens),
+        )
+        if targets:
+            rows = log_probs[targets.start - start - 1 : targets.stop - start - 1]
+            ids = [self.prompt_token_ids[t] for t in targets]
+            self.prompt_logprobs += logprobs_of(rows, ids, self.params.prompt_logprobs)
+
+    def add_token(self, token: int, logprob: TokenLogprob | None) -> None:
+        self.append_token(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
 
     def output(self, new_text: str = "") -> RequestOutput:
         new_ids = self.completion_token_ids[self.emitted_tokens :]
+        new_logprobs = self.logprobs[self.emitted_tokens :] if self.params.logprobs is not None else None
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent and new_ids:
+            prompt_logprobs, self.prompt_logprobs_sent = list(self.prompt_logprobs), True
         self.emitted_tokens = self.num_completion_tokens
         return RequestOutput(
             request_id=self.request_id,
@@ -72,4 +108,6 @@ class Request(Sequence):
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_completion_tokens,
             cached_tokens=self.cached_prompt_tokens or 0,
+            logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -1,35 +1,103 @@
-"""Token selection for one step: greedy rows by argmax, the rest by filtered sampling.
+"""Token selection for one step, in vLLM V1's order.
 
-Every sampled request draws from its own ``torch.Generator``, so a request with a seed
-gets the same tokens whatever else shares its batch.
+1. Log-probabilities for the requests that ask for them, from the raw logits (before
+   temperature, penalties and filters: vLLM V1's default, "raw_logprobs").
+2. Logit adjustments: ``min_tokens`` (EOS and stop token ids forbidden until then),
+   ``logit_bias``, then the repetition, frequency and presence penalties.
+3. Greedy rows take the argmax; the rest are divided by their temperature, filtered by
+   ``min_p``, top-k and top-p, and drawn from their own ``torch.Generator`` (a request with
+   a seed gets the same tokens whatever else shares its batch).
+Only rows that need a stage pay for it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmesh.serving.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from kvmesh.replica.request import Request
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int]:
-    """One token id per row of ``logits`` ([rows, vocab], float32)."""
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and, best first, the ``k`` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Row i of ``log_probs`` ([rows, vocab]) scored for ``token_ids[i]``, with its top ``k``."""
+    ids = torch.tensor(token_ids, device=log_probs.device)
+    chosen = log_probs.gather(1, ids[:, None])[:, 0].tolist()
+    top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+    return [
+        TokenLogprob(t, lp, tuple(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist(), strict=True)
+    ]
+
+
+def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """One request's logits ([vocab]) after min_tokens, logit bias and penalties, in place."""
+    p = request.params
+    if p.min_tokens and request.num_completion_tokens < p.min_tokens and request.stop_ids:
+        logits[torch.tensor(sorted(request.stop_ids), device=logits.device)] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and request.num_completion_tokens:
+        out = torch.tensor(request.completion_token_ids, device=logits.device)
+        counts = torch.zeros_like(logits).index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits`` ([rows, vocab], float32), and its log-probability
+    where the request asked for it."""
+    wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    raw = logits[wants].log_softmax(dim=-1) if wants else None
+    adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+    if adjusted:
+        logits = logits.clone()
+        for i in adjusted:
+            adjust_logits(logits[i], requests[i])
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if rows:
-        probs = _filtered_probs(logits[rows], [params[i] for i in rows])
+        probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
         for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    return tokens.tolist()
+            tokens[i] = torch.multinomial(probs[j], 1, generator=requests[i].generator)[0]
+    token_list = tokens.tolist()
+    scored: list[TokenLogprob | None] = [None] * len(requests)
+    if raw is not None:
+        for j, i in enumerate(wants):
+            k = requests[i].params.logprobs
+            scored[i] = logprobs_of(raw[j : j + 1], [token_list[i]], k)[0]
+    return token_list, scored
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of temperature-scaled logits after per-row top-k and top-p filtering."""
+    """Softmax of temperature-scaled logits after per-row min-p, top-k and top-p filtering."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        too_unlikely = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_unlikely, float("-inf"))
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k < vocab).any()) or bool((top_p < 1).any()):

@@ -54,6 +54,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_cached_blocks = self.block_manager.can_allocate(request)
+            if request.params.prompt_logprobs is not None and num_cached_blocks >= 0:
+                # its whole prompt is computed (as in vLLM): every position's logits are needed
+                fits = request.num_blocks <= self.block_manager.num_free_blocks
+                num_cached_blocks = 0 if fits else -1
             if num_cached_blocks < 0:
                 break
             self.waiting.popleft()

@@ -1,0 +1,163 @@
+"""Log-probabilities, penalties, min_p, min_tokens and logit bias, against references
+computed with ``transformers`` on the tiny model (fp32, CPU): log-probabilities equal the
+log-softmax of its logits, and every adjustment changes the logits as its formula says."""
+
+import functools
+
+import pytest
+import torch
+from reference import _hf_model, prompts_of_lengths
+
+from kvmesh.replica import LLMEngine, SamplingParams
+from kvmesh.replica.request import Request
+from kvmesh.replica.sampler import adjust_logits
+
+PROMPT = prompts_of_lengths([45], salt=3)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir):
+    # a 24-token budget: the 45-token prompt is computed in chunks
+    return LLMEngine(qwen3_dir, num_kv_blocks=128, block_size=16, max_num_batched_tokens=24)
+
+
+@functools.cache
+def hf_log_softmax(model_dir: str, ids: tuple[int, ...]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = _hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(dim=-1)
+
+
+def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = _hf_model(model_dir)(torch.tensor([ids])).logits[0, -1].float()
+    return logits.clone()  # out of inference mode: the formulas edit it
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_model(engine, qwen3_dir):
+    params = SamplingParams(
+        temperature=0.7, seed=3, max_tokens=6, ignore_eos=True, logprobs=4, repetition_penalty=1.4
+    )
+    [out] = engine.generate([PROMPT], params)
+    ref = hf_log_softmax(str(qwen3_dir), tuple(PROMPT + out.token_ids))
+    assert len(out.logprobs) == 6
+    for i, (token, scored) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[len(PROMPT) - 1 + i]  # raw: before temperature and penalties (vLLM V1's default)
+        assert scored.token_id == token and abs(scored.logprob - row[token].item()) < 1e-4
+        values, ids = row.topk(4)
+        assert [t for t, _ in scored.top] == ids.tolist()
+        assert all(abs(v - r) < 1e-4 for (_, v), r in zip(scored.top, values.tolist(), strict=True))
+
+
+def test_prompt_logprobs_cover_the_prompt_and_bypass_the_cache(engine, qwen3_dir):
+    engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))  # the prompt is cached now
+    [out] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    assert out.num_cached_tokens == 0  # every prompt position was computed (as in vLLM)
+    ref = hf_log_softmax(str(qwen3_dir), tuple(PROMPT))
+    assert len(out.prompt_logprobs) == len(PROMPT) - 1
+    for pos, scored in enumerate(out.prompt_logprobs, start=1):
+        assert (
+            scored.token_id == PROMPT[pos] and abs(scored.logprob - ref[pos - 1][PROMPT[pos]].item()) < 1e-4
+        )
+        assert [t for t, _ in scored.top] == ref[pos - 1].topk(2).indices.tolist()
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+
+
+def reference_greedy(model_dir, prompt, n, adjust) -> list[int]:
+    """Greedy decoding with transformers, ``adjust(logits, output)`` applied to each step."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = adjust(hf_logits(str(model_dir), prompt + out), out)
+        out.append(int(logits.argmax()))
+    return out
+
+
+def repetition(p):
+    def adjust(logits, out):
+        seen = torch.tensor(sorted(set(PROMPT + out)))
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p, values * p)
+        return logits
+
+    return adjust
+
+
+def frequency_presence(freq, pres):
+    def adjust(logits, out):
+        for token in set(out):
+            logits[token] -= freq * out.count(token) + pres
+        return logits
+
+    return adjust
+
+
+def bias(table):
+    def adjust(logits, out):
+        for token, value in table.items():
+            logits[token] += value
+        return logits
+
+    return adjust
+
+
+@pytest.mark.parametrize(
+    "params, adjust",
+    [
+        ({"repetition_penalty": 1.5}, repetition(1.5)),
+        ({"repetition_penalty": 0.7}, repetition(0.7)),
+        # negative: repeats are encouraged, so a short greedy output changes
+        ({"frequency_penalty": -2.0}, frequency_presence(-2.0, 0.0)),
+        ({"presence_penalty": -2.0}, frequency_presence(0.0, -2.0)),
+        ({"frequency_penalty": -2.0, "presence_penalty": 0.5}, frequency_presence(-2.0, 0.5)),
+        ({"logit_bias": {7: 30.0, 11: 29.0}}, bias({7: 30.0, 11: 29.0})),
+    ],
+    ids=["repetition", "repetition<1", "frequency", "presence", "both", "logit-bias"],
+)
+def test_penalties_and_bias_follow_their_formulas(engine, qwen3_dir, params, adjust):
+    n = 12
+    [out] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params))
+    assert out.token_ids == reference_greedy(qwen3_dir, PROMPT, n, adjust)
+    [plain] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert plain.token_ids != out.token_ids  # the adjustment mattered
+
+
+def test_min_tokens_holds_back_eos(engine):
+    eos = min(engine.eos_token_ids)
+    eager = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100.0})
+    [now] = engine.generate([PROMPT], eager)
+    assert now.token_ids == [eos] and now.finish_reason == "stop"
+    [later] = engine.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100.0}, min_tokens=4)
+    )
+    assert len(later.token_ids) == 5 and later.token_ids[-1] == eos and eos not in later.token_ids[:4]
+
+
+def test_min_p_keeps_only_tokens_near_the_best(engine, qwen3_dir):
+    [greedy] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    [only_best] = engine.generate(
+        [PROMPT], SamplingParams(temperature=1.0, seed=5, min_p=1.0, max_tokens=8, ignore_eos=True)
+    )
+    assert only_best.token_ids == greedy.token_ids
+    [some] = engine.generate(
+        [PROMPT], SamplingParams(temperature=1.0, seed=5, min_p=0.3, max_tokens=8, ignore_eos=True)
+    )
+    ids = PROMPT + some.token_ids
+    probs = hf_log_softmax(str(qwen3_dir), tuple(ids)).exp()
+    for i, token in enumerate(some.token_ids):
+        row = probs[len(PROMPT) - 1 + i]
+        assert row[token] >= 0.3 * row.max() - 1e-6
+
+
+def test_adjust_logits_is_exactly_the_formula():
+    params = SamplingParams(
+        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={3: 1.0}, min_tokens=3,
+        max_tokens=8,
+    )  # fmt: skip
+    request = Request("r", [1, 2], 16, params, None, frozenset({4}), None)
+    request.add_token(2, None)
+    request.add_token(5, None)
+    logits = torch.tensor([1.0, 2.0, -2.0, 0.5, 3.0, 4.0, 1.0])
+    adjust_logits(logits, request)
+    expected = [1.0, 2.0 / 2.0, -2.0 * 2.0 - 0.5 - 0.25, 1.5, float("-inf"), 4.0 / 2.0 - 0.5 - 0.25, 1.0]
+    assert logits.tolist() == expected
