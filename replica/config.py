@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
@@ -100,6 +101,7 @@ class ReplicaConfig:
     )
     tls: TLSConfig = option(factory=TLSConfig, help="TLS for the replica's gRPC (mTLS with client auth)")
     engine: EngineConfig = option(factory=EngineConfig, help="the engine's settings")
+    api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
 
     def __post_init__(self) -> None:
         self.engine.validate()

@@ -56,7 +56,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, model_id: str | None = None, **config):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_id: str | None = None,
+        tokenizer_dir: str | Path | None = None,
+        **config,
+    ):
         self.config = EngineConfig.from_kwargs(**config)
         self.model_dir = str(model_dir)
         hf_config = load_hf_config(model_dir)
@@ -71,7 +77,7 @@ class LLMEngine:
         self.model_id = model_id or Path(model_dir).resolve().name
         self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec)
         self.block_size = self.runner.block_size
-        self.tokenizer = _load_tokenizer(Path(model_dir))
+        self.tokenizer = _load_tokenizer(Path(tokenizer_dir or model_dir))
         self.eos_token_ids = _eos_token_ids(Path(model_dir), hf_config, self.tokenizer)
         self.hash_seed = namespace_seed(self.model_id, self.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, self.block_size, seed=self.hash_seed)
@@ -116,10 +122,14 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         if params.n != 1:
-            raise ValueError("the engine runs one sequence per request: submit n requests (the front end does)")
+            raise ValueError(
+                "the engine runs one sequence per request: submit n requests (the front end does)"
+            )
         bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad_bias:
-            raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

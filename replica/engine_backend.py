@@ -1,10 +1,12 @@
 """One replica's request path, shared by its gRPC service and its OpenAI HTTP front end:
-prompt ids (tokenized exactly as the router does), engine stream as GenerateResponses,
-engine errors as RouterErrors (each with its gRPC code and HTTP status), metrics."""
+prompt ids (tokenized exactly as the router does), parameters resolved by the same rules,
+n choices fanned out, the engine's stream as GenerateResponses, engine errors as
+ServingErrors (each with its gRPC code and HTTP status), metrics."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,10 +15,14 @@ from kvmesh.protos import pb
 from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from kvmesh.replica.metrics import ReplicaMetrics
 from kvmesh.replica.request import RequestOutput
+from kvmesh.replica.sampler import TokenLogprob
+from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unavailable
+from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.prompt import prompt_ids
-from kvmesh.serving.sampling import sampling_from_proto
+from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 
@@ -32,19 +38,31 @@ class EngineBackend:
     """The serving Backend over this replica's engine (the OpenAI app and the gRPC service use it)."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, replica_id: str, model: ModelInfo, tokenizer: PromptTokenizer | None
+        self,
+        engine: AsyncLLMEngine,
+        replica_id: str,
+        model: ModelInfo,
+        tokenizer: PromptTokenizer | None,
+        defaults: GenerationDefaults | None = None,
     ):
         self.engine = engine
         self.replica_id = replica_id
         self.model = model
         self.tokenizer = tokenizer
+        self.defaults = defaults or GenerationDefaults()
         self.metrics = ReplicaMetrics(engine.stats)
+        self._choice_ids: dict[str, list[str]] = {}  # request id -> its choices' engine ids (n > 1)
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its choices); False if none is streaming by that id."""
+        found = [self.engine.abort(i) for i in self._choice_ids.get(request_id, [request_id])]
+        return any(found)
 
     async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request; closing the stream (client gone, deadline) aborts it in the engine."""
@@ -53,25 +71,16 @@ class EngineBackend:
         outcome, first = "cancelled", True  # unless it ends otherwise
         try:
             ids = await self.prompt_ids(request)
+            _, params = admit(request, len(ids), self.model, self.defaults)
             with _engine_errors():
-                params = sampling_from_proto(request.sampling)
-                async with contextlib.aclosing(self.engine.generate(ids, params, request_id)) as stream:
-                    async for out in stream:
-                        if first:
-                            first = False
-                            self.metrics.ttft.observe(time.perf_counter() - started)
-                        if out.new_token_ids or out.new_text:
-                            chunk = pb.Chunk(token_ids=out.new_token_ids, text=out.new_text)
-                            yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
-                        if out.finished:
-                            self.metrics.cached_tokens.inc(out.cached_tokens)
-                            self.metrics.finished_prompt_tokens.inc(len(ids))
-                            complete = pb.Complete(
-                                finish_reason=out.finish_reason or "",
-                                usage=usage(out),
-                                replica_id=self.replica_id,
-                            )
-                            yield pb.GenerateResponse(request_id=request_id, complete=complete)
+                async for response in self._choices(ids, params, request_id):
+                    if first:
+                        first = False
+                        self.metrics.ttft.observe(time.perf_counter() - started)
+                    if response.WhichOneof("kind") == "complete":
+                        self.metrics.cached_tokens.inc(response.complete.usage.cached_tokens)
+                        self.metrics.finished_prompt_tokens.inc(len(ids))
+                    yield response
             outcome = "ok"
         except ServingError as exc:
             outcome = exc.grpc_code.name.lower()
@@ -79,6 +88,73 @@ class EngineBackend:
         finally:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.latency.observe(time.perf_counter() - started)
+
+    async def _choices(
+        self, ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The n choices' responses, interleaved. Choice 0 runs first; the others start once
+        it has produced (its prefill is then in the prefix cache, so they reuse it)."""
+        single = dataclasses.replace(params, n=1)
+        if params.n == 1:
+            async for response in self._choice(ids, single, request_id, request_id, 0):
+                yield response
+            return
+        engine_ids = [f"{request_id}/{i}" for i in range(params.n)]
+        self._choice_ids[request_id] = engine_ids
+
+        def choice(i: int) -> AsyncIterator[pb.GenerateResponse]:
+            seeded = (
+                single if params.seed is None else dataclasses.replace(single, seed=(params.seed + i) % 2**64)
+            )
+            return self._choice(ids, seeded, request_id, engine_ids[i], i)
+
+        first = choice(0)
+        try:
+            async with contextlib.aclosing(first):
+                yield await anext(first)
+                async with contextlib.aclosing(merge([first, *map(choice, range(1, params.n))])) as rest:
+                    async for _, response in rest:
+                        yield response
+        finally:
+            self._choice_ids.pop(request_id, None)
+
+    async def _choice(
+        self, ids: list[int], params: SamplingParams, request_id: str, engine_id: str, index: int
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        first = True
+        async with contextlib.aclosing(self.engine.generate(ids, params, engine_id)) as stream:
+            async for out in stream:
+                if out.new_token_ids or out.new_text:
+                    chunk = pb.Chunk(
+                        prompt_tokens=len(ids) if first else 0,
+                        token_ids=out.new_token_ids,
+                        text=out.new_text,
+                        index=index,
+                        logprobs=_logprobs(out.logprobs),
+                        prompt_logprobs=_logprobs(out.prompt_logprobs),
+                    )
+                    first = False
+                    yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
+                if out.finished:
+                    complete = pb.Complete(
+                        finish_reason=out.finish_reason or "",
+                        usage=usage(out),
+                        replica_id=self.replica_id,
+                        index=index,
+                    )
+                    yield pb.GenerateResponse(request_id=request_id, complete=complete)
+
+
+def _logprobs(scored: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=s.token_id,
+            logprob=s.logprob,
+            rank=s.rank,
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in s.top],
+        )
+        for s in scored or ()
+    ]
 
 
 @contextlib.contextmanager

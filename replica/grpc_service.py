@@ -40,7 +40,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
             await context.abort(exc.grpc_code, str(exc))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        return pb.AbortResponse(found=self.backend.abort(request.request_id))
 
     async def ResetPrefixCache(
         self, request, context: grpc.aio.ServicerContext

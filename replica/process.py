@@ -24,7 +24,6 @@ from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai_app import build_app
 from kvmesh.serving.options import effective_config
-from kvmesh.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +59,22 @@ class ReplicaServer:
 
             torch.set_num_threads(c.torch_threads)
         options = dataclasses.asdict(c.engine)
-        engine = await asyncio.to_thread(LLMEngine, c.model_dir, model_id=c.model_id, **options)
-        self.engine = AsyncLLMEngine(engine)
-        tokenizer = PromptTokenizer(c.model_dir) if engine.tokenizer is not None else None
-        model = ModelInfo(
-            engine.model_id, engine.block_size, engine.max_model_len, engine.vocab_size, engine.hash_seed
+        tokenizer_dir = c.api.tokenizer_dir(c.model_dir)
+        engine = await asyncio.to_thread(
+            LLMEngine, c.model_dir, model_id=c.model_id, tokenizer_dir=tokenizer_dir, **options
         )
-        backend = EngineBackend(self.engine, c.replica_id, model, tokenizer)
+        self.engine = AsyncLLMEngine(engine)
+        model = ModelInfo(
+            engine.model_id, engine.block_size, engine.max_model_len, engine.vocab_size, engine.hash_seed,
+            c.api.served_model_name,
+        )  # fmt: skip
+        backend = EngineBackend(
+            self.engine,
+            c.replica_id,
+            model,
+            c.api.load_tokenizer(c.model_dir),
+            c.api.load_defaults(c.model_dir),
+        )
         service = ReplicaService(backend, self.index_state, json.dumps(effective_config(c)))
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls

@@ -25,21 +25,26 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log-probability and, best first, the ``k`` most likely alternatives."""
+    """A token's log-probability, its rank (1: the most likely), and, best first, the ``k``
+    most likely alternatives."""
 
     token_id: int
     logprob: float
+    rank: int
     top: tuple[tuple[int, float], ...]
 
 
 def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """Row i of ``log_probs`` ([rows, vocab]) scored for ``token_ids[i]``, with its top ``k``."""
     ids = torch.tensor(token_ids, device=log_probs.device)
-    chosen = log_probs.gather(1, ids[:, None])[:, 0].tolist()
+    chosen = log_probs.gather(1, ids[:, None])
+    ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
     top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
     return [
-        TokenLogprob(t, lp, tuple(zip(i, v, strict=True)))
-        for t, lp, i, v in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist(), strict=True)
+        TokenLogprob(t, lp, rank, tuple(zip(i, v, strict=True)))
+        for t, lp, rank, i, v in zip(
+            token_ids, chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_values.tolist(), strict=True
+        )
     ]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.router.policies import POLICIES
+from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
@@ -59,6 +60,7 @@ class RouterConfig:
     refresh_s: float = option(0.5, flag="registry-refresh", help="seconds between reads of the live replicas")
     speculative_ttl_s: float = option(2.0, flag="speculative-ttl", help="seconds a speculative entry lives")
     limits: RouterLimits = option(factory=RouterLimits, help="request limits")
+    api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
     max_message_bytes: int = option(4 << 20, help="largest request accepted (gRPC message, HTTP body)")
     drain_timeout_s: float = option(
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"

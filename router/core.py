@@ -22,6 +22,7 @@ from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import Relay
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
+from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.tokenizer import PromptTokenizer
 
@@ -38,15 +39,17 @@ class RouterCore:
         lookup_timeout_s: float = 0.25,
         metrics: RouterMetrics | None = None,
         limits: RouterLimits | None = None,
+        defaults: GenerationDefaults | None = None,
     ):
         self.model = model
+        self.tokenizer = tokenizer
         self.registry = registry
         self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or RouterLimits()
         self.decider = Decider(
             model, tokenizer, index, registry, self.overlay, self.metrics, self.limits,
-            default_policy, lookup_timeout_s,
+            default_policy, lookup_timeout_s, defaults,
         )  # fmt: skip
         self.relay = Relay(registry, self.overlay, self.metrics, model.block_size)
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
@@ -79,7 +82,7 @@ class RouterCore:
             decision = await self.decider.decide(request)
             outcome = "error"
             try:
-                async for response in self.relay.stream(request, decision, started, timeout):
+                async for response in self.relay.stream(decision, started, timeout):
                     yield response
                 outcome = "ok"
             except asyncio.CancelledError:

@@ -17,13 +17,18 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import Policy, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Unavailable
+from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.prompt import prompt_ids
-from kvmesh.serving.sampling import sampling_from_proto
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
+# A request's load estimate counts at most this many decode tokens: a chat that leaves
+# max_tokens unset may run to the end of the context (tens of thousands of tokens), but
+# answers rarely do, and one such request must not look like a hundred to the policy.
+DECODE_ESTIMATE_CAP_TOKENS = 1024
 
 
 @dataclass
@@ -33,11 +38,17 @@ class Decision:
     request_id: str
     token_ids: list[int]
     block_hashes: list[int]
-    max_tokens: int
+    sampling: pb.SamplingParams  # every default filled in: what the replica runs
     ranked: list[str]
     matched: dict[str, int]  # replica -> matched blocks (index + speculative)
     policy: str
     decision_s: float
+
+    @property
+    def decode_estimate(self) -> int:
+        """Decode tokens to expect: max_tokens (capped) for each of the n choices."""
+        n = self.sampling.n if self.sampling.HasField("n") else 1
+        return min(self.sampling.max_tokens, DECODE_ESTIMATE_CAP_TOKENS) * n
 
     def predicted_cached_tokens(self, replica_id: str, block_size: int) -> int:
         """What the replica should reuse: matched blocks, never the prompt's last block."""
@@ -57,8 +68,10 @@ class Decider:
         limits: RouterLimits,
         default_policy: str = "prefix",
         lookup_timeout_s: float = 0.25,
+        defaults: GenerationDefaults | None = None,
     ):
         self.model = model
+        self.defaults = defaults or GenerationDefaults()
         self.tokenizer = tokenizer
         self.index = index
         self.registry = registry
@@ -78,26 +91,22 @@ class Decider:
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
 
-    async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], int, str]:
-        """(prompt ids, max_tokens, policy name) or InvalidRequest with the reason."""
+    async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], pb.SamplingParams, str]:
+        """(prompt ids, resolved sampling, policy name) or InvalidRequest with the reason."""
         ids = await self.prompt_ids(request)
         try:
-            params = sampling_from_proto(request.sampling)
             policy = self.policy(request.policy or self.default_policy).name
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        max_prompt = self.limits.max_prompt_tokens or self.model.max_model_len - 1
-        if len(ids) > max_prompt:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens, the limit is {max_prompt}")
-        ceiling = self.limits.max_tokens or self.model.max_model_len - 1
-        if params.max_tokens > ceiling:
-            raise InvalidRequest(f"max_tokens {params.max_tokens} is above the limit {ceiling}")
-        if len(ids) + params.max_tokens > self.model.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.model.max_model_len})"
-            )
-        return ids, params.max_tokens, policy
+        sampling, _ = admit(
+            request,
+            len(ids),
+            self.model,
+            self.defaults,
+            self.limits.max_prompt_tokens,
+            self.limits.max_tokens,
+        )
+        return ids, sampling, policy
 
     async def lookup(self, hashes: list[int]) -> dict[str, int]:
         """Index matches, or {} when Redis is away or slow (logged once per outage)."""
@@ -118,7 +127,7 @@ class Decider:
 
     async def decide(self, request: pb.GenerateRequest) -> Decision:
         start = time.perf_counter()
-        ids, max_tokens, policy_name = await self.validate(request)
+        ids, sampling, policy_name = await self.validate(request)
         hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
         if not self.registry.live():
             raise Unavailable("no live replica")
@@ -128,9 +137,10 @@ class Decider:
         states = self.registry.states(matched)
         if not states:
             raise Unavailable("no live replica")
-        route = RouteRequest(ids, hashes, max_tokens, request.affinity_key)
-        ranked = self.policy(policy_name).rank(route, states)
-        elapsed = time.perf_counter() - start
-        self.metrics.decision.observe(elapsed)
         request_id = request.request_id or uuid.uuid4().hex
-        return Decision(request_id, ids, hashes, max_tokens, ranked, matched, policy_name, elapsed)
+        decision = Decision(request_id, ids, hashes, sampling, [], matched, policy_name, 0.0)
+        route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
+        decision.ranked = self.policy(policy_name).rank(route, states)
+        decision.decision_s = time.perf_counter() - start
+        self.metrics.decision.observe(decision.decision_s)
+        return decision

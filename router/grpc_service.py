@@ -5,6 +5,7 @@ It serves from the moment the router listens; until the router has its core (blo
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -19,6 +20,20 @@ class RouterService(pb_grpc.RouterServicer):
     def __init__(self, core: RouterCore | None, effective_config: str = "{}"):
         self.core = core  # set by the router process once the model's block size is known
         self.effective_config = effective_config  # JSON, secrets left out
+        self._streams: set[asyncio.Task] = set()  # Generate calls in flight
+        self._cut_off = False
+
+    async def cut_off(self, wait_s: float = 1.0) -> None:
+        """End every Generate still running with UNAVAILABLE (the drain ran out of time).
+
+        Left to the server's stop, they would end as CANCELLED, which clients read as their
+        own cancellation rather than as "retry elsewhere"."""
+        self._cut_off = True
+        for task in self._streams:
+            task.cancel()
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while self._streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
         if self.core is None:
@@ -30,11 +45,21 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         core = await self._ready(context)
+        task = asyncio.current_task()
+        self._streams.add(task)
         try:
             async for response in core.generate(request, timeout=context.time_remaining()):
                 yield response
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
+        except asyncio.CancelledError:
+            if not self._cut_off:
+                raise  # the client went away
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "router shut down before the request finished (drain timeout)"
+            )
+        finally:
+            self._streams.discard(task)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         core = await self._ready(context)

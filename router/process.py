@@ -23,7 +23,6 @@ from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai_app import build_app
 from kvmesh.serving.options import effective_config
-from kvmesh.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,8 @@ class RouterServer:
             raise ValueError("the router needs the prefix index's redis_url")
         self.config = config
         self.model_id = config.model_id or Path(config.model_dir).resolve().name
-        has_tokenizer = (Path(config.model_dir) / "tokenizer.json").is_file()
-        self.tokenizer = PromptTokenizer(config.model_dir) if has_tokenizer else None
+        self.tokenizer = config.api.load_tokenizer(config.model_dir)
+        self.defaults = config.api.load_defaults(config.model_dir)
         # With block size "auto" the model's hash namespace is known once a replica stored it.
         self.model = self._model_info(config.block_size) if config.block_size else None
         seed = self.model.hash_seed if self.model else None
@@ -48,7 +47,9 @@ class RouterServer:
 
     def _model_info(self, block_size: int) -> ModelInfo:
         c = self.config
-        return ModelInfo.from_folder(c.model_dir, self.model_id, block_size, c.max_model_len)
+        return ModelInfo.from_folder(
+            c.model_dir, self.model_id, block_size, c.max_model_len, c.api.served_model_name
+        )
 
     @property
     def address(self) -> str:
@@ -82,6 +83,7 @@ class RouterServer:
             self.config.policy,
             speculative_ttl_s=self.config.speculative_ttl_s,
             limits=self.config.limits,
+            defaults=self.defaults,
         )
         self.service.core = self.core
         self.registry.on_change(self._health_follows)
@@ -153,7 +155,8 @@ class RouterServer:
             deadline = asyncio.get_running_loop().time() + grace
             while self.core and self.core.active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
-            await self.grpc.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
+            await self.service.cut_off()
+            await self.grpc.stop(0)
         if self.http:
             await self.http.stop(grace)
         await self.registry.stop()

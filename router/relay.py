@@ -65,13 +65,13 @@ class Relay:
         self.inflight: dict[str, str] = {}  # request id -> replica id, for Abort
 
     async def stream(
-        self, request: pb.GenerateRequest, decision: Decision, started: float, timeout: float | None
+        self, decision: Decision, started: float, timeout: float | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The replica's responses, the prediction added to ``Complete``. Raises ServingError."""
         upstream = pb.GenerateRequest(
             request_id=decision.request_id,
             token_ids=pb.TokenIds(ids=decision.token_ids),
-            sampling=request.sampling,
+            sampling=decision.sampling,
         )
         targets = failover_targets(decision.ranked)
         for attempt, replica_id in enumerate(targets):
@@ -115,7 +115,7 @@ class Relay:
                 if not streamed:
                     streamed = True
                     self._first_response(entry, work, started)
-                if response.WhichOneof("kind") == "complete":
+                if response.WhichOneof("kind") == "complete" and response.complete.index == 0:
                     self._complete(decision, entry.record.replica_id, response.complete)
                 yield response
         except asyncio.CancelledError:
@@ -137,7 +137,9 @@ class Relay:
     def _begin(self, entry: ReplicaEntry, decision: Decision) -> RequestWork:
         """The replica owes this request its prefill and decode; it will hold the prompt's blocks."""
         matched = decision.matched.get(entry.record.replica_id, 0)
-        work = RequestWork.estimate(len(decision.block_hashes), matched, decision.max_tokens, self.block_size)
+        work = RequestWork.estimate(
+            len(decision.block_hashes), matched, decision.decode_estimate, self.block_size
+        )
         self.registry.begin(entry, work)
         self.overlay.record(entry.record.replica_id, decision.block_hashes)
         self.inflight[decision.request_id] = entry.record.replica_id
@@ -149,7 +151,8 @@ class Relay:
         self.metrics.decisions.labels(entry.record.replica_id).inc()
 
     def _complete(self, decision: Decision, replica_id: str, complete: pb.Complete) -> None:
-        """Predicted next to actual reuse: index accuracy, per request and in the metrics."""
+        """Predicted next to actual reuse: index accuracy, per request and in the metrics
+        (the first choice's: the others of an n > 1 request reuse its prefill)."""
         predicted = decision.predicted_cached_tokens(replica_id, self.block_size)
         complete.predicted_cached_tokens = predicted
         complete.router_decision_us = int(decision.decision_s * 1e6)

@@ -11,6 +11,10 @@ class ServingError(Exception):
     grpc_code = grpc.StatusCode.INTERNAL
     http_status = 500
 
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the request field at fault, when one is (OpenAI's error "param")
+
 
 class InvalidRequest(ServingError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT

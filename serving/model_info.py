@@ -16,10 +16,20 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     hash_seed: int
+    served_model_name: str | None = None  # the name in the API, when not the model id
+
+    @property
+    def api_name(self) -> str:
+        return self.served_model_name or self.model_id
 
     @classmethod
     def from_folder(
-        cls, model_dir: str | Path, model_id: str | None, block_size: int, max_model_len: int | None
+        cls,
+        model_dir: str | Path,
+        model_id: str | None,
+        block_size: int,
+        max_model_len: int | None,
+        served_model_name: str | None = None,
     ) -> ModelInfo:
         """From a model folder's ``config.json`` alone (no weights, no torch): the router's view.
 
@@ -37,4 +47,5 @@ class ModelInfo:
             max_model_len=max_model_len or hf.get("max_position_embeddings") or 4096,
             vocab_size=hf["vocab_size"],
             hash_seed=namespace_seed(model_id, block_size),
+            served_model_name=served_model_name,
         )

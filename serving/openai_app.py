@@ -1,13 +1,16 @@
 """OpenAI-compatible HTTP front end (FastAPI), served by the router and by every replica.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``,
-vLLM-style ``/tokenize`` and ``/v1[/chat]/completions/render``, SGLang-style
-``/server_info``, ``/health`` (503 until ready) and ``/metrics`` (Prometheus), over
-any ``OpenAIBackend``: the router's RouterCore or a replica's own engine, so the same code
-(and the same error mapping) fronts both, and third-party routers (sglang-router,
-vllm-router) can front the replicas too. Errors use OpenAI's shape
-``{"error": {"message", "type", "code"}}``: 400 for bad input, 404 for an unknown model,
-429 when overloaded, 503 when nothing can serve.
+vLLM-style ``/tokenize``, ``/detokenize``, ``/version`` and
+``/v1[/chat]/completions/render``, SGLang-style ``/server_info``, ``/health`` (503 until
+ready) and ``/metrics`` (Prometheus), over any ``OpenAIBackend``: the router's RouterCore or
+a replica's own engine, so the same code (and the same error mapping) fronts both, and
+third-party routers (sglang-router, vllm-router) can front the replicas too.
+
+Which request fields are honoured is ``openai_protocol.FIELD_RULES``. Every error, in a body
+or in band in a stream, is OpenAI's ``{"error": {"message", "type", "param", "code"}}``:
+400 for bad input (``param`` names the field), 401 without the token, 404 for an unknown
+model or path, 413 for an oversized body, 429 when overloaded, 503 when nothing can serve.
 """
 
 from __future__ import annotations
@@ -22,73 +25,37 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException
 
 from kvmesh.protos import pb
 from kvmesh.serving.auth import token_matches
 from kvmesh.serving.errors import InvalidRequest, ServingError
 from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.openai_convert import Plan, chat_plan, completion_plan, set_chat, set_token_ids
+from kvmesh.serving.openai_format import Echo, ResponseBuilder, TokenNames
+from kvmesh.serving.openai_protocol import (
+    FIELD_RULES,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeRequest,
+)
+from kvmesh.serving.streams import merge
+from kvmesh.serving.tokenizer import PromptTokenizer
 
 _VERSION = version("kvmesh")
-
-
-class _Sampling(BaseModel):
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-    user: str | None = None  # used as the session affinity key
-    policy: str | None = None  # kvmesh extension: per-request routing policy
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-
-
-class _ContentPart(BaseModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[_ContentPart]
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, content: str | list[_ContentPart]) -> str:
-        """OpenAI content parts (what guidellm's chat mode sends) join into one string."""
-        if isinstance(content, str):
-            return content
-        if any(part.type != "text" or part.text is None for part in content):
-            raise ValueError("only text content parts are supported")
-        return "".join(part.text for part in content)
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # accepted for vLLM compatibility; the tokenizer's default applies
+_FIELDS = frozenset(rule.name for rule in FIELD_RULES) | {"top_logprobs", "tokens"}
+# An oversized body is read (and dropped) up to this much, so the client gets its 413
+# instead of a connection reset; beyond it the connection is simply closed.
+_DRAIN_LIMIT_BYTES = 64 << 20
 
 
 class OpenAIBackend(Protocol):
     """What the front end serves from (the router's RouterCore, or a replica's EngineBackend)."""
 
     model: ModelInfo
+    tokenizer: PromptTokenizer | None
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]: ...
 
@@ -101,74 +68,31 @@ class _UnknownModel(ServingError):
     http_status = 404
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": kind, "code": status}}
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "service_unavailable"
     )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param))
+
+
+def _param_of(exc: ServingError) -> str | None:
+    """The field an error is about: its own, else the request field its message starts with."""
+    if exc.param or exc.http_status != 400:
+        return exc.param
+    message = str(exc)
+    if message.startswith("replica error ("):
+        message = message.split("): ", 1)[-1]
+    word = message.replace(":", " ").split(" ", 1)[0]
+    return word if word in _FIELDS else None
 
 
 def _check_model(name: str | None, model: ModelInfo) -> None:
-    if name not in (None, "", model.model_id):
-        raise _UnknownModel(f"model {name!r} is not served here; this server serves {model.model_id!r}")
-
-
-def _check_ids(name: str, ids) -> None:
-    if isinstance(ids, list) and any(not 0 <= t < 2**32 for t in ids):
-        raise InvalidRequest(f"{name}: token ids must be in [0, 2**32)")
-
-
-def _set_prompt(
-    request: pb.GenerateRequest, prompt: str | list[int] | None, messages: list[ChatMessage] | None
-) -> None:
-    """Chat messages, text or (checked) token ids, whichever the body has."""
-    if messages:
-        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in messages)
-    elif isinstance(prompt, str):
-        request.text = prompt
-    elif prompt is not None:
-        _check_ids("prompt", prompt)
-        request.token_ids.ids.extend(prompt)
-    else:
-        raise InvalidRequest("set prompt or messages")
-
-
-def _to_proto(body: _Sampling, model: ModelInfo) -> pb.GenerateRequest:
-    if body.n != 1:
-        raise InvalidRequest("only n=1 is supported")
-    _check_model(body.model, model)
-    request = pb.GenerateRequest(policy=body.policy or "", affinity_key=body.user or "")
-    _set_prompt(request, getattr(body, "prompt", None), getattr(body, "messages", None))
-    _check_ids("stop_token_ids", body.stop_token_ids)
-    sampling = request.sampling
-    sampling.ignore_eos = body.ignore_eos
-    sampling.stop_token_ids.extend(body.stop_token_ids or [])
-    sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    for name, value in (
-        ("temperature", body.temperature),
-        ("top_p", body.top_p),
-        ("top_k", body.top_k),
-        ("seed", body.seed),
-        ("max_tokens", max_tokens),
-    ):
-        if value is not None:
-            if name in ("top_k", "seed", "max_tokens") and value < 0:
-                raise InvalidRequest(f"{name} must be non-negative, got {value}")
-            try:
-                setattr(sampling, name, value)
-            except (ValueError, TypeError, OverflowError):
-                raise InvalidRequest(f"{name} {value!r} is out of range") from None
-    return request
-
-
-def _usage(complete: pb.Complete) -> dict:
-    u = complete.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
+    if name not in (None, "", model.api_name, model.model_id):
+        raise _UnknownModel(f"model {name!r} is not served here; this server serves {model.api_name!r}")
 
 
 def build_app(
@@ -180,7 +104,8 @@ def build_app(
 ) -> FastAPI:
     """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
-    model = backend.model.model_id
+    model = backend.model.api_name
+    names = TokenNames(backend.tokenizer)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if auth_token:
 
@@ -190,22 +115,25 @@ def build_app(
                 request.headers.get("authorization"), auth_token
             ):
                 return await call_next(request)
-            return _error(
-                401,
-                "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
-                "authentication_error",
-            )
+            return _error(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error")
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return _error(
+            400, f"{'.'.join(where)}: {first.get('msg', 'invalid request')}", where[0] if where else None
+        )
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 400:  # FastAPI could not parse the body (not UTF-8, say)
+            return _error(400, f"the request body is not valid UTF-8 JSON ({exc.detail})")
+        return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(ServingError)
-    async def _router_error(request: Request, exc: ServingError):
-        kind = "invalid_request_error" if exc.http_status < 500 else "service_unavailable"
-        return _error(exc.http_status, str(exc), kind)
+    async def _serving_error(request: Request, exc: ServingError):
+        return _error(exc.http_status, str(exc), _param_of(exc))
 
     @app.get("/health")
     async def health_check():
@@ -216,6 +144,10 @@ def build_app(
     async def metrics():
         return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def server_version():
+        return {"version": _VERSION}
+
     @app.get("/v1/models")
     async def models():
         card = {
@@ -223,6 +155,7 @@ def build_app(
             "object": "model",
             "created": 0,
             "owned_by": "kvmesh",
+            "root": backend.model.model_id,
             "max_model_len": backend.model.max_model_len,
         }
         return {"object": "list", "data": [card]}
@@ -240,68 +173,94 @@ def build_app(
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest):
-        return [{"token_ids": await backend.prompt_ids(_to_proto(body, backend.model))}]
+        _check_model(body.model, backend.model)
+        plan = completion_plan(body, backend.tokenizer)
+        return [{"token_ids": await backend.prompt_ids(r)} for r in plan.requests]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatRequest):
         """vLLM's render shape: vllm-router's cache_aware policy asks every worker for it."""
-        return [{"token_ids": await backend.prompt_ids(_to_proto(body, backend.model))}]
+        _check_model(body.model, backend.model)
+        return [{"token_ids": await backend.prompt_ids(chat_plan(body).requests[0])}]
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         _check_model(body.model, backend.model)
         request = pb.GenerateRequest()
-        _set_prompt(request, body.prompt, body.messages)
+        if body.messages:
+            set_chat(request.chat, body.messages, body.tools, body.chat_template_kwargs)
+            request.chat.add_generation_prompt = body.add_generation_prompt
+            request.chat.continue_final_message = body.continue_final_message
+        elif isinstance(body.prompt, str) and not body.add_special_tokens and backend.tokenizer:
+            request.token_ids.ids.extend(backend.tokenizer.encode(body.prompt, add_special_tokens=False))
+        elif isinstance(body.prompt, str):
+            request.text = body.prompt
+        elif body.prompt is not None:
+            set_token_ids(request, body.prompt, "prompt")
+        else:
+            raise InvalidRequest("set prompt or messages", param="prompt")
         tokens = await backend.prompt_ids(request)
-        return {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
+        reply = {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            reply["token_strs"] = names(tokens)
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model, backend.model)
+        if backend.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer", param="tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < backend.model.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
+        return {"prompt": backend.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        return await _serve(body, chat=False)
+        body.check_supported()
+        _check_model(body.model, backend.model)
+        plan = completion_plan(body, backend.tokenizer)
+        echoes = await _echoes(body, plan) if plan.echo_prompt else None
+        return await _serve(body, plan, False, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
-        return await _serve(body, chat=True)
+        body.check_supported()
+        _check_model(body.model, backend.model)
+        return await _serve(body, chat_plan(body), True, None)
 
-    async def _serve(body: _Sampling, chat: bool):
-        stream = backend.generate(_to_proto(body, backend.model))
-        first = await anext(stream)  # routing errors surface here, before any header is sent
-        prefix = "chatcmpl" if chat else "cmpl"
-        rid = f"{prefix}-{first.request_id}"
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = _sse(first, stream, rid, created, model, chat, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
-        text, complete = [], None
-        async for response in _chain(first, stream):
-            if response.WhichOneof("kind") == "chunk":
-                text.append(response.chunk.text)
+    async def _echoes(body: CompletionRequest, plan: Plan) -> list[Echo]:
+        """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
+        echoes = []
+        for prompt, request in zip(body.prompts(), plan.requests, strict=True):
+            ids = await backend.prompt_ids(request) if plan.logprobs is not None else None
+            if isinstance(prompt, str):
+                echoes.append(Echo(prompt, ids))
+            elif backend.tokenizer is None:
+                raise InvalidRequest("echo of token ids needs a tokenizer; this model has none", param="echo")
             else:
-                complete = response.complete
-        choice = {"index": 0, "finish_reason": complete.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": _usage(complete),
-            "kvmesh": {
-                "replica_id": complete.replica_id,
-                "predicted_cached_tokens": complete.predicted_cached_tokens,
-            },
-        }
+                echoes.append(Echo(backend.tokenizer.decode(prompt), ids))
+        return echoes
+
+    async def _serve(body: CompletionRequest | ChatRequest, plan: Plan, chat: bool, echoes):
+        streams = [backend.generate(r) for r in plan.requests]
+        responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
+        first = await anext(responses)  # routing errors surface here, before any header is sent
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
+        token_names = TokenNames(None) if body.return_tokens_as_token_ids else names
+        builder = ResponseBuilder(plan, chat, model, token_names, rid, int(time.time()), echoes)
+        if body.stream:
+            events = _sse(builder, first, responses, body.stream_options or StreamOptions())
+            return StreamingResponse(events, media_type="text/event-stream")
+        async for prompt, response in _chain(first, responses):
+            builder.add(prompt, response)
+        return builder.body()
 
     return app
 
 
 class _BodyLimit:
-    """Refuses request bodies over ``max_bytes`` with 413, without reading them into memory."""
+    """Refuses request bodies over ``max_bytes`` with 413, without keeping them in memory."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -311,7 +270,7 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(scope, receive, send)
         seen = 0
 
@@ -329,7 +288,15 @@ class _BodyLimit:
             await self._too_large(scope, receive, send)
 
     async def _too_large(self, scope, receive, send):
-        response = _error(413, f"request body over {self.max_bytes} bytes", "invalid_request_error")
+        """Read the rest of the body first: a server that answers and closes while the client
+        is still sending makes the client see a reset, not the 413."""
+        drained = 0
+        while drained < _DRAIN_LIMIT_BYTES:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        response = _error(413, f"request body over {self.max_bytes} bytes")
         await response(scope, receive, send)
 
 
@@ -337,37 +304,33 @@ class _TooLarge(Exception):
     pass
 
 
-async def _chain(first: pb.GenerateResponse, rest: AsyncIterator[pb.GenerateResponse]):
+async def _tagged(stream: AsyncIterator[pb.GenerateResponse]):
+    async for response in stream:
+        yield 0, response
+
+
+async def _chain(first, rest: AsyncIterator):
     yield first
-    async for response in rest:
-        yield response
+    async for item in rest:
+        yield item
 
 
-async def _sse(first, rest, rid: str, created: int, model: str, chat: bool, include_usage: bool):
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choices: list, usage: dict | None = None) -> str:
-        payload = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
-        if usage is not None:
-            payload["usage"] = usage
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    def choice(text: str, finish: str | None, role: bool = False) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": text} if role else {"content": text}
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
+async def _sse(builder: ResponseBuilder, first, rest: AsyncIterator, options: StreamOptions):
     try:
-        if chat:
-            yield event([choice("", None, role=True)])
-        async for response in _chain(first, rest):
-            if response.WhichOneof("kind") == "chunk":
-                yield event([choice(response.chunk.text, None)])
-            else:
-                yield event([choice("", response.complete.finish_reason)])
-                if include_usage:
-                    yield event([], _usage(response.complete))
-    except ServingError as exc:  # the replica failed mid-stream: tell the client, in band
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'code': exc.http_status}})}\n\n"
+        for event in builder.opening_events():
+            yield event
+        async for prompt, response in _chain(first, rest):
+            delta = builder.add(prompt, response)
+            text = delta["text"] if "text" in delta else delta["delta"].get("content")
+            shows = text or delta["logprobs"] or delta["finish_reason"]
+            if shows:
+                usage = builder.running_usage(delta["index"]) if options.continuous_usage_stats else None
+                yield builder.event([delta], usage)
+        if options.include_usage:
+            yield builder.event([], builder.openai_usage())
+    except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
+        body = error_body(exc.http_status, str(exc), _param_of(exc))
+        yield f"data: {json.dumps(body)}\n\n"
+    finally:
+        await rest.aclose()
     yield "data: [DONE]\n\n"

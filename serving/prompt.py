@@ -4,6 +4,9 @@ so both tokenize (and therefore hash) every input kind the same way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from typing import Any
 
 from kvmesh.protos import pb
 from kvmesh.serving.errors import InvalidRequest
@@ -27,11 +30,12 @@ async def prompt_ids(
     elif tokenizer is None:
         raise InvalidRequest("this model has no tokenizer; send token ids")
     elif kind == "text":
-        ids = await _off_loop(tokenizer.encode, request.text) if request.text else []
+        ids = await _off_loop(len(request.text), tokenizer.encode, request.text) if request.text else []
     else:
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        messages, options = chat_arguments(request.chat)
+        size = sum(len(m.content) for m in request.chat.messages)
         try:
-            ids = await _off_loop(tokenizer.render_chat, messages)
+            ids = await _off_loop(size, lambda: tokenizer.render_chat(messages, **options))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
     if not ids:
@@ -39,8 +43,51 @@ async def prompt_ids(
     return ids
 
 
-async def _off_loop(fn, arg):
+def chat_arguments(chat: pb.ChatMessages) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, renderer options) of a ``kvmesh.v1.ChatMessages``, as transformers takes them."""
+    messages = [_message(m) for m in chat.messages]
+    options: dict[str, Any] = {
+        "tools": _json(chat.tools_json, "tools_json", list),
+        "documents": _json(chat.documents_json, "documents_json", list),
+        "template_kwargs": _json(chat.template_kwargs_json, "template_kwargs_json", dict),
+        "add_generation_prompt": chat.add_generation_prompt
+        if chat.HasField("add_generation_prompt")
+        else True,
+        "continue_final_message": chat.continue_final_message,
+    }
+    return messages, options
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls_json:
+        calls = _json(m.tool_calls_json, "tool_calls_json", list)
+        for call in calls:  # templates expect arguments as an object, OpenAI sends a JSON string
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                with contextlib.suppress(ValueError):  # not JSON: the template gets the string
+                    function["arguments"] = json.loads(function["arguments"])
+        message["tool_calls"] = calls
+    return message
+
+
+def _json(text: str, name: str, kind: type):
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"{name} must be a JSON {'list' if kind is list else 'object'}")
+    return value
+
+
+async def _off_loop(size: int, fn, *args):
     """Tokenize long inputs in a thread (the tokenizer releases the GIL) so one long prompt
     does not stall every other stream; short ones inline (cheaper)."""
-    size = len(arg) if isinstance(arg, str) else sum(len(m["content"]) for m in arg)
-    return await asyncio.to_thread(fn, arg) if size > _INLINE_TOKENIZE_CHARS else fn(arg)
+    return await asyncio.to_thread(fn, *args) if size > _INLINE_TOKENIZE_CHARS else fn(*args)

@@ -109,6 +109,12 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
 
 
+_OPTIONAL_FIELDS = (
+    "temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_p", "min_tokens", "logprobs", "prompt_logprobs", "n",
+)  # fmt: skip
+
+
 def sampling_from_proto(p) -> SamplingParams:
     """``kvmesh.v1.SamplingParams`` -> SamplingParams; unset optional fields keep the defaults.
 
@@ -118,8 +124,9 @@ def sampling_from_proto(p) -> SamplingParams:
         "ignore_eos": p.ignore_eos,
         "stop": list(p.stop),
         "stop_token_ids": list(p.stop_token_ids),
+        "logit_bias": dict(p.logit_bias),
     }
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+    for name in _OPTIONAL_FIELDS:
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
     return SamplingParams(**kwargs)

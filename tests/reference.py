@@ -18,6 +18,14 @@ def _hf_model(model_dir: str):
     return model
 
 
+@functools.cache
+def hf_log_softmax(model_dir: str, ids: tuple[int, ...]) -> torch.Tensor:
+    """Row i: the model's log-probabilities for the token after ``ids[: i + 1]`` (fp32)."""
+    with torch.inference_mode():
+        logits = _hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(dim=-1)
+
+
 def hf_greedy(model_dir, prompt_ids: list[int], n: int = MAX_NEW) -> list[int]:
     config = GenerationConfig(do_sample=False, max_new_tokens=n, pad_token_id=0)
     ids = torch.tensor([prompt_ids])

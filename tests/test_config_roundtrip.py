@@ -60,6 +60,8 @@ VALUES = {
     "seed": ("5", 5),
     "attention-backend": ("torch", "torch"),
     "check-invariants": (None, True),
+    "served-model-name": ("roundtrip-served", "roundtrip-served"),
+    "generation-config": ("vllm", "vllm"),
 }
 # Flags the round trip cannot vary here, and why.
 NOT_VARIED = {
@@ -73,7 +75,10 @@ NOT_VARIED = {
 }
 
 
-PER_RUN = {"model", "redis-url", "port", "http-port", "tls-cert", "tls-key", "tls-ca", "api-key-file"}
+PER_RUN = {
+    "model", "redis-url", "port", "http-port", "tls-cert", "tls-key", "tls-ca", "api-key-file",
+    "tokenizer", "chat-template",
+}  # fmt: skip
 
 
 def per_run_values(pki, qwen3_dir, redis_url: str, token_file: str) -> dict[str, tuple]:
@@ -89,6 +94,8 @@ def per_run_values(pki, qwen3_dir, redis_url: str, token_file: str) -> dict[str,
         "tls-key": (key, key),
         "tls-ca": (pki["ca"], pki["ca"]),
         "api-key-file": (token_file, token_file),
+        "tokenizer": (str(qwen3_dir), str(qwen3_dir)),
+        "chat-template": (str(qwen3_dir / "chat_template.jinja"), str(qwen3_dir / "chat_template.jinja")),
     }
 
 

@@ -155,7 +155,12 @@ async def test_abort_through_the_router(cluster):
         (pb.GenerateRequest(), "no input"),
         (pb.GenerateRequest(text=""), "prompt is empty"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 10**6])), "outside the vocabulary"),
-        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 4090)), "exceeds max_model_len"),
+        (
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5] * 4090), sampling=pb.SamplingParams(max_tokens=16)
+            ),
+            "exceeds max_model_len",
+        ),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-2)), "temperature"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), "top_p"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),

@@ -216,6 +216,22 @@ async def test_router_restart_under_load(cluster, qwen3_dir):
     assert errors <= {"UNAVAILABLE"}, results  # clean errors while it was down
 
 
+async def test_a_stream_cut_off_by_the_drain_timeout_is_unavailable(cluster, qwen3_dir):
+    """A request still streaming when the router's drain time runs out ends UNAVAILABLE (retry
+    elsewhere), not CANCELLED (which a client reads as its own cancellation)."""
+    router = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1))
+    await router.start()
+    await eventually(lambda: _sees(router, 3))
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        long = asyncio.create_task(tracked(channel, request(4000, max_tokens=3000)))
+        await eventually(lambda: asyncio.sleep(0, result=router.core.active == 1))
+        await asyncio.sleep(0.3)  # streaming by now
+        await router.stop(grace=0.2)
+        result = await long
+    assert result["code"] == "UNAVAILABLE" and "drain timeout" in result["details"], result
+    assert result["chunks"] > 0
+
+
 async def _sees(router, n) -> bool:
     await router.registry.refresh()
     return len(router.registry.live()) == n

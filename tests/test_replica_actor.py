@@ -121,7 +121,7 @@ async def test_abort_and_client_cancellation_free_blocks(replica):
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))), "temperature"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
         (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=2)), "top_p"),
-        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=100_000)), "max_model_len"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=100_000)), "above the limit"),
     ],
     ids=["no-input", "empty", "vocab", "negative-temp", "nan-temp", "zero-max", "top-p", "too-long"],
 )

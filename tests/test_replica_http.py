@@ -131,7 +131,7 @@ async def test_peer_router_metadata_and_render(replica, qwen3_dir):
     ("path", "body", "status_code", "needle"),
     [
         ("/v1/completions", {"prompt": [10**6], "max_tokens": 2}, 400, "outside the vocabulary"),
-        ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "max_model_len"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "above the limit"),
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "not served here"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/tokenize", {"model": "x"}, 404, "not served here"),

@@ -2,11 +2,9 @@
 computed with ``transformers`` on the tiny model (fp32, CPU): log-probabilities equal the
 log-softmax of its logits, and every adjustment changes the logits as its formula says."""
 
-import functools
-
 import pytest
 import torch
-from reference import _hf_model, prompts_of_lengths
+from reference import _hf_model, hf_log_softmax, prompts_of_lengths
 
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.request import Request
@@ -19,13 +17,6 @@ PROMPT = prompts_of_lengths([45], salt=3)[0]
 def engine(qwen3_dir):
     # a 24-token budget: the 45-token prompt is computed in chunks
     return LLMEngine(qwen3_dir, num_kv_blocks=128, block_size=16, max_num_batched_tokens=24)
-
-
-@functools.cache
-def hf_log_softmax(model_dir: str, ids: tuple[int, ...]) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = _hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(dim=-1)
 
 
 def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
@@ -60,6 +51,7 @@ def test_prompt_logprobs_cover_the_prompt_and_bypass_the_cache(engine, qwen3_dir
             scored.token_id == PROMPT[pos] and abs(scored.logprob - ref[pos - 1][PROMPT[pos]].item()) < 1e-4
         )
         assert [t for t, _ in scored.top] == ref[pos - 1].topk(2).indices.tolist()
+        assert scored.rank == 1 + int((ref[pos - 1] > ref[pos - 1][PROMPT[pos]]).sum())
     [plain] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))
     assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
 
