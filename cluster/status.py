@@ -15,7 +15,7 @@ from kvmesh.serving.index_connection import connect_redis
 from kvmesh.serving.options import read_env
 
 COLUMNS = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks",
-           "tokens_per_s", "heartbeat_age_s")  # fmt: skip
+           "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause")  # fmt: skip
 
 
 async def from_router(address: str, tls_ca: str | None, timeout: float = 10.0) -> list[dict]:
@@ -35,6 +35,7 @@ async def from_router(address: str, tls_ca: str | None, timeout: float = 10.0) -
     return [{
         "model_id": info.model, "block_size": info.block_size, "router": address, "replicas": replicas,
         "controller": json.loads(listing.controller_state or "{}"),
+        "index_state": listing.index_state, "index_state_cause": listing.index_state_cause,
     }]  # fmt: skip
 
 
@@ -75,8 +76,9 @@ def render(models: list[dict]) -> str:
     lines = []
     for m in models:
         where = f"  router {m['router']}" if "router" in m else ""
+        trust = f"  index {_state(m)}" if m.get("index_state") else ""
         lines.append(
-            f"model {m['model_id']}  block_size {m['block_size']}{where}  replicas live: {len(m['replicas'])}"
+            f"model {m['model_id']}  block_size {m['block_size']}{where}  replicas live: {len(m['replicas'])}{trust}"
         )
         lines.append(
             f"  {'replica':<14}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
@@ -87,6 +89,7 @@ def render(models: list[dict]) -> str:
             lines.append(
                 f"  {r['replica_id']:<14}{r['address']:<22}{r.get('http_address') or '-':<30}{r['incarnation']:>5}"
                 f"{r['num_running']:>5}{r['num_waiting']:>5}{blocks:>19}{r['tokens_per_s']:>8.1f}{r['heartbeat_age_s']:>7.1f}s"
+                + (f"  index {_state(r)}" if r.get("index_state") else "")
             )
         for replica_id, slot in sorted(m["controller"].items()):
             if slot["state"] != "ready":
@@ -95,6 +98,11 @@ def render(models: list[dict]) -> str:
                     f"  {replica_id}: {slot['state']} ({slot['failures']} failed starts{retry}) {slot['error']}"
                 )
     return "\n".join(lines)
+
+
+def _state(row: dict) -> str:
+    cause = row.get("index_state_cause")
+    return f"{row['index_state']} ({cause})" if cause else row["index_state"]
 
 
 def main(address: str, redis_url: str | None, as_json: bool, tls_ca: str | None) -> int:

@@ -15,6 +15,7 @@ event so a remote index can mirror it exactly.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -83,6 +84,10 @@ class BlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.evictions = 0
+        # For telling an index that lags from one that lies: when each block became
+        # hittable, and when recently evicted hashes left (bounded: the last num_blocks).
+        self._stored_at = [0.0] * num_blocks
+        self._evicted_at: OrderedDict[int, float] = OrderedDict()
 
     # ------------------------------------------------------------------ queries
 
@@ -116,6 +121,14 @@ class BlockManager:
             prefix_hit_tokens=self.prefix_hit_tokens,
             evictions=self.evictions,
         )
+
+    def hit_facts(self, seq: Sequence) -> tuple[list[float], float | None]:
+        """For a just-allocated ``seq``: when each block it reused became hittable, and when
+        the first prompt block past them was evicted (None: not recently), both monotonic."""
+        hits = seq.num_cached_tokens // self.block_size
+        stored = [self._stored_at[b] for b in seq.block_table[:hits]]
+        after = seq.block_hashes[hits] if hits < len(seq.block_hashes) else None
+        return stored, self._evicted_at.get(after) if after is not None else None
 
     def fragmentation(self) -> FragmentationReport:
         """Allocated vs reserved tokens over the sequences holding blocks now."""
@@ -201,6 +214,7 @@ class BlockManager:
         if end > len(seq.block_table):
             raise KVCacheError(f"sequence {seq.seq_id} computed tokens beyond its block table")
         self._mutations += 1
+        now = time.monotonic()
         buf = token_buffer(seq.token_ids[start * bs : end * bs])
         hashes = self._content_hashes(seq, end, buf, start)
         step = bs * 4
@@ -226,6 +240,7 @@ class BlockManager:
                 break
             self._table[h] = b
             self._hash[b], self._parent[b], self._tokens[b] = h, parent, tokens
+            self._stored_at[b] = now
             parent = h
         self._emit_stored(run, run_parent)
         seq.num_hashed_blocks = end
@@ -349,6 +364,10 @@ class BlockManager:
             self._drop_hash(b)
             del self._table[h]
             removed.append(h)
+            self._evicted_at[h] = time.monotonic()
+            self._evicted_at.move_to_end(h)
+            if len(self._evicted_at) > self.num_blocks:
+                self._evicted_at.popitem(last=False)
         self._ref[b] = 1
         return b
 

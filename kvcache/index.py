@@ -250,6 +250,12 @@ class PrefixIndex:
         value = await self.client.get(f"{self.ns}controller")
         return value.decode() if value is not None else None
 
+    async def claim_resync(self, replica_id: str, interval_s: float) -> bool:
+        """True for the one router that may ask ``replica_id`` to resync in this interval
+        (every router that sees the index lie about a replica would otherwise ask at once)."""
+        key = f"{self.ns}resync:{replica_id}"
+        return bool(await self.client.set(key, b"1", nx=True, px=max(1, int(interval_s * 1000))))
+
     async def snapshot(self) -> dict[str, set[int]]:
         """Every live replica's hashes, read by SCAN (O(index); for tests and debugging)."""
         live = {str(r.incarnation): r.replica_id for r in await self.live_replicas()}

@@ -9,12 +9,12 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvmesh.protos import pb
 from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from kvmesh.replica.metrics import ReplicaMetrics
-from kvmesh.replica.request import RequestOutput
+from kvmesh.replica.request import PrefixFacts, RequestOutput
 from kvmesh.replica.sampler import TokenLogprob
 from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unavailable
@@ -50,8 +50,9 @@ class EngineBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
-        self.metrics = ReplicaMetrics(engine.stats)
+        self.metrics = ReplicaMetrics(model.api_name, model.max_model_len, engine.stats)
         self._choice_ids: dict[str, list[str]] = {}  # request id -> its choices' engine ids (n > 1)
+        self.incarnation: Callable[[], int] = lambda: 0  # the replica's index incarnation (set by its server)
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
@@ -67,19 +68,17 @@ class EngineBackend:
     async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request; closing the stream (client gone, deadline) aborts it in the engine."""
         started = time.perf_counter()
-        request_id = request.request_id or uuid.uuid4().hex
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex  # the handler's own message: ids its engine requests
         outcome, first = "cancelled", True  # unless it ends otherwise
         try:
             ids = await self.prompt_ids(request)
             _, params = admit(request, len(ids), self.model, self.defaults)
             with _engine_errors():
-                async for response in self._choices(ids, params, request_id):
+                async for response in self._choices(ids, params, request):
                     if first:
                         first = False
                         self.metrics.ttft.observe(time.perf_counter() - started)
-                    if response.WhichOneof("kind") == "complete":
-                        self.metrics.cached_tokens.inc(response.complete.usage.cached_tokens)
-                        self.metrics.finished_prompt_tokens.inc(len(ids))
                     yield response
             outcome = "ok"
         except ServingError as exc:
@@ -87,16 +86,17 @@ class EngineBackend:
             raise
         finally:
             self.metrics.requests.labels(outcome).inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
+            self.metrics.e2e.observe(time.perf_counter() - started)
 
     async def _choices(
-        self, ids: list[int], params: SamplingParams, request_id: str
+        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The n choices' responses, interleaved. Choice 0 runs first; the others start once
         it has produced (its prefill is then in the prefix cache, so they reuse it)."""
         single = dataclasses.replace(params, n=1)
+        request_id = request.request_id
         if params.n == 1:
-            async for response in self._choice(ids, single, request_id, request_id, 0):
+            async for response in self._choice(ids, single, request, request_id, 0):
                 yield response
             return
         engine_ids = [f"{request_id}/{i}" for i in range(params.n)]
@@ -106,7 +106,7 @@ class EngineBackend:
             seeded = (
                 single if params.seed is None else dataclasses.replace(single, seed=(params.seed + i) % 2**64)
             )
-            return self._choice(ids, seeded, request_id, engine_ids[i], i)
+            return self._choice(ids, seeded, request, engine_ids[i], i)
 
         first = choice(0)
         try:
@@ -119,11 +119,19 @@ class EngineBackend:
             self._choice_ids.pop(request_id, None)
 
     async def _choice(
-        self, ids: list[int], params: SamplingParams, request_id: str, engine_id: str, index: int
+        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest, engine_id: str, index: int
     ) -> AsyncIterator[pb.GenerateResponse]:
-        first = True
+        request_id = request.request_id
+        first, last_token_at = True, None
         async with contextlib.aclosing(self.engine.generate(ids, params, engine_id)) as stream:
             async for out in stream:
+                if out.new_token_ids:
+                    now = time.perf_counter()
+                    if last_token_at is not None:  # one sample per token, as vLLM's per step
+                        gap = (now - last_token_at) / len(out.new_token_ids)
+                        for _ in out.new_token_ids:
+                            self.metrics.itl.observe(gap)
+                    last_token_at = now
                 if out.new_token_ids or out.new_text:
                     chunk = pb.Chunk(
                         prompt_tokens=len(ids) if first else 0,
@@ -136,13 +144,32 @@ class EngineBackend:
                     first = False
                     yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
                 if out.finished:
+                    self.metrics.finished(out)
                     complete = pb.Complete(
                         finish_reason=out.finish_reason or "",
                         usage=usage(out),
                         replica_id=self.replica_id,
                         index=index,
+                        incarnation=self.incarnation(),
                     )
+                    if out.prefix is not None:
+                        index_truth(complete, out.prefix, request)
                     yield pb.GenerateResponse(request_id=request_id, complete=complete)
+
+
+def index_truth(complete: pb.Complete, facts: PrefixFacts, request: pb.GenerateRequest) -> None:
+    """What the router needs to tell a lagging index from a lying one (``router/index_truth``)."""
+    if request.first_block_hash and facts.first_block_hash is not None:
+        complete.hash_mismatch = request.first_block_hash != facts.first_block_hash
+    if facts.miss_evicted_at is not None:
+        complete.miss_evicted_age_ms = _age_ms(facts.admitted_at, facts.miss_evicted_at)
+    unpredicted = facts.hit_stored_at[request.predicted_cached_blocks :]
+    if unpredicted:
+        complete.unindexed_hit_age_ms = _age_ms(facts.admitted_at, max(unpredicted))
+
+
+def _age_ms(now: float, then: float) -> int:
+    return min(2**32 - 1, max(0, int((now - then) * 1000)))
 
 
 def _logprobs(scored: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:

@@ -7,7 +7,7 @@ away (cancellation, deadline) aborts its request in the engine, freeing its bloc
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -23,12 +23,14 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         backend: EngineBackend,
         index_state: Callable[[], tuple[int, bool]],
         effective_config: str = "{}",
+        resync: Callable[[str], Awaitable[int]] | None = None,
     ):
         self.backend = backend
         self.effective_config = effective_config  # JSON, secrets left out
         self.engine = backend.engine
         self.replica_id = backend.replica_id
         self.index_state = index_state  # () -> (incarnation, dirty)
+        self.resync = resync  # (reason) -> hashes published
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -50,6 +52,17 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         except KVCacheError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.ResetPrefixCacheResponse()
+
+    async def Resync(self, request: pb.ResyncRequest, context: grpc.aio.ServicerContext) -> pb.ResyncResponse:
+        if self.resync is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica publishes to no index")
+        try:
+            published = await self.resync(request.reason or "asked")
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "resync did not finish in time: is the index reachable?"
+            )
+        return pb.ResyncResponse(num_hashes=published)
 
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -1,71 +1,124 @@
-"""A replica's Prometheus metrics: request outcomes and latency recorded per request, engine
-and KV cache state read from the engine's stats at scrape time (no polling thread)."""
+"""A replica's Prometheus metrics, under vLLM's names where vLLM has one.
+
+Request metrics (TTFT, inter-token latency, end-to-end, queue/prefill/decode/inference
+time, prompt and generation lengths, successes by finish reason) are recorded per request;
+engine and KV cache state (running/waiting, KV usage, prefix cache queries/hits in tokens,
+preemptions) are read from the engine's stats at scrape time, with no polling thread.
+kvmesh's own: requests by outcome (errors included), cached and finished prompt tokens
+(the hit rate `bench peers` reads), the KV pool in blocks, evictions, the index's state.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvmesh.serving.metrics import LATENCY_BUCKETS, ServerMetrics
+from kvmesh.serving.metrics import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    ServerMetrics,
+    token_buckets,
+)
 
 if TYPE_CHECKING:
     from kvmesh.replica.engine import EngineStats
+    from kvmesh.replica.request import RequestOutput
 
 
 class ReplicaMetrics(ServerMetrics):
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
-        super().__init__()
-        r = self.registry
-        self.requests = Counter("kvmesh_replica_requests", "Requests by outcome", ["outcome"], registry=r)
-        self.ttft = Histogram(
-            "kvmesh_replica_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], EngineStats]) -> None:
+        super().__init__(model_name)
+        self.requests = self.counter("kvmesh_replica_requests", "Requests by outcome", ("outcome",))
+        self.success = self.counter(
+            "vllm:request_success", "Finished requests by finish reason", ("finished_reason",)
         )
-        self.latency = Histogram(
-            "kvmesh_replica_request_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        self.ttft = self.histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = self.histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS
         )
-        self.cached_tokens = Counter(
-            "kvmesh_replica_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
+        self.e2e = self.histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            REQUEST_LATENCY_BUCKETS,
         )
-        self.finished_prompt_tokens = Counter(
+        phases = {
+            "queue": "waiting for admission",
+            "prefill": "admission to first token",
+            "decode": "first token to the end",
+            "inference": "admission to the end",
+        }
+        self.phase = {
+            name: self.histogram(f"vllm:request_{name}_time_seconds", f"Time {doc}", REQUEST_LATENCY_BUCKETS)
+            for name, doc in phases.items()
+        }
+        lengths = token_buckets(max_model_len)
+        self.prompt_length = self.histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", lengths
+        )
+        self.generation_length = self.histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", lengths
+        )
+        self.cached_tokens = self.counter(
+            "kvmesh_replica_cached_prompt_tokens", "Prompt tokens served from the prefix cache"
+        )
+        self.finished_prompt_tokens = self.counter(
             "kvmesh_replica_finished_prompt_tokens",
             "Prompt tokens of finished requests (the hit rate's denominator)",
-            registry=r,
         )
-        r.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(model_name, stats))
+
+    def finished(self, out: RequestOutput) -> None:
+        """A request's last output: its success, lengths and phase times."""
+        self.success.labels(out.finish_reason or "abort").inc()
+        self.cached_tokens.inc(out.cached_tokens)
+        self.finished_prompt_tokens.inc(out.prompt_tokens)
+        self.prompt_length.observe(out.prompt_tokens)
+        self.generation_length.observe(out.completion_tokens)
+        t = out.times
+        if t is None:
+            return
+        if t.scheduled is not None:
+            self.phase["queue"].observe(t.scheduled - t.arrival)
+            self.phase["inference"].observe(t.finished - t.scheduled)
+            if t.first_token is not None:
+                self.phase["prefill"].observe(t.first_token - t.scheduled)
+                self.phase["decode"].observe(t.finished - t.first_token)
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
         self.stats = stats
 
     def collect(self):
         s = self.stats()
+        kv = s.kv
+        usage = 1 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0
         gauges = {
-            "kvmesh_replica_running_requests": ("Requests being computed", s.num_running),
-            "kvmesh_replica_waiting_requests": ("Requests queued for admission", s.num_waiting),
-            "kvmesh_replica_kv_blocks": ("KV blocks in the pool", s.kv.num_blocks),
-            "kvmesh_replica_kv_free_blocks": ("KV blocks free (cached or empty)", s.kv.num_free_blocks),
-            "kvmesh_replica_kv_cached_free_blocks": (
-                "Free KV blocks still hittable",
-                s.kv.num_cached_free_blocks,
-            ),
-            "kvmesh_replica_kv_cached_hashes": (
-                "Block hashes a new request could hit",
-                s.kv.num_cached_hashes,
-            ),
-        }
+            "vllm:num_requests_running": ("Requests in the running batch", s.num_running),
+            "vllm:num_requests_waiting": ("Requests waiting for admission", s.num_waiting),
+            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1)", usage),
+            "kvmesh_replica_kv_blocks": ("KV blocks in the pool", kv.num_blocks),
+            "kvmesh_replica_kv_free_blocks": ("KV blocks free (cached or empty)", kv.num_free_blocks),
+            "kvmesh_replica_kv_cached_free_blocks": ("Free KV blocks still hittable", kv.num_cached_free_blocks),
+            "kvmesh_replica_kv_cached_hashes": ("Block hashes a new request could hit", kv.num_cached_hashes),
+        }  # fmt: skip
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
         counters = {
-            "kvmesh_replica_prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens),
-            "kvmesh_replica_generation_tokens": ("Tokens generated", s.generation_tokens),
-            "kvmesh_replica_preemptions": ("Requests preempted for KV space", s.num_preemptions),
-            "kvmesh_replica_prefix_query_tokens": ("Prompt tokens looked up in the prefix cache", s.kv.prefix_query_tokens),
-            "kvmesh_replica_prefix_hit_tokens": ("Prompt tokens found in the prefix cache", s.kv.prefix_hit_tokens),
-            "kvmesh_replica_kv_evictions": ("Cached blocks reused for new data", s.kv.evictions),
+            "vllm:prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens),
+            "vllm:generation_tokens": ("Tokens generated", s.generation_tokens),
+            "vllm:num_preemptions": ("Requests preempted for KV space", s.num_preemptions),
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", kv.prefix_query_tokens),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", kv.prefix_hit_tokens),
+            "kvmesh_replica_kv_evictions": ("Cached blocks reused for new data", kv.evictions),
         }  # fmt: skip
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 
 from kvmesh.protos import pb_grpc
 from kvmesh.replica.async_engine import AsyncLLMEngine
@@ -50,6 +51,7 @@ class ReplicaServer:
         self.address = ""
         self.http_address = ""
         self.draining = False
+        self.started_at = time.time()
 
     async def start(self) -> str:
         """Load the model, serve gRPC, join the index; returns the gRPC address."""
@@ -75,13 +77,17 @@ class ReplicaServer:
             c.api.load_tokenizer(c.model_dir),
             c.api.load_defaults(c.model_dir),
         )
-        service = ReplicaService(backend, self.index_state, json.dumps(effective_config(c)))
+        backend.incarnation = lambda: self.index_state()[0]
+        service = ReplicaService(backend, self.index_state, json.dumps(effective_config(c)), self.resync)
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls
         )
         host = advertised_host(c)
         self.address = f"{host}:{self.grpc.port}"
-        info = {"model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed}
+        info = {
+            "model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed,
+            "process_started_at": self.started_at,  # unlike the incarnation, a resync keeps it
+        }  # fmt: skip
         if c.serves_http:
             app = build_app(backend, self.health, title="kvmesh replica")
             self.http = await start_http_server(app, c.host, c.http_port, c.tls)
@@ -98,6 +104,11 @@ class ReplicaServer:
     def health(self) -> dict:
         """HTTP /health: ok while serving; 503 once draining (routers then stop sending)."""
         return {"status": "draining" if self.draining else "ok", "replica_id": self.config.replica_id}
+
+    async def resync(self, reason: str) -> int:
+        if self.publisher is None:
+            raise TimeoutError("not publishing yet")
+        return await self.publisher.resync(reason)
 
     def index_state(self) -> tuple[int, bool]:
         p = self.publisher

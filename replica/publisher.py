@@ -52,6 +52,7 @@ class IndexPublisher:
         self.incarnation: int | None = None
         self.dirty = True  # the index may not equal the cache: sync before publishing
         self.syncs = 0
+        self.synced_hashes = 0  # hashes the last sync published
         self._buffer: list[KVEvent] = []
         self._last_sync_attempt = 0.0
         self._loops = BackgroundLoops()
@@ -90,7 +91,19 @@ class IndexPublisher:
         if await self.index.publish_all(self.replica_id, incarnation, hashes):
             self.dirty = False
             self.syncs += 1
+            self.synced_hashes = len(hashes)
             log.info("prefix index synced", extra={"incarnation": incarnation, "hashes": len(hashes)})
+
+    async def resync(self, reason: str, timeout_s: float = 10.0) -> int:
+        """Publish the whole cache again under a new incarnation (a router saw the index lie
+        about this replica); returns the hashes published. TimeoutError if Redis is away."""
+        syncs = self.syncs
+        self._mark_dirty(f"asked to resync: {reason}")
+        self._last_sync_attempt = 0.0  # the events loop syncs at its next turn
+        async with asyncio.timeout(timeout_s):
+            while self.syncs == syncs:
+                await asyncio.sleep(0.01)
+        return self.synced_hashes
 
     def _mark_dirty(self, why: str) -> None:
         if not self.dirty:

@@ -23,6 +23,28 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a finished request arrived, was first scheduled, produced its first token and
+    ended (monotonic seconds; a request aborted early may lack the middle ones)."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
+
+
+@dataclass(frozen=True)
+class PrefixFacts:
+    """What the replica's prefix cache held for a request when it was first admitted: the
+    router compares them with its prediction to tell an index that lags from one that lies."""
+
+    first_block_hash: int | None  # the replica's own hash of the prompt's first full block
+    hit_stored_at: tuple[float, ...]  # when each reused block became hittable (monotonic)
+    miss_evicted_at: float | None  # when the first block past the hit was evicted, if lately
+    admitted_at: float
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request (a delta; ``finished`` on the last one)."""
@@ -37,6 +59,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 2.., once, when asked
+    times: RequestTimes | None = None  # on the last output
+    prefix: PrefixFacts | None = None  # on the last output, once admitted
 
 
 class Request(Sequence):
@@ -61,6 +85,9 @@ class Request(Sequence):
         self.cached_prompt_tokens: int | None = None  # prefix hit at first admission
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admission
+        self.prefix_facts: PrefixFacts | None = None  # at first admission
+        self.first_token_time: float | None = None
         self.emitted_tokens = 0  # completion tokens already handed out
         self.logprobs: list[TokenLogprob] = []  # of completion tokens, when asked
         self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1.., when asked
@@ -88,6 +115,8 @@ class Request(Sequence):
             self.prompt_logprobs += logprobs_of(rows, ids, self.params.prompt_logprobs)
 
     def add_token(self, token: int, logprob: TokenLogprob | None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.append_token(token)
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -99,15 +128,23 @@ class Request(Sequence):
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent and new_ids:
             prompt_logprobs, self.prompt_logprobs_sent = list(self.prompt_logprobs), True
         self.emitted_tokens = self.num_completion_tokens
+        finished = self.status is Status.FINISHED
+        times = (
+            RequestTimes(self.arrival_time, self.scheduled_time, self.first_token_time, time.monotonic())
+            if finished
+            else None
+        )
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_ids,
             new_text=new_text,
-            finished=self.status is Status.FINISHED,
+            finished=finished,
             finish_reason=self.finish_reason,
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_completion_tokens,
             cached_tokens=self.cached_prompt_tokens or 0,
             logprobs=new_logprobs,
             prompt_logprobs=prompt_logprobs,
+            times=times,
+            prefix=self.prefix_facts if finished else None,
         )

@@ -12,10 +12,11 @@ usually from its own cached blocks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from kvmesh.kvcache import BlockManager
-from kvmesh.replica.request import Request, Status
+from kvmesh.replica.request import PrefixFacts, Request, Status
 
 
 class Scheduler:
@@ -64,6 +65,10 @@ class Scheduler:
             self.block_manager.allocate(request, num_cached_blocks)
             if request.cached_prompt_tokens is None:
                 request.cached_prompt_tokens = request.num_cached_tokens
+                request.scheduled_time = time.monotonic()
+                stored, evicted = self.block_manager.hit_facts(request)
+                first = request.block_hashes[0] if request.block_hashes else None
+                request.prefix_facts = PrefixFacts(first, tuple(stored), evicted, request.scheduled_time)
             request.status = Status.RUNNING
             self.running.append(request)
             budget -= self._take(request, budget)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.router.index_health import IndexHealthConfig
 from kvmesh.router.policies import POLICIES
 from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.options import option
@@ -61,6 +62,9 @@ class RouterConfig:
     speculative_ttl_s: float = option(2.0, flag="speculative-ttl", help="seconds a speculative entry lives")
     limits: RouterLimits = option(factory=RouterLimits, help="request limits")
     api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
+    index_health: IndexHealthConfig = option(
+        factory=IndexHealthConfig, help="when the router stops trusting the index for a replica"
+    )
     max_message_bytes: int = option(4 << 20, help="largest request accepted (gRPC message, HTTP body)")
     drain_timeout_s: float = option(
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"

@@ -17,6 +17,8 @@ from kvmesh.kvcache.index import PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.decision import Decider, Decision
+from kvmesh.router.index_health import IndexHealthConfig
+from kvmesh.router.index_watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import Relay
@@ -40,18 +42,21 @@ class RouterCore:
         metrics: RouterMetrics | None = None,
         limits: RouterLimits | None = None,
         defaults: GenerationDefaults | None = None,
+        index_health: IndexHealthConfig | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
         self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
-        self.metrics = metrics or RouterMetrics()
+        self.metrics = metrics or RouterMetrics(model.api_name)
         self.limits = limits or RouterLimits()
+        self.watch = IndexWatch(registry, index, self.metrics, model.block_size, index_health)
+        self.metrics.watch_replicas(registry.gauges)
         self.decider = Decider(
             model, tokenizer, index, registry, self.overlay, self.metrics, self.limits,
-            default_policy, lookup_timeout_s, defaults,
+            default_policy, lookup_timeout_s, defaults, self.watch.untrusted,
         )  # fmt: skip
-        self.relay = Relay(registry, self.overlay, self.metrics, model.block_size)
+        self.relay = Relay(registry, self.overlay, self.metrics, model.block_size, self.watch)
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
         self.active = 0  # requests streaming through this router now
 
@@ -100,6 +105,9 @@ class RouterCore:
         if self.active >= self.limits.max_inflight:
             self.metrics.requests.labels(request.policy or self.default_policy, "overloaded").inc()
             raise Overloaded(f"router at its in-flight limit ({self.limits.max_inflight} requests)")
+
+    async def stop(self) -> None:
+        await self.watch.stop()
 
     async def abort(self, request_id: str) -> bool:
         replica_id = self.relay.inflight.get(request_id)

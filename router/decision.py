@@ -7,12 +7,14 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvmesh.kvcache import block_hashes
 from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
+from kvmesh.router.index_truth import Prediction
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import Policy, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
@@ -40,9 +42,12 @@ class Decision:
     block_hashes: list[int]
     sampling: pb.SamplingParams  # every default filled in: what the replica runs
     ranked: list[str]
-    matched: dict[str, int]  # replica -> matched blocks (index + speculative)
+    matched: dict[str, int]  # replica -> blocks the policy saw it hold (trusted index + speculative)
     policy: str
     decision_s: float
+    index_matched: dict[str, int] = field(default_factory=dict)  # what the index said, trusted or not
+    speculative_matched: dict[str, int] = field(default_factory=dict)  # what this router's entries said
+    branch: str = ""  # why the first choice came first
 
     @property
     def decode_estimate(self) -> int:
@@ -50,10 +55,16 @@ class Decision:
         n = self.sampling.n if self.sampling.HasField("n") else 1
         return min(self.sampling.max_tokens, DECODE_ESTIMATE_CAP_TOKENS) * n
 
-    def predicted_cached_tokens(self, replica_id: str, block_size: int) -> int:
-        """What the replica should reuse: matched blocks, never the prompt's last block."""
+    def prediction(self, replica_id: str, incarnation: int, block_size: int) -> Prediction:
+        """What ``replica_id`` should reuse, in blocks (never the prompt's last block, which a
+        replica always computes), with the fleet's best for comparison."""
         lookable = (len(self.token_ids) - 1) // block_size
-        return min(self.matched.get(replica_id, 0), lookable) * block_size
+        index = min(self.index_matched.get(replica_id, 0), lookable)
+        speculative = min(self.speculative_matched.get(replica_id, 0), lookable)
+        best = max((*self.index_matched.values(), *self.speculative_matched.values()), default=0)
+        return Prediction(
+            replica_id, incarnation, min(best, lookable), index, speculative, max(index, speculative)
+        )
 
 
 class Decider:
@@ -69,8 +80,10 @@ class Decider:
         default_policy: str = "prefix",
         lookup_timeout_s: float = 0.25,
         defaults: GenerationDefaults | None = None,
+        untrusted: Callable[[], set[str]] = set,
     ):
         self.model = model
+        self.untrusted = untrusted  # replicas whose index entries the router ignores (LOAD_ONLY)
         self.defaults = defaults or GenerationDefaults()
         self.tokenizer = tokenizer
         self.index = index
@@ -131,16 +144,24 @@ class Decider:
         hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
         if not self.registry.live():
             raise Unavailable("no live replica")
-        matched = await self.lookup(hashes)
-        for rid, depth in self.overlay.matched(hashes).items():
+        index_matched = await self.lookup(hashes)
+        speculative = self.overlay.matched(hashes)
+        untrusted = self.untrusted()
+        matched = {rid: depth for rid, depth in index_matched.items() if rid not in untrusted}
+        for rid, depth in speculative.items():
             matched[rid] = max(matched.get(rid, 0), depth)
         states = self.registry.states(matched)
         if not states:
             raise Unavailable("no live replica")
         request_id = request.request_id or uuid.uuid4().hex
-        decision = Decision(request_id, ids, hashes, sampling, [], matched, policy_name, 0.0)
+        decision = Decision(
+            request_id, ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
+        )
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
-        decision.ranked = self.policy(policy_name).rank(route, states)
+        policy = self.policy(policy_name)
+        decision.ranked = policy.rank(route, states)
+        decision.branch = policy.branch(route, states, decision.ranked[0])
+        self.metrics.branches.labels(policy_name, decision.branch).inc()
         decision.decision_s = time.perf_counter() - start
         self.metrics.decision.observe(decision.decision_s)
         return decision

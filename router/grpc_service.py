@@ -6,6 +6,7 @@ It serves from the moment the router listens; until the router has its core (blo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -27,12 +28,16 @@ class RouterService(pb_grpc.RouterServicer):
         """End every Generate still running with UNAVAILABLE (the drain ran out of time).
 
         Left to the server's stop, they would end as CANCELLED, which clients read as their
-        own cancellation rather than as "retry elsewhere"."""
+        own cancellation rather than as "retry elsewhere". A streaming call ends at its next
+        response; one still waiting for its replica is cancelled there. (Cancelling a call
+        while gRPC writes its response would close the handler before it can set a status.)"""
         self._cut_off = True
-        for task in self._streams:
-            task.cancel()
-        deadline = asyncio.get_running_loop().time() + wait_s
-        while self._streams and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while self._streams and loop.time() < deadline:
+            if loop.time() > deadline - wait_s / 2:
+                for task in self._streams:
+                    task.cancel()
             await asyncio.sleep(0.01)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
@@ -47,19 +52,28 @@ class RouterService(pb_grpc.RouterServicer):
         core = await self._ready(context)
         task = asyncio.current_task()
         self._streams.add(task)
+        cut_off = False
         try:
-            async for response in core.generate(request, timeout=context.time_remaining()):
-                yield response
+            async with contextlib.aclosing(
+                core.generate(request, timeout=context.time_remaining())
+            ) as stream:
+                async for response in stream:
+                    yield response
+                    if self._cut_off:
+                        cut_off = True
+                        break
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
         except asyncio.CancelledError:
             if not self._cut_off:
                 raise  # the client went away
+            cut_off = True
+        finally:
+            self._streams.discard(task)
+        if cut_off:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "router shut down before the request finished (drain timeout)"
             )
-        finally:
-            self._streams.discard(task)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         core = await self._ready(context)
@@ -87,6 +101,7 @@ class RouterService(pb_grpc.RouterServicer):
         replicas = []
         for e in sorted(core.registry.live(), key=lambda e: e.record.replica_id):
             rec = e.record
+            state, cause = core.watch.state(rec.replica_id)
             replicas.append(
                 pb.ReplicaInfo(
                     replica_id=rec.replica_id,
@@ -98,10 +113,15 @@ class RouterService(pb_grpc.RouterServicer):
                     num_blocks=int(rec.load("num_blocks")),
                     tokens_per_s=rec.load("tokens_per_s"),
                     heartbeat_age_s=max(0.0, now - rec.load("heartbeat_at", now)),
+                    index_state=state,
+                    index_state_cause=cause,
                 )
             )
         try:
             controller = await core.registry.index.controller_state() or ""
         except INDEX_ERRORS:  # Redis away: the live replicas are still known
             controller = ""
-        return pb.ListReplicasResponse(replicas=replicas, controller_state=controller)
+        state, cause = core.watch.overall()
+        return pb.ListReplicasResponse(
+            replicas=replicas, controller_state=controller, index_state=state, index_state_cause=cause
+        )

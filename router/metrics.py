@@ -1,52 +1,162 @@
-"""The router's Prometheus metrics (one registry per router, so tests can run several)."""
+"""The router's Prometheus metrics (one registry per router, so tests can run several).
+
+Requests, latency (vLLM's buckets), decisions by replica and by policy branch, the index's
+lookup latency and errors, the index truth (fleet's best, predicted and actual cached
+tokens, the per-request prediction error, misses by cause, resyncs, each replica's trust
+state) and per-replica gauges read from the heartbeats at scrape time (a replica that
+leaves is gone from the next scrape).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar
 
-from kvmesh.serving.metrics import LATENCY_BUCKETS, ServerMetrics
+from prometheus_client.core import GaugeMetricFamily
 
-_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+from kvmesh.router.index_health import STATES
+from kvmesh.serving.metrics import FAST_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, ServerMetrics
+
+# Predicted minus reused blocks: 0 is exact, > 0 the index promised more than was there.
+PREDICTION_ERROR_BUCKETS = (-64, -16, -4, -2, -1, -0.5, 0, 0.5, 1, 2, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class ReplicaGauges:
+    """One live replica as its heartbeat and this router see it."""
+
+    replica_id: str
+    running: float
+    waiting: float
+    kv_usage: float
+    tokens_per_s: float
+    heartbeat_age_s: float
+    inflight: int
 
 
 class RouterMetrics(ServerMetrics):
-    def __init__(self) -> None:
-        super().__init__()
-        r = self.registry
-        self.requests = Counter(
-            "kvmesh_router_requests", "Generate requests by outcome", ["policy", "outcome"], registry=r
+    def __init__(self, model_name: str = "") -> None:
+        super().__init__(model_name)
+        self.requests = self.counter(
+            "kvmesh_router_requests", "Generate requests by outcome", ("policy", "outcome")
         )
-        self.ttft = Histogram(
-            "kvmesh_router_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        self.ttft = self.histogram(
+            "kvmesh_router_time_to_first_token_seconds",
+            "Time to first token through the router",
+            TTFT_BUCKETS,
         )
-        self.latency = Histogram(
-            "kvmesh_router_request_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        self.latency = self.histogram(
+            "kvmesh_router_e2e_request_latency_seconds",
+            "Request latency through the router",
+            REQUEST_LATENCY_BUCKETS,
         )
-        self.decisions = Counter(
-            "kvmesh_router_routing_decisions", "Requests sent, by replica", ["replica"], registry=r
+        self.decisions = self.counter(
+            "kvmesh_router_routing_decisions", "Requests sent, by replica", ("replica",)
         )
-        self.retries = Counter("kvmesh_router_failovers", "Requests retried on another replica", registry=r)
-        self.predicted_cached = Counter(
-            "kvmesh_router_predicted_cached_tokens",
-            "Prompt tokens the router expected to be cached",
-            registry=r,
+        self.branches = self.counter(
+            "kvmesh_router_decision_branches",
+            "Routing decisions by the policy's reason",
+            ("policy", "branch"),
         )
-        self.actual_cached = Counter(
-            "kvmesh_router_actual_cached_tokens", "Prompt tokens the replicas reported cached", registry=r
+        self.retries = self.counter("kvmesh_router_failovers", "Requests retried on another replica")
+        self.fleet_best_cached = self.counter(
+            "kvmesh_router_fleet_best_cached_tokens", "Prompt tokens the best-holding replica had cached"
         )
-        self.prompt_tokens = Counter("kvmesh_router_prompt_tokens", "Prompt tokens routed", registry=r)
-        self.lookup = Histogram(
-            "kvmesh_router_index_lookup_seconds",
-            "Prefix index lookup latency",
-            buckets=_FAST_BUCKETS,
-            registry=r,
+        self.predicted_cached = self.counter(
+            "kvmesh_router_predicted_cached_tokens", "Prompt tokens the router expected to be cached"
         )
-        self.decision = Histogram(
+        self.actual_cached = self.counter(
+            "kvmesh_router_actual_cached_tokens", "Prompt tokens the replicas reported cached"
+        )
+        self.prompt_tokens = self.counter("kvmesh_router_prompt_tokens", "Prompt tokens routed")
+        self.prediction_error = self.histogram(
+            "kvmesh_router_prediction_error_blocks",
+            "Predicted minus reused prefix blocks, per request",
+            PREDICTION_ERROR_BUCKETS,
+        )
+        self.misses = self.counter(
+            "kvmesh_router_prediction_misses",
+            "Requests whose reuse differed from the prediction",
+            ("replica", "cause"),
+        )
+        self.restarts = self.counter(
+            "kvmesh_router_replica_restarts", "Replica processes seen to restart", ("replica",)
+        )
+        self.resyncs = self.counter("kvmesh_router_index_resyncs", "Resyncs asked of a replica", ("replica",))
+        self.replica_index_state = self.gauge(
+            "kvmesh_router_replica_index_state",
+            "1 for the router's trust in a replica's index entries",
+            ("replica", "state"),
+        )
+        self.index_state = self.gauge(
+            "kvmesh_router_index_state", "1 for the router's trust in the index", ("state",)
+        )
+        self.lookup = self.histogram(
+            "kvmesh_router_index_lookup_seconds", "Prefix index lookup latency", FAST_BUCKETS
+        )
+        self.decision = self.histogram(
             "kvmesh_router_decision_seconds",
             "Routing decision: tokenize + hash + lookup + choose",
-            buckets=_FAST_BUCKETS,
-            registry=r,
+            FAST_BUCKETS,
         )
-        self.index_errors = Counter(
-            "kvmesh_router_index_errors", "Lookups that fell back to load only", registry=r
+        self.index_errors = self.counter("kvmesh_router_index_errors", "Lookups that fell back to load only")
+        self.set_overall_state(STATES[0])
+
+    def set_index_state(self, replica_id: str, state: str) -> None:
+        for s in STATES:
+            self.replica_index_state.labels(replica_id, s).set(1 if s == state else 0)
+
+    def set_overall_state(self, state: str) -> None:
+        for s in STATES:
+            self.index_state.labels(s).set(1 if s == state else 0)
+
+    def forget_replica(self, replica_id: str) -> None:
+        """A replica left: its labelled series go (its counters' history stays in Prometheus)."""
+        for s in STATES:
+            with contextlib.suppress(KeyError):
+                self.replica_index_state.remove(replica_id, s)
+
+    def watch_replicas(self, gauges: Callable[[], Iterable[ReplicaGauges]]) -> None:
+        """Per-replica gauges, read from ``gauges()`` at each scrape."""
+        self.registry.register(_ReplicaCollector(self.model_name, gauges))
+
+
+class _ReplicaCollector:
+    FIELDS: ClassVar[dict[str, tuple[str, str]]] = {
+        "running": ("kvmesh_router_replica_running_requests", "Requests running on a replica (its heartbeat)"),
+        "waiting": ("kvmesh_router_replica_waiting_requests", "Requests waiting on a replica (its heartbeat)"),
+        "kv_usage": ("kvmesh_router_replica_kv_cache_usage_perc", "A replica's KV blocks in use, 0-1 (its heartbeat)"),
+        "tokens_per_s": ("kvmesh_router_replica_generation_tokens_per_second", "A replica's decode rate (its heartbeat)"),
+        "heartbeat_age_s": ("kvmesh_router_replica_heartbeat_age_seconds", "Seconds since a replica's last heartbeat"),
+        "inflight": ("kvmesh_router_replica_inflight_requests", "Requests this router has streaming on a replica"),
+    }  # fmt: skip
+
+    def __init__(self, model_name: str, gauges: Callable[[], Iterable[ReplicaGauges]]) -> None:
+        self.model_name = model_name
+        self.gauges = gauges
+
+    def describe(self):
+        return []  # collected lazily: no describe-time read of the registry
+
+    def collect(self):
+        families = {
+            attr: GaugeMetricFamily(name, doc, labels=["model_name", "replica"])
+            for attr, (name, doc) in self.FIELDS.items()
+        }
+        families["live"] = GaugeMetricFamily(
+            "kvmesh_router_live_replicas", "Replicas a request may go to", labels=["model_name"]
         )
+        rows = list(self.gauges())
+        for row in rows:
+            for attr, family in families.items():
+                if attr != "live":
+                    family.add_metric([self.model_name, row.replica_id], getattr(row, attr))
+        families["live"].add_metric([self.model_name], len(rows))
+        yield from families.values()
+
+
+def heartbeat_age(heartbeat_at: float) -> float:
+    return max(0.0, time.time() - heartbeat_at) if heartbeat_at else 0.0

@@ -66,6 +66,10 @@ class Policy(ABC):
     def rank(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         """Replica ids, best first. ``replicas`` is non-empty."""
 
+    def branch(self, request: RouteRequest, replicas: Sequence[ReplicaState], chosen: str) -> str:
+        """Why ``chosen`` came first, for the decisions-by-branch metric."""
+        return "policy_order"
+
 
 class RoundRobin(Policy):
     name = "round_robin"
@@ -175,9 +179,13 @@ class PrefixAware(Policy):
             + self.waiting_weight * r.num_waiting
         )
 
-    def rank(self, request, replicas):
+    def cap(self, replicas: Sequence[ReplicaState]) -> float:
+        """The guard's cap: the fair share of in-flight requests (this one included) times the factor."""
         total = sum(r.inflight_requests for r in replicas)
-        cap = self.hot_spot_factor * (total + 1) / len(replicas) + self.hot_spot_slack
+        return self.hot_spot_factor * (total + 1) / len(replicas) + self.hot_spot_slack
+
+    def rank(self, request, replicas):
+        cap = self.cap(replicas)
         key = (
             request.block_hashes[0].to_bytes(8, "little")
             if request.num_blocks
@@ -194,6 +202,20 @@ class PrefixAware(Policy):
             ),
         )
         return [r.replica_id for r in ordered]
+
+    def branch(self, request, replicas, chosen):
+        """prefix_hit: it holds the deepest prefix; load_fallback: nobody holds any;
+        hot_spot_guard: every deepest holder was over the guard's cap; load_over_prefix:
+        a deeper holder cost more (its queue outweighed the prefill saved)."""
+        depth = {r.replica_id: min(r.matched_blocks, request.num_blocks) for r in replicas}
+        best = max(depth.values())
+        if best == 0:
+            return "load_fallback"
+        if depth[chosen] == best:
+            return "prefix_hit"
+        cap = self.cap(replicas)
+        holders = [r for r in replicas if depth[r.replica_id] == best]
+        return "hot_spot_guard" if all(r.inflight_requests + 1 > cap for r in holders) else "load_over_prefix"
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -84,6 +84,7 @@ class RouterServer:
             speculative_ttl_s=self.config.speculative_ttl_s,
             limits=self.config.limits,
             defaults=self.defaults,
+            index_health=self.config.index_health,
         )
         self.service.core = self.core
         self.registry.on_change(self._health_follows)
@@ -156,8 +157,10 @@ class RouterServer:
             while self.core and self.core.active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             await self.service.cut_off()
-            await self.grpc.stop(0)
+            await self.grpc.stop(1.0)  # a short grace: the cut-off calls' statuses still go out
         if self.http:
             await self.http.stop(grace)
+        if self.core:
+            await self.core.stop()
         await self.registry.stop()
         await self.index.close()

@@ -19,6 +19,7 @@ import grpc
 from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
 from kvmesh.router.load import ReplicaLoad, RequestWork
+from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import ReplicaState
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
@@ -51,7 +52,7 @@ class ReplicaRegistry:
         self.failure_cooldown_s = failure_cooldown_s
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
-        self.index_ok = False
+        self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
         self._loops = BackgroundLoops()
         self._listeners: list = []
 
@@ -81,18 +82,18 @@ class ReplicaRegistry:
         except INDEX_ERRORS as exc:  # Redis away: keep the last known set
             if self.index_ok:
                 log.warning("prefix index unreachable: routing by load only", extra={"error": str(exc)})
-            self.index_ok = False
+            self.index_problem = "index unreachable"
         else:
             if len(records) < len(self.entries) and not await self._index_has_settings():
-                # Redis came back empty (a restart without persistence): replicas are not
-                # dead, they are about to re-register. Keep the last known set meanwhile.
+                # Redis came back empty (a restart without persistence, a FLUSHALL): replicas
+                # are not dead, they are about to re-register. Keep the last known set meanwhile.
                 if self.index_ok:
                     log.warning("prefix index lost its data; replicas are resyncing")
-                self.index_ok = False
+                self.index_problem = "index lost its data"
             else:
                 if not self.index_ok:
                     log.info("prefix index reachable", extra={"replicas": len(records)})
-                self.index_ok = True
+                self.index_problem = ""
                 await self._apply(records)
         for callback in self._listeners:
             await callback(len(self.live()))
@@ -134,6 +135,10 @@ class ReplicaRegistry:
                 await entry.channel.close()
         self._retired = busy
 
+    @property
+    def index_ok(self) -> bool:
+        return not self.index_problem
+
     def live(self) -> list[ReplicaEntry]:
         """Replicas a request may go to now."""
         now = time.monotonic()
@@ -160,6 +165,28 @@ class ReplicaRegistry:
             )
             for e in self.live()
         ]
+
+    def gauges(self) -> list[ReplicaGauges]:
+        """The live replicas' heartbeat load, for the router's per-replica metrics."""
+        rows = []
+        for e in self.live():
+            r = e.record
+            blocks = r.load("num_blocks")
+            usage = 1 - r.load("num_free_blocks") / blocks if blocks else 0.0
+            age = heartbeat_age(r.load("heartbeat_at"))
+            rate = r.load("tokens_per_s")
+            rows.append(
+                ReplicaGauges(
+                    r.replica_id,
+                    r.load("num_running"),
+                    r.load("num_waiting"),
+                    usage,
+                    rate,
+                    age,
+                    e.load.requests,
+                )
+            )
+        return rows
 
     # Load accounting goes to the entry a call started on, which may be retired meanwhile.
     def begin(self, entry: ReplicaEntry, work: RequestWork) -> None:

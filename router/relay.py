@@ -17,6 +17,8 @@ import grpc
 
 from kvmesh.protos import pb
 from kvmesh.router.decision import Decision
+from kvmesh.router.index_truth import Prediction
+from kvmesh.router.index_watch import IndexWatch
 from kvmesh.router.load import RequestWork
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaEntry, ReplicaRegistry
@@ -57,7 +59,9 @@ class Relay:
         overlay: SpeculativeOverlay,
         metrics: RouterMetrics,
         block_size: int,
+        watch: IndexWatch | None = None,
     ):
+        self.watch = watch  # checks each prediction against the replica's answer
         self.registry = registry
         self.overlay = overlay
         self.metrics = metrics
@@ -94,6 +98,7 @@ class Relay:
                 if failed.streamed or failed.code not in RETRYABLE_CODES or last:
                     raise upstream_error(failed.code, failed.details) from None
                 self.metrics.retries.inc()
+                self.metrics.branches.labels(decision.policy, "failover").inc()
                 log.warning(
                     "replica failed before streaming, retrying elsewhere", extra={"replica_id": replica_id}
                 )
@@ -108,6 +113,9 @@ class Relay:
         timeout: float | None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         work = self._begin(entry, decision)
+        prediction = decision.prediction(entry.record.replica_id, entry.record.incarnation, self.block_size)
+        upstream.predicted_cached_blocks = prediction.predicted
+        upstream.first_block_hash = decision.block_hashes[0] if decision.block_hashes else 0
         call = entry.stub.Generate(upstream, timeout=timeout)
         streamed = False
         try:
@@ -116,7 +124,7 @@ class Relay:
                     streamed = True
                     self._first_response(entry, work, started)
                 if response.WhichOneof("kind") == "complete" and response.complete.index == 0:
-                    self._complete(decision, entry.record.replica_id, response.complete)
+                    self._complete(decision, prediction, response.complete)
                 yield response
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
@@ -150,10 +158,12 @@ class Relay:
         self.metrics.ttft.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(entry.record.replica_id).inc()
 
-    def _complete(self, decision: Decision, replica_id: str, complete: pb.Complete) -> None:
+    def _complete(self, decision: Decision, prediction: Prediction, complete: pb.Complete) -> None:
         """Predicted next to actual reuse: index accuracy, per request and in the metrics
         (the first choice's: the others of an n > 1 request reuse its prefill)."""
-        predicted = decision.predicted_cached_tokens(replica_id, self.block_size)
+        if self.watch is not None:
+            self.watch.observe(prediction, complete)
+        predicted = prediction.predicted * self.block_size
         complete.predicted_cached_tokens = predicted
         complete.router_decision_us = int(decision.decision_s * 1e6)
         self.metrics.predicted_cached.inc(predicted)

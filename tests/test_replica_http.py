@@ -14,6 +14,7 @@ from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
+from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
@@ -153,11 +154,11 @@ async def test_bad_input_is_a_clean_http_error(replica, path, body, status_code,
 
 
 async def scrape(http) -> dict[str, float]:
-    text = (await http.get("/metrics")).text
+    """Sample name (labels but model_name) -> value."""
+    samples = read_samples((await http.get("/metrics")).text)
     return {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.splitlines()
-        if not line.startswith("#")
+        name + "".join(f'{{{k}="{v}"}}' for k, v in labels): value
+        for (name, labels), value in samples.items()
     }
 
 
@@ -175,8 +176,25 @@ async def test_metrics_count_requests_cached_tokens_and_engine_state(replica):
     assert samples['kvmesh_replica_requests_total{outcome="invalid_argument"}'] >= 1
     assert samples["kvmesh_replica_cached_prompt_tokens_total"] > 0
     assert samples["kvmesh_replica_kv_blocks"] == 128
-    assert samples["kvmesh_replica_prefix_hit_tokens_total"] > 0
-    assert samples["kvmesh_replica_ttft_seconds_count"] >= 2
+    # vLLM's names and semantics, so vLLM's dashboards and autoscalers read a kvmesh replica
+    assert samples["vllm:prefix_cache_hits_total"] > 0
+    assert samples["vllm:prefix_cache_queries_total"] >= samples["vllm:prefix_cache_hits_total"]
+    assert samples["vllm:time_to_first_token_seconds_count"] >= 2
+    assert samples['vllm:request_success_total{finished_reason="length"}'] >= 1
+    assert (
+        samples["vllm:request_generation_tokens_sum"] - before.get("vllm:request_generation_tokens_sum", 0)
+        == 2
+    )
+    assert (
+        samples["vllm:inter_token_latency_seconds_count"]
+        - before.get("vllm:inter_token_latency_seconds_count", 0)
+        == 1
+    )
+    assert 0 <= samples["vllm:kv_cache_usage_perc"] <= 1
+    assert samples["vllm:num_requests_running"] == 0
+    assert samples["process_resident_memory_bytes"] > 0
+    text = (await http.get("/metrics")).text
+    assert 'model_name="' in text and 'le="2560.0"' in text  # vLLM's TTFT buckets
 
 
 async def test_http_address_is_registered_and_shown_by_status(replica):

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.benchmarks.peer_routers import (
@@ -46,6 +45,7 @@ from kvmesh.cluster.experiments.report import (
 from kvmesh.cluster.experiments.text_workload import as_text, word_table
 from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.serving.metrics import read_samples
 
 _SAMPLES = {  # key -> (sample name, labels) in a replica's /metrics
     "ok": ("kvmesh_replica_requests_total", (("outcome", "ok"),)),
@@ -83,12 +83,12 @@ async def counters(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str
     """Per replica: finished requests, their prompt and cached tokens, cached hashes held."""
     out = {}
     for r in replicas:
-        text = (await http.get(r.http_url + "/metrics")).text
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+        samples = read_samples((await http.get(r.http_url + "/metrics")).text)
+        missing = [
+            name for key, (name, labels) in _SAMPLES.items() if key != "ok" and (name, labels) not in samples
+        ]
+        if missing:  # a renamed metric must fail the benchmark, not read as zero
+            raise RuntimeError(f"replica {r.replica_id} exports no {', '.join(missing)}")
         out[r.replica_id] = {key: samples.get(sample, 0.0) for key, sample in _SAMPLES.items()}
     return out
 

@@ -88,7 +88,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., documents_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "policy", "affinity_key")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "policy", "affinity_key", "predicted_cached_blocks", "first_block_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -103,7 +105,9 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     policy: str
     affinity_key: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., affinity_key: _Optional[str] = ...) -> None: ...
+    predicted_cached_blocks: int
+    first_block_hash: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., affinity_key: _Optional[str] = ..., predicted_cached_blocks: _Optional[int] = ..., first_block_hash: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -152,20 +156,28 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "replica_id", "predicted_cached_tokens", "router_decision_us", "index")
+    __slots__ = ("finish_reason", "usage", "replica_id", "predicted_cached_tokens", "router_decision_us", "index", "incarnation", "hash_mismatch", "miss_evicted_age_ms", "unindexed_hit_age_ms")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_DECISION_US_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HASH_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    MISS_EVICTED_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    UNINDEXED_HIT_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     replica_id: str
     predicted_cached_tokens: int
     router_decision_us: int
     index: int
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., router_decision_us: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    hash_mismatch: bool
+    miss_evicted_age_ms: int
+    unindexed_hit_age_ms: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., router_decision_us: _Optional[int] = ..., index: _Optional[int] = ..., incarnation: _Optional[int] = ..., hash_mismatch: _Optional[bool] = ..., miss_evicted_age_ms: _Optional[int] = ..., unindexed_hit_age_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")
@@ -214,7 +226,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s")
+    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +236,8 @@ class ReplicaInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     incarnation: int
@@ -233,15 +247,21 @@ class ReplicaInfo(_message.Message):
     num_blocks: int
     tokens_per_s: float
     heartbeat_age_s: float
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    index_state: str
+    index_state_cause: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas", "controller_state")
+    __slots__ = ("replicas", "controller_state", "index_state", "index_state_cause")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_STATE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     controller_state: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., controller_state: _Optional[str] = ...) -> None: ...
+    index_state: str
+    index_state_cause: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., controller_state: _Optional[str] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -290,3 +310,15 @@ class ResetPrefixCacheRequest(_message.Message):
 class ResetPrefixCacheResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ResyncRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ResyncResponse(_message.Message):
+    __slots__ = ("num_hashes",)
+    NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    num_hashes: int
+    def __init__(self, num_hashes: _Optional[int] = ...) -> None: ...

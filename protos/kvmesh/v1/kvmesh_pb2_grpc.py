@@ -259,6 +259,11 @@ class ReplicaStub:
                 request_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.Resync = channel.unary_unary(
+                '/kvmesh.v1.Replica/Resync',
+                request_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResyncRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResyncResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -290,6 +295,13 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resync(self, request, context):
+        """Rewrite this replica's entries in the index from its cache (a router saw the index lie).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +324,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Resync': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resync,
+                    request_deserializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResyncRequest.FromString,
+                    response_serializer=kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -423,6 +440,33 @@ class Replica:
             '/kvmesh.v1.Replica/ResetPrefixCache',
             kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
             kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Replica/Resync',
+            kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResyncRequest.SerializeToString,
+            kvmesh_dot_protos_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResyncResponse.FromString,
             options,
             channel_credentials,
             insecure,
