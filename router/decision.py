@@ -48,6 +48,13 @@ class Decision:
     index_matched: dict[str, int] = field(default_factory=dict)  # what the index said, trusted or not
     speculative_matched: dict[str, int] = field(default_factory=dict)  # what this router's entries said
     branch: str = ""  # why the first choice came first
+    index_read: bool = True  # False: the lookup failed, so no prediction says anything of the index
+
+    @property
+    def checks_index(self) -> bool:
+        """Whether this request's reuse tests the index: it was read, and the replica will try
+        its prefix cache (prompt log-probabilities bypass it)."""
+        return self.index_read and not self.sampling.HasField("prompt_logprobs")
 
     @property
     def decode_estimate(self) -> int:
@@ -121,8 +128,8 @@ class Decider:
         )
         return ids, sampling, policy
 
-    async def lookup(self, hashes: list[int]) -> dict[str, int]:
-        """Index matches, or {} when Redis is away or slow (logged once per outage)."""
+    async def lookup(self, hashes: list[int]) -> dict[str, int] | None:
+        """Index matches, or None when Redis is away or slow (logged once per outage)."""
         if not hashes:
             return {}
         start = time.perf_counter()
@@ -133,7 +140,7 @@ class Decider:
             if not self._index_warned:
                 log.warning("prefix index lookup failed: routing by load only", extra={"error": str(exc)})
                 self._index_warned = True
-            return {}
+            return None
         self._index_warned = False
         self.metrics.lookup.observe(time.perf_counter() - start)
         return found
@@ -144,7 +151,8 @@ class Decider:
         hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
         if not self.registry.live():
             raise Unavailable("no live replica")
-        index_matched = await self.lookup(hashes)
+        found = await self.lookup(hashes)
+        index_matched = found or {}
         speculative = self.overlay.matched(hashes)
         untrusted = self.untrusted()
         matched = {rid: depth for rid, depth in index_matched.items() if rid not in untrusted}
@@ -157,6 +165,7 @@ class Decider:
         decision = Decision(
             request_id, ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
         )
+        decision.index_read = found is not None
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
         policy = self.policy(policy_name)
         decision.ranked = policy.rank(route, states)

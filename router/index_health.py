@@ -5,7 +5,7 @@ from ``index_truth``). Only the causes that say the index is wrong count against
 (``stale_index``, ``hash_mismatch``); evictions, lag and unrealized speculation are
 normal. The state follows the window:
 
-- EXACT: lies below ``degraded_rate`` of the window;
+- EXACT: lies below ``degraded_rate`` of the window (or none left in it);
 - DEGRADED: at or above it: the router asks the replica to resync (rate-limited across
   routers by the caller) and keeps using the index for it;
 - LOAD_ONLY: lies at or above ``load_only_rate``, or any hash mismatch: the router stops
@@ -100,12 +100,12 @@ class ReplicaIndexHealth:
         state, cause = EXACT, ""
         if lies["hash_mismatch"]:
             state, cause = LOAD_ONLY, "hash_mismatch"
-        elif len(self.outcomes) >= c.min_samples and lies:
+        elif lies and len(self.outcomes) < c.min_samples:
+            state, cause = self.state, self.cause  # too few outcomes to change anything but a clear window
+        elif lies:
             rate = sum(lies.values()) / len(self.outcomes)
             cause = lies.most_common(1)[0][0]
             state = LOAD_ONLY if rate >= c.load_only_rate else DEGRADED if rate >= c.degraded_rate else EXACT
-        elif len(self.outcomes) < c.min_samples:
-            state, cause = self.state, self.cause  # too few outcomes to change anything
         self.state, self.cause = state, "" if state == EXACT else cause
 
 

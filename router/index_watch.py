@@ -89,6 +89,7 @@ class IndexWatch:
 
     def _changed(self, replica_id: str, state: str, cause: str) -> None:
         self.metrics.set_index_state(replica_id, state)
+        self.metrics.state_changes.labels(replica_id, state, cause).inc()
         if state == EXACT:
             log.info("prefix index exact again for replica", extra={"replica_id": replica_id})
             return

@@ -91,6 +91,11 @@ class RouterMetrics(ServerMetrics):
             "1 for the router's trust in a replica's index entries",
             ("replica", "state"),
         )
+        self.state_changes = self.counter(
+            "kvmesh_router_replica_index_state_changes",
+            "Changes of the router's trust in a replica's index entries, by new state and cause",
+            ("replica", "state", "cause"),
+        )
         self.index_state = self.gauge(
             "kvmesh_router_index_state", "1 for the router's trust in the index", ("state",)
         )

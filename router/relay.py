@@ -161,7 +161,7 @@ class Relay:
     def _complete(self, decision: Decision, prediction: Prediction, complete: pb.Complete) -> None:
         """Predicted next to actual reuse: index accuracy, per request and in the metrics
         (the first choice's: the others of an n > 1 request reuse its prefill)."""
-        if self.watch is not None:
+        if self.watch is not None and decision.checks_index:
             self.watch.observe(prediction, complete)
         predicted = prediction.predicted * self.block_size
         complete.predicted_cached_tokens = predicted
