@@ -89,6 +89,10 @@ class ReplicaConfig:
         flag="replica-advertise-host",
         help="address routers dial (default: the listen address or node IP)",
     )
+    pod_metrics_port: int = option(
+        -1,
+        help="fixed port where one replica per host serves every local replica's metrics, labelled replica_id (-1: off)",
+    )
     heartbeat_s: float = option(1.0, flag="heartbeat-interval", help="seconds between a replica's heartbeats")
     ttl_s: float = option(
         5.0, flag="heartbeat-ttl", help="seconds without a heartbeat before a replica is dead"
@@ -105,6 +109,10 @@ class ReplicaConfig:
 
     def __post_init__(self) -> None:
         self.engine.validate()
+        if not -1 <= self.pod_metrics_port < 65536 or self.pod_metrics_port == 0:
+            raise ValueError(
+                f"pod_metrics_port must be a fixed port in [1, 65535] or -1 (off), got {self.pod_metrics_port}"
+            )
         if not 0 <= self.port < 65536 or not -1 <= self.http_port < 65536:
             raise ValueError(
                 f"replica ports must be in [0, 65535] (http: -1 off), got {self.port}, {self.http_port}"

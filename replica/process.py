@@ -18,6 +18,7 @@ from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.engine_backend import EngineBackend
 from kvmesh.replica.grpc_service import ReplicaService
+from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
@@ -46,6 +47,7 @@ class ReplicaServer:
         self.config = config
         self.engine: AsyncLLMEngine | None = None
         self.publisher: IndexPublisher | None = None
+        self.pod_metrics: PodMetrics | None = None
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
         self.address = ""
@@ -98,6 +100,9 @@ class ReplicaServer:
             index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
         )
         await self.publisher.start()
+        if c.pod_metrics_port > 0:
+            self.pod_metrics = PodMetrics(c.replica_id, backend.render_metrics, c.host, c.pod_metrics_port)
+            await self.pod_metrics.start()
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
 
@@ -120,6 +125,8 @@ class ReplicaServer:
         stop the engine."""
         grace = self.config.drain_timeout_s if grace is None else grace
         self.draining = True
+        if self.pod_metrics:
+            await self.pod_metrics.stop()
         if self.publisher:
             await self.publisher.stop()
             await self.publisher.index.close()

@@ -133,23 +133,17 @@ class IndexWatch:
         resync) starts a fresh window; departed replicas are forgotten; the overall state follows."""
         for rid, entry in self.registry.entries.items():
             record = entry.record
-            started = record.fields.get("process_started_at", "")
             h = self.health.get(rid)
-            if h is None:
+            if h is None or h.incarnation != record.incarnation:
                 self._of(rid).restarted(record.incarnation)
-                self._started[rid] = started
                 self.metrics.set_index_state(rid, EXACT)
-                continue
-            if h.incarnation != record.incarnation:
-                h.restarted(record.incarnation)
-                self.metrics.set_index_state(rid, EXACT)
-            if self._started.get(rid) != started:
-                self._started[rid] = started
+            started = record.fields.get("process_started_at", "")
+            if self._started.get(rid, started) != started:  # remembered across departures
                 self.metrics.restarts.labels(rid).inc()
                 log.info("replica restarted: its index entries start afresh", extra={"replica_id": rid})
+            self._started[rid] = started
         for rid in set(self.health) - set(self.registry.entries):
             del self.health[rid]
-            self._started.pop(rid, None)
             self.metrics.forget_replica(rid)
         overall = self.overall()
         if overall != self._overall:

@@ -146,6 +146,8 @@ FAILS = [
     ({"ingress": {"enabled": True, "host": ""}}, "needs ingress.host"),
     ({"grpcRoute": {"enabled": True}}, "needs grpcRoute.parentRefs"),
     ({"security": {"tls": {"enabled": True}}}, "needs security.tls.existingSecret"),
+    ({"podMonitor": {"enabled": True}, "replicaMetricsPort": 0}, "podMonitor needs replicaMetricsPort"),
+    ({"podMonitor": {"enabled": True}}, "set networkPolicy.metricsFrom"),
 ]  # fmt: skip
 
 
@@ -515,6 +517,23 @@ def test_network_policy_is_on_and_leaves_room_for_metrics(chart):
     docs = render(chart, {"networkPolicy": {"metricsFrom": [scraper]}})
     internal = next(d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-internal"))
     assert internal["spec"]["ingress"][1]["from"] == [scraper]
+
+
+def test_pod_monitor_scrapes_the_port_every_ray_pod_serves(chart):
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    docs = render(chart, {"podMonitor": {"enabled": True}, "networkPolicy": {"metricsFrom": [scraper]}})
+    (monitor,) = by_kind(docs, "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ray_pods = [(name, meta, spec) for name, meta, spec in pods(docs) if name.startswith("ray-")]
+    assert len(ray_pods) >= 2
+    for name, meta, spec in ray_pods:
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= meta["labels"].items(), name
+        ports = {p["name"]: p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
+        assert ports.get(endpoint["port"]) == 9400, name
+    (controller,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
+    assert "--pod-metrics-port=9400" in controller["spec"]["template"]["spec"]["containers"][0]["args"]
+    internal = next(d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-internal"))
+    assert internal["spec"]["ingress"][1]["from"] == [scraper]  # the scraper may reach the Ray pods
 
 
 def test_values_reference_is_current():

@@ -27,6 +27,7 @@ from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.cluster.stats import percentile
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.serving.metrics import read_samples
 
 
 def rss_mb(pid: int) -> float | None:
@@ -106,8 +107,37 @@ async def run(
         await asyncio.gather(*workers)
         await _sample_memory(cluster, time.perf_counter() - t0, memory)
         restarts = cluster.supervisor.restarts
-    return {"minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
+        truth = index_truth_report(cluster.router.core.render_metrics().decode())
+    return {"index_truth": truth, "minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
             "requests": len(log), "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK"))}  # fmt: skip
+
+
+def index_truth_report(metrics_text: str) -> dict:
+    """The router's verdicts on its index over the run: every time it stopped trusting a
+    replica's entries (no index fault is injected here, so each one is a false alarm), the
+    misses by cause, the resyncs asked and the restarts seen."""
+    samples = read_samples(metrics_text)
+
+    def by(name: str, key: str) -> dict[str, float]:
+        out: dict[str, float] = collections.Counter()
+        for (n, labels), v in samples.items():
+            if n == name:
+                out[dict(labels)[key]] += v
+        return dict(out)
+
+    alarms = {
+        f"{dict(labels)['state']}/{dict(labels)['cause']}": v
+        for (n, labels), v in samples.items()
+        if n == "kvmesh_router_replica_index_state_changes_total" and dict(labels)["state"] != "EXACT"
+    }
+    return {
+        "false_alarms": sum(alarms.values()),
+        "alarms": alarms,
+        "misses": by("kvmesh_router_prediction_misses_total", "cause"),
+        "resyncs": sum(by("kvmesh_router_index_resyncs_total", "replica").values()),
+        "restarts_seen": sum(by("kvmesh_router_replica_restarts_total", "replica").values()),
+        "requests_checked": samples.get(("kvmesh_router_prediction_error_blocks_count", ()), 0.0),
+    }
 
 
 async def _sample_memory(cluster: LocalCluster, now: float, memory: dict) -> None:
@@ -173,6 +203,9 @@ def main(
             0,
         ),
         target("error share (%)", round(100 * errors / max(result["requests"], 1), 2), "<=", 5.0),
+        target(
+            "index false alarms (no index fault injected)", result["index_truth"]["false_alarms"], "<=", 0
+        ),
     ]
     print(f"\n{'minute':>6}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}  errors")
     for row in result["minutes"]:
@@ -180,6 +213,7 @@ def main(
             f"{row['minute']:>6}{row['requests']:>10}{row['p50_ms'] or '-':>9}{row['p99_ms'] or '-':>9}  {json.dumps(row['errors'])}"
         )
     print(f"\n{result['kills']} replicas killed, {result['restarts']} restarted by the supervisor")
+    print(f"index truth: {json.dumps(result['index_truth'])}")
     for name, m in sorted(result["memory"].items()):
         print(
             f"  {name:<28} warm {m['warm_mb']:>8.1f} MB  end {m['end_mb']:>8.1f} MB  growth {m['growth_pct']:>5.1f}%  over {m['lived_s']} s"
