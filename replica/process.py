@@ -46,6 +46,7 @@ class ReplicaServer:
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.engine: AsyncLLMEngine | None = None
+        self.backend: EngineBackend | None = None
         self.publisher: IndexPublisher | None = None
         self.pod_metrics: PodMetrics | None = None
         self.grpc: GrpcServer | None = None
@@ -80,6 +81,7 @@ class ReplicaServer:
             c.api.load_defaults(c.model_dir),
         )
         backend.incarnation = lambda: self.index_state()[0]
+        self.backend = backend
         service = ReplicaService(backend, self.index_state, json.dumps(effective_config(c)), self.resync)
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls

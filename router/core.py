@@ -51,7 +51,7 @@ class RouterCore:
         self.metrics = metrics or RouterMetrics(model.api_name)
         self.limits = limits or RouterLimits()
         self.watch = IndexWatch(registry, index, self.metrics, model.block_size, index_health)
-        self.metrics.watch_replicas(registry.gauges)
+        self.metrics.watch_replicas(registry.gauges, lambda: registry.index_ok)
         self.decider = Decider(
             model, tokenizer, index, registry, self.overlay, self.metrics, self.limits,
             default_policy, lookup_timeout_s, defaults, self.watch.untrusted,

@@ -124,9 +124,11 @@ class RouterMetrics(ServerMetrics):
             with contextlib.suppress(KeyError):
                 self.replica_index_state.remove(replica_id, s)
 
-    def watch_replicas(self, gauges: Callable[[], Iterable[ReplicaGauges]]) -> None:
-        """Per-replica gauges, read from ``gauges()`` at each scrape."""
-        self.registry.register(_ReplicaCollector(self.model_name, gauges))
+    def watch_replicas(
+        self, gauges: Callable[[], Iterable[ReplicaGauges]], index_up: Callable[[], bool]
+    ) -> None:
+        """Per-replica gauges and the index's reachability, read at each scrape."""
+        self.registry.register(_ReplicaCollector(self.model_name, gauges, index_up))
 
 
 class _ReplicaCollector:
@@ -139,9 +141,12 @@ class _ReplicaCollector:
         "inflight": ("kvmesh_router_replica_inflight_requests", "Requests this router has streaming on a replica"),
     }  # fmt: skip
 
-    def __init__(self, model_name: str, gauges: Callable[[], Iterable[ReplicaGauges]]) -> None:
+    def __init__(
+        self, model_name: str, gauges: Callable[[], Iterable[ReplicaGauges]], index_up: Callable[[], bool]
+    ) -> None:
         self.model_name = model_name
         self.gauges = gauges
+        self.index_up = index_up
 
     def describe(self):
         return []  # collected lazily: no describe-time read of the registry
@@ -161,6 +166,11 @@ class _ReplicaCollector:
                     family.add_metric([self.model_name, row.replica_id], getattr(row, attr))
         families["live"].add_metric([self.model_name], len(rows))
         yield from families.values()
+        up = GaugeMetricFamily(
+            "kvmesh_router_index_up", "1 while the prefix index is reachable and whole", labels=["model_name"]
+        )
+        up.add_metric([self.model_name], 1 if self.index_up() else 0)
+        yield up
 
 
 def heartbeat_age(heartbeat_at: float) -> float:

@@ -13,8 +13,10 @@ import random
 import time
 
 import grpc
+import observability
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 import redis.asyncio as aioredis
 from helpers import eventually, local_router_config
 
@@ -288,3 +290,22 @@ async def test_a_restarted_replica_is_seen_and_starts_afresh(fleet):
     assert time.monotonic() - start < DETECT_S
     assert state(fleet, rid) == (EXACT, "")
     await exact_again(fleet, rid)
+
+
+async def test_every_metric_the_dashboard_and_alerts_name_is_exported(fleet):
+    """Scrape the live router and replicas: each name a dashboard query or an alert uses exists."""
+    await send(fleet, prompt(3) + [1])
+    exported = set()
+    pages = [fleet["router"].core.render_metrics()] + [
+        r.backend.render_metrics() for r in fleet["replicas"].values()
+    ]
+    for page in pages:  # a family counts before its first sample (labelled ones have none yet)
+        for family in text_string_to_metric_families(page.decode()):
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(
+                family.type, ("",)
+            )
+            exported |= {family.name + suffix for suffix in suffixes}
+    named = observability.metric_names()
+    assert len(named) >= 15
+    missing = sorted(named - exported)
+    assert not missing, f"named by the dashboard or alerts, exported by nobody: {missing}"
