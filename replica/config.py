@@ -104,6 +104,10 @@ class ReplicaConfig:
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
     )
     tls: TLSConfig = option(factory=TLSConfig, help="TLS for the replica's gRPC (mTLS with client auth)")
+    otlp_endpoint: str | None = option(
+        None,
+        help="OpenTelemetry collector (OTLP/gRPC, e.g. http://otel-collector:4317) for traces; needs kvmesh[otel]",
+    )
     engine: EngineConfig = option(factory=EngineConfig, help="the engine's settings")
     api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
 

@@ -16,6 +16,7 @@ from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError, EngineO
 from kvmesh.replica.metrics import ReplicaMetrics
 from kvmesh.replica.request import PrefixFacts, RequestOutput
 from kvmesh.replica.sampler import TokenLogprob
+from kvmesh.serving import tracing
 from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
@@ -65,17 +66,24 @@ class EngineBackend:
         found = [self.engine.abort(i) for i in self._choice_ids.get(request_id, [request_id])]
         return any(found)
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one request; closing the stream (client gone, deadline) aborts it in the engine."""
+    async def generate(
+        self, request: pb.GenerateRequest, trace: object = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream one request; closing the stream (client gone, deadline) aborts it in the engine.
+
+        ``trace``: the caller's trace context; the request's span, with its queue and prefill, goes under it."""
         started = time.perf_counter()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex  # the handler's own message: ids its engine requests
         outcome, first = "cancelled", True  # unless it ends otherwise
+        span = tracing.start(
+            "kvmesh.replica.request", trace, replica_id=self.replica_id, request_id=request.request_id
+        )
         try:
             ids = await self.prompt_ids(request)
             _, params = admit(request, len(ids), self.model, self.defaults)
             with _engine_errors():
-                async for response in self._choices(ids, params, request):
+                async for response in self._choices(ids, params, request, span):
                     if first:
                         first = False
                         self.metrics.ttft.observe(time.perf_counter() - started)
@@ -87,16 +95,17 @@ class EngineBackend:
         finally:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.e2e.observe(time.perf_counter() - started)
+            tracing.end(span, outcome=outcome)
 
     async def _choices(
-        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest
+        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest, span: object
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The n choices' responses, interleaved. Choice 0 runs first; the others start once
         it has produced (its prefill is then in the prefix cache, so they reuse it)."""
         single = dataclasses.replace(params, n=1)
         request_id = request.request_id
         if params.n == 1:
-            async for response in self._choice(ids, single, request, request_id, 0):
+            async for response in self._choice(ids, single, request, request_id, 0, span):
                 yield response
             return
         engine_ids = [f"{request_id}/{i}" for i in range(params.n)]
@@ -106,7 +115,7 @@ class EngineBackend:
             seeded = (
                 single if params.seed is None else dataclasses.replace(single, seed=(params.seed + i) % 2**64)
             )
-            return self._choice(ids, seeded, request, engine_ids[i], i)
+            return self._choice(ids, seeded, request, engine_ids[i], i, span)
 
         first = choice(0)
         try:
@@ -119,7 +128,13 @@ class EngineBackend:
             self._choice_ids.pop(request_id, None)
 
     async def _choice(
-        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest, engine_id: str, index: int
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request: pb.GenerateRequest,
+        engine_id: str,
+        index: int,
+        span: object,
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id
         first, last_token_at = True, None
@@ -154,6 +169,8 @@ class EngineBackend:
                     )
                     if out.prefix is not None:
                         index_truth(complete, out.prefix, request)
+                    if index == 0:
+                        _trace_phases(span, out, request)
                     yield pb.GenerateResponse(request_id=request_id, complete=complete)
 
 
@@ -166,6 +183,21 @@ def index_truth(complete: pb.Complete, facts: PrefixFacts, request: pb.GenerateR
     unpredicted = facts.hit_stored_at[request.predicted_cached_blocks :]
     if unpredicted:
         complete.unindexed_hit_age_ms = _age_ms(facts.admitted_at, max(unpredicted))
+
+
+def _trace_phases(span: object, out: RequestOutput, request: pb.GenerateRequest) -> None:
+    t = out.times
+    if t is None:
+        return
+    tracing.set_attributes(
+        span, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+        predicted_cached_blocks=request.predicted_cached_blocks or None,
+    )  # fmt: skip
+    phases = [
+        ("kvmesh.replica.queue", t.arrival, t.scheduled),
+        ("kvmesh.replica.prefill", t.scheduled, t.first_token),
+    ]
+    tracing.record_phases(span, phases, cached_tokens=out.cached_tokens)
 
 
 def _age_ms(now: float, then: float) -> int:

@@ -14,6 +14,7 @@ import grpc
 from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.engine_backend import EngineBackend
+from kvmesh.serving import tracing
 from kvmesh.serving.errors import ServingError
 
 
@@ -36,7 +37,8 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for response in self.backend.generate(request):
+            trace = tracing.extract(dict(context.invocation_metadata() or ())) if tracing.enabled() else None
+            async for response in self.backend.generate(request, trace):
                 yield response
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))

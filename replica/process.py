@@ -20,6 +20,7 @@ from kvmesh.replica.engine_backend import EngineBackend
 from kvmesh.replica.grpc_service import ReplicaService
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
+from kvmesh.serving import tracing
 from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
@@ -59,6 +60,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Load the model, serve gRPC, join the index; returns the gRPC address."""
         c = self.config
+        if c.otlp_endpoint:
+            tracing.configure(f"kvmesh-replica-{c.replica_id}", c.otlp_endpoint)
         if c.torch_threads:
             import torch
 

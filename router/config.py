@@ -75,6 +75,10 @@ class RouterConfig:
         help="bearer token clients must send (shows in ps: prefer --api-key-file or KVMESH_AUTH_TOKEN)",
     )  # fmt: skip
     auth_token_file: str | None = option(None, flag="api-key-file", help="a file holding that bearer token")
+    otlp_endpoint: str | None = option(
+        None,
+        help="OpenTelemetry collector (OTLP/gRPC, e.g. http://otel-collector:4317) for traces; needs kvmesh[otel]",
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size", "max_model_len", "max_message_bytes", "refresh_s")

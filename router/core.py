@@ -23,6 +23,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import Relay
 from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving import tracing
 from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.model_info import ModelInfo
@@ -74,20 +75,22 @@ class RouterCore:
         return await self.decider.decide(request)
 
     async def generate(
-        self, request: pb.GenerateRequest, timeout: float | None = None
+        self, request: pb.GenerateRequest, trace: object = None, timeout: float | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Route and stream. Raises ServingError before the first response; after it, too.
 
+        ``trace``: the caller's trace context (``tracing.extract``), if any.
         ``timeout``: seconds the caller still waits (its deadline); the replica gets the same.
         """
         self._admit(request)
         self.active += 1
+        root = tracing.start("kvmesh.router.request", trace, request_id=request.request_id or None)
+        outcome = "error"
         try:
             started = time.perf_counter()
-            decision = await self.decider.decide(request)
-            outcome = "error"
+            decision = await self.decider.decide(request, root)
             try:
-                async for response in self.relay.stream(decision, started, timeout):
+                async for response in self.relay.stream(decision, started, timeout, root):
                     yield response
                 outcome = "ok"
             except asyncio.CancelledError:
@@ -98,6 +101,7 @@ class RouterCore:
                 self.metrics.latency.observe(time.perf_counter() - started)
         finally:
             self.active -= 1
+            tracing.end(root, outcome=outcome)
 
     def _admit(self, request: pb.GenerateRequest) -> None:
         if self.draining:

@@ -19,6 +19,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import Policy, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving import tracing
 from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
@@ -145,13 +146,16 @@ class Decider:
         self.metrics.lookup.observe(time.perf_counter() - start)
         return found
 
-    async def decide(self, request: pb.GenerateRequest) -> Decision:
+    async def decide(self, request: pb.GenerateRequest, trace: object = None) -> Decision:
+        """``trace``: the request's span, parent of the tokenize, lookup and decision spans."""
         start = time.perf_counter()
-        ids, sampling, policy_name = await self.validate(request)
-        hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
+        with tracing.span("kvmesh.router.tokenize", trace):
+            ids, sampling, policy_name = await self.validate(request)
+            hashes = block_hashes(ids, self.model.block_size, self.model.hash_seed)
         if not self.registry.live():
             raise Unavailable("no live replica")
-        found = await self.lookup(hashes)
+        with tracing.span("kvmesh.router.index_lookup", trace, blocks=len(hashes)):
+            found = await self.lookup(hashes)
         index_matched = found or {}
         speculative = self.overlay.matched(hashes)
         untrusted = self.untrusted()
@@ -168,8 +172,10 @@ class Decider:
         decision.index_read = found is not None
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
         policy = self.policy(policy_name)
-        decision.ranked = policy.rank(route, states)
-        decision.branch = policy.branch(route, states, decision.ranked[0])
+        with tracing.span("kvmesh.router.decision", trace, policy=policy_name) as span:
+            decision.ranked = policy.rank(route, states)
+            decision.branch = policy.branch(route, states, decision.ranked[0])
+            tracing.set_attributes(span, replica_id=decision.ranked[0], branch=decision.branch)
         self.metrics.branches.labels(policy_name, decision.branch).inc()
         decision.decision_s = time.perf_counter() - start
         self.metrics.decision.observe(decision.decision_s)

@@ -14,6 +14,7 @@ import grpc
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
+from kvmesh.serving import tracing
 from kvmesh.serving.errors import ServingError
 
 
@@ -55,7 +56,7 @@ class RouterService(pb_grpc.RouterServicer):
         cut_off = False
         try:
             async with contextlib.aclosing(
-                core.generate(request, timeout=context.time_remaining())
+                core.generate(request, _trace(context), context.time_remaining())
             ) as stream:
                 async for response in stream:
                     yield response
@@ -125,3 +126,8 @@ class RouterService(pb_grpc.RouterServicer):
         return pb.ListReplicasResponse(
             replicas=replicas, controller_state=controller, index_state=state, index_state_cause=cause
         )
+
+
+def _trace(context: grpc.aio.ServicerContext) -> object:
+    """The caller's trace context from its call metadata (None unless tracing is on)."""
+    return tracing.extract(dict(context.invocation_metadata() or ())) if tracing.enabled() else None

@@ -16,6 +16,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
 from kvmesh.router.grpc_service import RouterService
 from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor
 from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
@@ -58,6 +59,8 @@ class RouterServer:
     async def start(self) -> None:
         """Serve gRPC at once (health NOT_SERVING, requests UNAVAILABLE until the model's block
         size is known and a replica is live), then routing, then HTTP."""
+        if self.config.otlp_endpoint:
+            tracing.configure("kvmesh-router", self.config.otlp_endpoint)
         token = self.config.token()
         interceptors = [TokenAuthInterceptor(token)] if token else []
         if self.config.http_port > 0:  # HTTP listens only once routing can start: fail fast now

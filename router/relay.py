@@ -23,6 +23,7 @@ from kvmesh.router.load import RequestWork
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaEntry, ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Relay:
         self.inflight: dict[str, str] = {}  # request id -> replica id, for Abort
 
     async def stream(
-        self, decision: Decision, started: float, timeout: float | None
+        self, decision: Decision, started: float, timeout: float | None, trace: object = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The replica's responses, the prediction added to ``Complete``. Raises ServingError."""
         upstream = pb.GenerateRequest(
@@ -86,7 +87,7 @@ class Relay:
                 # aclosing: when our caller stops reading (an HTTP client went away), the
                 # attempt's cleanup (cancel the upstream call, release the load) runs now.
                 async with contextlib.aclosing(
-                    self._attempt(upstream, decision, entry, started, timeout)
+                    self._attempt(upstream, decision, entry, started, timeout, trace, attempt)
                 ) as out:
                     async for response in out:
                         yield response
@@ -111,21 +112,32 @@ class Relay:
         entry: ReplicaEntry,
         started: float,
         timeout: float | None,
+        trace: object,
+        attempt: int,
     ) -> AsyncIterator[pb.GenerateResponse]:
         work = self._begin(entry, decision)
         prediction = decision.prediction(entry.record.replica_id, entry.record.incarnation, self.block_size)
         upstream.predicted_cached_blocks = prediction.predicted
         upstream.first_block_hash = decision.block_hashes[0] if decision.block_hashes else 0
-        call = entry.stub.Generate(upstream, timeout=timeout)
-        streamed = False
+        span = tracing.start(
+            "kvmesh.router.relay", trace, replica_id=entry.record.replica_id, attempt=attempt,
+            predicted_cached_tokens=prediction.predicted * self.block_size,
+        )  # fmt: skip
+        call = entry.stub.Generate(upstream, timeout=timeout, metadata=tracing.inject(span) or None)
+        streamed, sent_at, outcome = False, time.monotonic(), "error"
         try:
             async for response in call:
                 if not streamed:
                     streamed = True
                     self._first_response(entry, work, started)
+                    tracing.record_phases(span, [("kvmesh.router.first_token", sent_at, time.monotonic())])
                 if response.WhichOneof("kind") == "complete" and response.complete.index == 0:
-                    self._complete(decision, prediction, response.complete)
+                    cause = self._complete(decision, prediction, response.complete)
+                    tracing.set_attributes(
+                        span, actual_cached_tokens=response.complete.usage.cached_tokens, miss_cause=cause
+                    )
                 yield response
+            outcome = "ok"
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # our caller went away
@@ -139,6 +151,7 @@ class Relay:
         finally:
             call.cancel()  # no-op when finished; aborts upstream when the client went away
             self._end(entry, work, decision.request_id)
+            tracing.end(span, outcome=outcome)
 
     # ------------------------------------------------------------------ accounting
 
@@ -158,17 +171,20 @@ class Relay:
         self.metrics.ttft.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(entry.record.replica_id).inc()
 
-    def _complete(self, decision: Decision, prediction: Prediction, complete: pb.Complete) -> None:
+    def _complete(self, decision: Decision, prediction: Prediction, complete: pb.Complete) -> str | None:
         """Predicted next to actual reuse: index accuracy, per request and in the metrics
-        (the first choice's: the others of an n > 1 request reuse its prefill)."""
+        (the first choice's: the others of an n > 1 request reuse its prefill). Returns the
+        miss cause, if any."""
+        cause = None
         if self.watch is not None and decision.checks_index:
-            self.watch.observe(prediction, complete)
+            cause = self.watch.observe(prediction, complete)
         predicted = prediction.predicted * self.block_size
         complete.predicted_cached_tokens = predicted
         complete.router_decision_us = int(decision.decision_s * 1e6)
         self.metrics.predicted_cached.inc(predicted)
         self.metrics.actual_cached.inc(complete.usage.cached_tokens)
         self.metrics.prompt_tokens.inc(complete.usage.prompt_tokens)
+        return cause
 
     def _end(self, entry: ReplicaEntry, work: RequestWork, request_id: str) -> None:
         self.registry.end(entry, work)

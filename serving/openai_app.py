@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from kvmesh.protos import pb
+from kvmesh.serving import tracing
 from kvmesh.serving.auth import token_matches
 from kvmesh.serving.errors import InvalidRequest, ServingError
 from kvmesh.serving.model_info import ModelInfo
@@ -59,7 +60,9 @@ class OpenAIBackend(Protocol):
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]: ...
 
-    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]: ...
+    def generate(
+        self, request: pb.GenerateRequest, trace: object = None
+    ) -> AsyncIterator[pb.GenerateResponse]: ...
 
     def render_metrics(self) -> bytes: ...
 
@@ -216,18 +219,18 @@ def build_app(
         return {"prompt": backend.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, raw: Request):
         body.check_supported()
         _check_model(body.model, backend.model)
         plan = completion_plan(body, backend.tokenizer)
         echoes = await _echoes(body, plan) if plan.echo_prompt else None
-        return await _serve(body, plan, False, echoes)
+        return await _serve(body, plan, False, echoes, tracing.extract(raw.headers))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, raw: Request):
         body.check_supported()
         _check_model(body.model, backend.model)
-        return await _serve(body, chat_plan(body), True, None)
+        return await _serve(body, chat_plan(body), True, None, tracing.extract(raw.headers))
 
     async def _echoes(body: CompletionRequest, plan: Plan) -> list[Echo]:
         """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
@@ -242,8 +245,8 @@ def build_app(
                 echoes.append(Echo(backend.tokenizer.decode(prompt), ids))
         return echoes
 
-    async def _serve(body: CompletionRequest | ChatRequest, plan: Plan, chat: bool, echoes):
-        streams = [backend.generate(r) for r in plan.requests]
+    async def _serve(body: CompletionRequest | ChatRequest, plan: Plan, chat: bool, echoes, trace):
+        streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
         first = await anext(responses)  # routing errors surface here, before any header is sent
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"

@@ -78,21 +78,23 @@ NOT_VARIED = {
     "router": "the launcher's own setting: --no-router is test_cli_serving's controller test",
     "keep-replicas": "the launcher's own setting: test_supervisor restarts a controller that keeps them",
     "verbose": "logging only",
+    "otlp-endpoint": "needs an OpenTelemetry collector; test_tracing checks the traces in-process",
     "api-key": "a secret: never shown (the router test sends it from KVMESH_AUTH_TOKEN and checks it stays hidden)",
 }
 
 
 PER_RUN = {
     "model", "redis-url", "port", "http-port", "tls-cert", "tls-key", "tls-ca", "api-key-file",
-    "tokenizer", "chat-template",
+    "tokenizer", "chat-template", "pod-metrics-port",
 }  # fmt: skip
 
 
 def per_run_values(pki, qwen3_dir, redis_url: str, token_file: str) -> dict[str, tuple]:
     cert, key = pki["server"]
-    port, http_port = free_port(), free_port()
+    port, http_port, pod_metrics_port = free_port(), free_port(), free_port()
     return {
         **VALUES,
+        "pod-metrics-port": (str(pod_metrics_port), pod_metrics_port),
         "model": (str(qwen3_dir), str(qwen3_dir)),
         "redis-url": (redis_url, redis_url),
         "port": (str(port), port),
@@ -200,7 +202,7 @@ def test_router_settings_arrive_from_flags_and_environment(pki, qwen3_dir, tmp_p
         values = per_run_values(pki, qwen3_dir, url, "")
         del values["api-key-file"]  # the token comes from KVMESH_AUTH_TOKEN here
         names = list(router_command.FLAGS.flags)
-        assert set(names) - {"api-key", "api-key-file", "verbose"} <= set(values)
+        assert set(names) - {"api-key", "api-key-file", "verbose", *NOT_VARIED} <= set(values)
         as_env = {n for i, n in enumerate(names) if i % 2 and n in values}
         env = {
             router_command.FLAGS.flags[n].env: "true" if values[n][0] is None else values[n][0]

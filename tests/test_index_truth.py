@@ -16,9 +16,9 @@ import grpc
 import observability
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 import redis.asyncio as aioredis
 from helpers import eventually, local_router_config
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmesh.cluster.errors import UsageError
+from kvmesh.cluster.extras import require_extra
 from kvmesh.router.config import RouterConfig
 
 
@@ -20,3 +21,5 @@ def check_files(router: RouterConfig) -> None:
         router.token()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if router.otlp_endpoint:
+        require_extra("otel", "opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc")
