@@ -75,7 +75,6 @@ class IndexWatch:
         """Check one request's prediction against the replica's answer; returns the miss cause."""
         cause = miss_cause(prediction, complete, self.block_size, self.config.lag_tolerance_s)
         self.metrics.prediction_error.observe(prediction.error(complete, self.block_size))
-        self.metrics.fleet_best_cached.inc(prediction.fleet_best * self.block_size)
         if cause is not None:
             self.metrics.misses.labels(prediction.replica_id, cause).inc()
         incarnation = complete.incarnation or prediction.incarnation

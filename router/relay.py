@@ -180,6 +180,7 @@ class Relay:
             cause = self.watch.observe(prediction, complete)
         predicted = prediction.predicted * self.block_size
         complete.predicted_cached_tokens = predicted
+        self.metrics.fleet_best_cached.inc(prediction.fleet_best * self.block_size)
         complete.router_decision_us = int(decision.decision_s * 1e6)
         self.metrics.predicted_cached.inc(predicted)
         self.metrics.actual_cached.inc(complete.usage.cached_tokens)

@@ -41,7 +41,10 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-async def _client(address: str, requests, stop: asyncio.Event, t0: float, log: list, failures: list) -> None:
+async def closed_loop_client(
+    address: str, requests, stop: asyncio.Event, t0: float, log: list, failures: list
+) -> None:
+    """Send ``requests`` round-robin until ``stop``; (start, code, seconds) per request into ``log``."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RouterStub(channel)
         i = random.randrange(len(requests))
@@ -84,7 +87,7 @@ async def run(
         stop = asyncio.Event()
         t0 = time.perf_counter()
         workers = [
-            asyncio.create_task(_client(cluster.router_address, requests, stop, t0, log, failures))
+            asyncio.create_task(closed_loop_client(cluster.router_address, requests, stop, t0, log, failures))
             for _ in range(clients)
         ]
         next_kill, next_sample = kill_every, 0.0

@@ -78,6 +78,34 @@ def _index(benches) -> None:
     idx.set_defaults(handler=run)
 
 
+def _dashboard(benches) -> None:
+    dash = benches.add_parser(
+        "dashboard", help="the Grafana dashboard's panels drawn from a live run through a local Prometheus"
+    )
+    dash.add_argument(
+        "--duration", type=float, default=120, help="seconds of load (the index is flushed midway)"
+    )
+    dash.add_argument("--replicas", type=int, default=2)
+    dash.add_argument("--clients", type=int, default=4, help="closed-loop clients")
+    dash.add_argument("--out", default="results/bench_dashboard.json")
+    dash.add_argument("--png", default="docs/dashboard.png", help="where the picture goes")
+    dash.add_argument("--cache-dir", default=".cache/tiny-models")
+
+    def run(args):
+        require_extra("experiments", "httpx", "matplotlib")
+        from kvmesh.cluster.benchmarks.dashboard_preview import main
+        from kvmesh.cluster.logs import setup_logging
+
+        if args.duration <= 30 or args.replicas <= 0 or args.clients <= 0:
+            raise UsageError(
+                "--duration must exceed 30 s (a 10 s Redis outage sits in the middle); --replicas and --clients must be positive"
+            )
+        setup_logging(False)
+        return main(args.out, args.png, args.duration, args.replicas, args.clients, args.cache_dir)
+
+    dash.set_defaults(handler=run)
+
+
 def _soak(benches) -> None:
     soak = benches.add_parser(
         "soak", help="steady load with periodic replica kills; errors, p99, memory per minute"
@@ -205,7 +233,7 @@ def _serve(benches) -> None:
     serve.set_defaults(handler=usage_errors(run))
 
 
-BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _peers, _serve)
+BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _peers, _serve, _dashboard)
 
 
 def register(commands) -> None:
