@@ -17,6 +17,7 @@ from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.process import RouterServer
+from kvmesh.serving.metrics import read_samples
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -289,6 +290,13 @@ async def test_a_killed_replica_drops_out_and_is_replaced(cluster):
             await call(cluster, greedy(prompts_of_lengths([40], salt=80 + i)[0], policy="round_robin"))
         )
         assert done.finish_reason == "length"
+    samples = read_samples(cluster.router.core.render_metrics().decode())
+    assert (
+        samples[
+            ("kvmesh_router_decision_branches_total", (("branch", "failover"), ("policy", "round_robin")))
+        ]
+        >= 1
+    )
 
     async def replaced():
         await cluster.router.registry.refresh()
@@ -297,6 +305,8 @@ async def test_a_killed_replica_drops_out_and_is_replaced(cluster):
 
     assert await eventually(replaced, timeout=60)
     assert cluster.supervisor.restarts >= 1
+    samples = read_samples(cluster.router.core.render_metrics().decode())
+    assert samples[("kvmesh_router_replica_restarts_total", (("replica", victim),))] >= 1  # a new process
 
 
 async def test_no_live_replica_is_unavailable(ray_cluster, qwen3_dir):

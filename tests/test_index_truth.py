@@ -101,6 +101,11 @@ def metric(fleet, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
+def metric_labels(fleet, name: str, label: str = "replica") -> set[str]:
+    samples = read_samples(fleet["router"].core.render_metrics().decode())
+    return {dict(ls)[label] for (n, ls), _ in samples.items() if n == name}
+
+
 async def until_state(fleet, replica_id: str, wanted: str, feed=None, timeout: float = DETECT_S) -> float:
     """Seconds until the replica's state is ``wanted`` (sending ``feed()`` meanwhile, if given)."""
     start = time.monotonic()
@@ -278,6 +283,10 @@ async def test_a_restarted_replica_is_seen_and_starts_afresh(fleet):
     rid = "truth-1"
     before = metric(fleet, "kvmesh_router_replica_restarts_total", replica=rid)
     await fleet["replicas"][rid].stop(grace=0.5)
+    gauge = "kvmesh_router_replica_running_requests"
+    assert await eventually(
+        lambda: asyncio.sleep(0, result=metric_labels(fleet, gauge) == {"truth-0"})
+    )  # gone
     fleet["replicas"][rid] = ReplicaServer(replica_config(fleet["dir"], fleet["redis"].url, rid))
     await fleet["replicas"][rid].start()
     start = time.monotonic()

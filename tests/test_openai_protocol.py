@@ -132,7 +132,7 @@ class _FailingBackend:
     async def prompt_ids(self, request):
         return list(request.token_ids.ids)
 
-    async def generate(self, request):
+    async def generate(self, request, trace=None):
         yield pb.GenerateResponse(request_id="r", chunk=pb.Chunk(token_ids=[1], text="a", prompt_tokens=3))
         raise Unavailable("replica error (UNAVAILABLE): connection to the replica was closed")
 

@@ -7,13 +7,19 @@
 - Publish throughput: block events/s from one process, in engine-step-sized batches.
 - Memory per (block, replica) entry: ``used_memory`` growth / entries, both for blocks
   held by one replica each (the worst case) and for the shared lookup index.
+- Decisions under concurrency: 1, 2 and 4 client processes, each a closed loop of lookups
+  (64 replicas, 32k-token prompts), for a few seconds each; client-side decisions/s and
+  latency, and the server's own cost per call from ``INFO commandstats`` (usec_per_call of
+  FCALL), which says how many decisions one server core carries whatever the clients cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -126,6 +132,62 @@ async def bench_memory(url: str, entries: int, replicas: int, rng: random.Random
     return {"entries": entries, "bytes_per_entry_unshared": round(unshared, 1)}
 
 
+def _decision_client(
+    url: str, model_id: str, hashes: list[int], start_at: float, seconds: float
+) -> list[float]:
+    """One client process: lookups back to back from ``start_at`` for ``seconds``; their latencies."""
+
+    async def loop() -> list[float]:
+        index = PrefixIndex.from_url(url, model_id, BLOCK_SIZE, 0)
+        await index.lookup(hashes)  # connect and load the function before the clock starts
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        took, end = [], time.time() + seconds
+        while time.time() < end:
+            begin = time.perf_counter()
+            await index.lookup(hashes)
+            took.append(time.perf_counter() - begin)
+        await index.close()
+        return took
+
+    return asyncio.run(loop())
+
+
+async def _fcall_stats(index: PrefixIndex) -> dict:
+    stats = await index.client.info("commandstats")
+    return stats.get("cmdstat_fcall", {"calls": 0, "usec": 0, "usec_per_call": 0.0})
+
+
+async def bench_concurrent(url: str, entries: int, seconds: float, rng: random.Random) -> list[dict]:
+    model_id = f"bench-concurrent-{rng.getrandbits(32)}"
+    index = PrefixIndex.from_url(url, model_id, BLOCK_SIZE, 0)
+    await index.ensure_settings()
+    hashes = await _fill(index, 64, entries, 128, rng)
+    rows = []
+    spawn = multiprocessing.get_context("spawn")  # a clean interpreter per client, no inherited loop
+    for clients in (1, 2, 4):
+        with ProcessPoolExecutor(clients, mp_context=spawn) as pool:
+            await index.client.config_resetstat()
+            start_at = time.time() + 3.0  # every client connected and waiting
+            futures = [
+                pool.submit(_decision_client, url, model_id, hashes, start_at, seconds)
+                for _ in range(clients)
+            ]
+            took = [t for f in futures for t in await asyncio.wrap_future(f)]
+        server = await _fcall_stats(index)
+        row = {"clients": clients, "decisions": len(took), "decisions_per_s": round(len(took) / seconds)}
+        row.update(latency_ms(took))
+        row["server_usec_per_call"] = round(float(server["usec_per_call"]), 1)
+        row["server_decisions_per_core_s"] = round(1e6 / max(float(server["usec_per_call"]), 1e-9))
+        rows.append(row)
+        progress(
+            f"{clients} client(s): {row['decisions_per_s']:,} decisions/s, p50 {row['p50_ms']} ms; "
+            f"server {row['server_usec_per_call']} us per call"
+        )
+    await index.client.flushdb()
+    await index.close()
+    return rows
+
+
 async def run(url: str, quick: bool) -> dict:
     rng = random.Random(0)
     entries = 100_000 if quick else 1_000_000
@@ -135,12 +197,21 @@ async def run(url: str, quick: bool) -> dict:
         lookups += await bench_lookup(url, replicas, entries, samples, rng)
     publish = await bench_publish(url, 50_000 if quick else 500_000, 256, rng)
     memory = await bench_memory(url, entries, 64, rng)
+    concurrent = await bench_concurrent(url, entries, 3.0 if quick else 10.0, rng)
     worst = next(r for r in lookups if r["replicas"] == 64 and r["prompt_tokens"] == 32768)
+    server_cost = max(r["server_usec_per_call"] for r in concurrent)
     return {
         "lookup": lookups,
         "publish": publish,
         "memory": memory,
+        "concurrent": concurrent,
         "targets": [
+            target(
+                "server cost of one decision, 64 replicas, 32k tokens (us, worst client count)",
+                server_cost,
+                "<=",
+                50,
+            ),
             target("lookup p99, 32k tokens, 64 replicas (ms)", worst["p99_ms"], "<=", 2.0),
             target("publish block events/s", publish["events_per_s"], ">=", 100_000),
             target("bytes per (block, replica) entry", memory["bytes_per_entry_unshared"], "<=", 200),
@@ -178,5 +249,13 @@ def main(out: str, quick: bool, redis_url: str | None, server_binary: str | None
     print(
         f"memory: {result['memory']['bytes_per_entry_unshared']} bytes per (block, replica) entry, unshared"
     )
+    print(
+        f"\n{'clients':>8}{'decisions/s':>13}{'p50 ms':>9}{'p99 ms':>9}{'server us/call':>16}{'per core/s':>12}"
+    )
+    for r in result["concurrent"]:
+        print(
+            f"{r['clients']:>8}{r['decisions_per_s']:>13,}{r['p50_ms']:>9}{r['p99_ms']:>9}"
+            f"{r['server_usec_per_call']:>16}{r['server_decisions_per_core_s']:>12,}"
+        )
     write_result(out, result)
     return 0
