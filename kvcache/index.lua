@@ -23,17 +23,16 @@ local function liveness(ns)
   end
 end
 
--- ARGV: ns, packed big-endian uint64 hashes. Returns {replica_id, matched_blocks, ...}:
+-- KEYS: the chain's block keys (ns.."b"..<8 bytes>, built by the client: in Lua they cost more
+-- than the intersection itself); ARGV: ns. Returns {replica_id, matched_blocks, ...}:
 -- for each live replica, how many leading blocks of the chain it holds consecutively.
 -- H(k), the replicas holding all of the first k blocks, only shrinks as k grows, so the
 -- depths are found by bisection over k with SINTER on block ranges (done in C): when
 -- every candidate holds the whole chain that is two calls, and a long walk is never
 -- needed to find where the holders thin out.
 local function lookup(keys, args)
-  local ns, packed = args[1], args[2]
-  local n = #packed / 8
-  local bkeys = {}
-  for i = 1, n do bkeys[i] = ns .. 'b' .. string.sub(packed, i * 8 - 7, i * 8) end
+  local ns, bkeys = args[1], keys
+  local n = #bkeys
   local depth, owner = {}, {}
 
   -- members of `within` that hold every block in (lo, hi] (1-based key positions)
