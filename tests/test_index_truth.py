@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from helpers import eventually, local_router_config
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.cluster import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
@@ -318,3 +319,12 @@ async def test_every_metric_the_dashboard_and_alerts_name_is_exported(fleet):
     assert len(named) >= 15
     missing = sorted(named - exported)
     assert not missing, f"named by the dashboard or alerts, exported by nobody: {missing}"
+
+
+async def test_kvmesh_status_shows_the_index_states(fleet):
+    models = await status.from_router(fleet["router"].address, None)
+    (model,) = models
+    assert model["index_state"] == "EXACT"
+    assert {r["index_state"] for r in model["replicas"]} == {"EXACT"}
+    table = status.render(models)
+    assert "index EXACT" in table and table.count("index EXACT") == 1 + len(model["replicas"])
