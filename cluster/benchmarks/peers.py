@@ -102,11 +102,15 @@ def served(before: dict, after: dict) -> dict:
     prompt = sum(d["prompt"] for d in delta.values())
     cached = sum(d["cached"] for d in delta.values())
     per_replica = {rid: int(d["ok"]) for rid, d in sorted(delta.items())}
+    uncached = [d["prompt"] - d["cached"] for _, d in sorted(delta.items())]
+    mean_uncached = sum(uncached) / len(uncached) if uncached else 0.0
     return {
         "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "cached_tokens": int(cached),
         "prompt_tokens": int(prompt),
         "requests_per_replica": per_replica,
+        "uncached_prefill_per_replica": [int(u) for u in uncached],
+        "prefill_max_over_mean": round(max(uncached) / mean_uncached, 3) if mean_uncached else 0.0,
         "spread": "/".join(str(n) for n in per_replica.values()),
     }
 

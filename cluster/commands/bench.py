@@ -78,6 +78,40 @@ def _index(benches) -> None:
     idx.set_defaults(handler=run)
 
 
+def _routers(benches) -> None:
+    rt = benches.add_parser(
+        "routers", help="one set of replicas through 1, 2 and 4 router processes: hit rate, TTFT, spread"
+    )
+    rt.add_argument("--routers", default="1,2,4", help="comma-separated router counts")
+    rt.add_argument("--repeats", type=_repeats, default=2, help="runs per router count (order shuffled)")
+    rt.add_argument("--replicas", type=int, default=4)
+    rt.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
+    rt.add_argument("--out", default="results/bench_routers.json")
+    rt.add_argument("--png", default="results/bench_routers.png")
+    rt.add_argument("--cache-dir", default=".cache/tiny-models")
+
+    def run(args):
+        from pathlib import Path
+
+        require_extra("experiments", "httpx", "matplotlib")
+        from kvmesh.cluster.benchmarks.routers_bench import RoutersConfig, main
+        from kvmesh.cluster.logs import setup_logging
+
+        try:
+            counts = tuple(int(n) for n in args.routers.split(","))
+        except ValueError:
+            raise UsageError(f"--routers: comma-separated counts, got {args.routers!r}") from None
+        if not counts or min(counts) < 1 or args.replicas < 1 or args.concurrency < 1:
+            raise UsageError("--routers, --replicas and --concurrency must be positive")
+        setup_logging(False)
+        config = RoutersConfig(
+            args.out, Path(args.cache_dir), counts, args.repeats, args.replicas, concurrency=args.concurrency
+        )
+        return main(config, args.png)
+
+    rt.set_defaults(handler=run)
+
+
 def _dashboard(benches) -> None:
     dash = benches.add_parser(
         "dashboard", help="the Grafana dashboard's panels drawn from a live run through a local Prometheus"
@@ -233,7 +267,7 @@ def _serve(benches) -> None:
     serve.set_defaults(handler=usage_errors(run))
 
 
-BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _peers, _serve, _dashboard)
+BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _routers, _peers, _serve, _dashboard)
 
 
 def register(commands) -> None:

@@ -148,7 +148,7 @@ async def _drive(
 
 
 async def run_load(
-    address: str,
+    address: str | Sequence[str],
     requests: Sequence[WorkloadRequest],
     policy: str = "",
     concurrency: int = 16,
@@ -158,14 +158,20 @@ async def run_load(
     seed: int = 0,
     progress: bool = False,
 ) -> list[RequestRecord]:
-    """Send ``requests`` as token ids over gRPC to a kvmesh router (see ``_drive`` for timing)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.RouterStub(channel)
+    """Send ``requests`` as token ids over gRPC to a kvmesh router, or spread them over several
+    (request i to router i mod n, as a client-side balancer would); see ``_drive`` for timing."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    stubs = [pb_grpc.RouterStub(c) for c in channels]
+    try:
         return await _drive(
             requests,
-            lambda i, req, t0: _one(stub, i, req, policy, t0, timeout_s),
+            lambda i, req, t0: _one(stubs[i % len(stubs)], i, req, policy, t0, timeout_s),
             concurrency, rate, use_arrival_times, seed, policy or "default", progress,
         )  # fmt: skip
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 async def run_http_load(

@@ -1,0 +1,185 @@
+"""``kvmesh bench routers``: one set of replicas, the same workload through 1, 2 and 4 real
+``kvmesh router`` processes (the load generator spreads requests over them, request i to
+router i mod n), caches reset and checked empty before every run, runs shuffled per repeat.
+
+Per run: hit rate (from the replicas' own counters), TTFT p50/p90/p99 (client side),
+requests and uncached prefill per replica (max/mean). Today every router keeps its own
+in-flight accounting and speculative entries (``shared_load`` false in the rows): this is
+what several routers cost before they share that state in the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvmesh.cluster.benchmarks.common import environment, progress, write_result
+from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess
+from kvmesh.cluster.benchmarks.peers import counters, replicas_of, reset_caches, served
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.demo_model import demo_model
+from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.cluster.experiments.loadgen import run_load
+from kvmesh.cluster.experiments.report import summarize
+from kvmesh.cluster.experiments.workloads import shared_prefix
+from kvmesh.cluster.launcher import LocalCluster
+
+
+@dataclass(frozen=True)
+class RoutersConfig:
+    out: str
+    cache_dir: Path
+    router_counts: tuple[int, ...] = (1, 2, 4)
+    repeats: int = 2
+    replicas: int = 4
+    num_kv_blocks: int = 160
+    groups: int = 8
+    prompts_per_group: int = 16
+    prefix_tokens: int = 512
+    question_tokens: int = 64
+    output_tokens: int = 16
+    concurrency: int = 8
+    seed: int = 0
+
+
+def _router_command(model: str, redis_url: str, grpc_port: int, http_port: int) -> list[str]:
+    import sys
+
+    return [
+        str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model, "--redis-url", redis_url,
+        "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
+    ]  # fmt: skip
+
+
+async def _one_run(
+    cluster, http, replicas, model: str, workload, routers: int, config: RoutersConfig, scratch: Path
+):
+    ports = [(free_port(), free_port()) for _ in range(routers)]
+    contender = Contender("kvmesh", "prefix")
+    processes = []
+    for i, (grpc_port, http_port) in enumerate(ports):
+        command = _router_command(model, cluster.redis_url, grpc_port, http_port)
+        processes.append(RouterProcess(contender, command, http_port, scratch / f"router-{routers}-{i}.log"))
+    try:
+        for p in processes:
+            await p.start()
+        await reset_caches(cluster, http, replicas)
+        before = await counters(http, replicas)
+        records = await run_load(
+            [f"127.0.0.1:{g}" for g, _ in ports], workload, concurrency=config.concurrency, seed=config.seed
+        )
+        after = await counters(http, replicas)
+    finally:
+        for p in processes:
+            p.stop()
+    client = summarize(records)
+    truth = served(before, after)
+    return {
+        "routers": routers,
+        "shared_load": False,
+        "hit_rate": truth["hit_rate"],
+        "ttft_p50": client["ttft_p50_ms"],
+        "ttft_p90": client["ttft_p90_ms"],
+        "ttft_p99": client["ttft_p99_ms"],
+        "errors": client["errors"],
+        "requests_per_replica": list(truth["requests_per_replica"].values()),
+        "uncached_prefill_per_replica": truth["uncached_prefill_per_replica"],
+        "prefill_max_over_mean": truth["prefill_max_over_mean"],
+        "requests_max_over_mean": _max_over_mean(list(truth["requests_per_replica"].values())),
+    }
+
+
+def _max_over_mean(values: list[int]) -> float:
+    mean = statistics.mean(values) if values else 0
+    return round(max(values) / mean, 3) if mean else 0.0
+
+
+def _summary(rows: list[dict]) -> list[dict]:
+    out = []
+    for routers in sorted({r["routers"] for r in rows}):
+        mine = [r for r in rows if r["routers"] == routers]
+        out.append({
+            "routers": routers, "shared_load": False, "runs": len(mine),
+            **{f"{k}_median": statistics.median(r[k] for r in mine)
+               for k in ("hit_rate", "ttft_p90", "prefill_max_over_mean", "requests_max_over_mean")},
+            "hit_rate_min": min(r["hit_rate"] for r in mine), "hit_rate_max": max(r["hit_rate"] for r in mine),
+        })  # fmt: skip
+    return out
+
+
+def plot(summary: list[dict], rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, key, title in zip(
+        axes, ("hit_rate", "prefill_max_over_mean", "ttft_p90"),
+        ("hit rate (replicas' counters)", "uncached prefill, max/mean replica", "TTFT p90 (ms)"), strict=True,
+    ):  # fmt: skip
+        xs = [r["routers"] for r in rows]
+        ax.scatter(xs, [r[key] for r in rows], alpha=0.5, label="runs")
+        medians = [s[f"{key}_median"] for s in summary]
+        ax.plot([s["routers"] for s in summary], medians, marker="o", label="median, per-router load")
+        ax.set_xticks(sorted(set(xs)))
+        ax.set_xlabel("routers")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=90)
+
+
+async def run(config: RoutersConfig) -> dict:
+    model = str(demo_model(config.cache_dir))
+    workload = shared_prefix(
+        num_groups=config.groups, prompts_per_group=config.prompts_per_group, system_prompt_len=config.prefix_tokens,
+        question_len=config.question_tokens, output_len=config.output_tokens, seed=config.seed,
+    )  # fmt: skip
+    cluster_config = ClusterConfig.for_model(
+        model, config.replicas, engine={"num_kv_blocks": config.num_kv_blocks}, with_router=False
+    )
+    scratch = Path(config.out).resolve().with_suffix("")
+    rows = []
+    rng = random.Random(config.seed)
+    async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
+        replicas = await replicas_of(cluster)
+        for repeat in range(config.repeats):
+            order = list(config.router_counts)
+            rng.shuffle(order)
+            for routers in order:
+                row = await _one_run(cluster, http, replicas, model, workload, routers, config, scratch)
+                row["repeat"] = repeat
+                rows.append(row)
+                progress(
+                    f"{routers} router(s), repeat {repeat}: hit {row['hit_rate']:.3f}, p90 {row['ttft_p90']} ms, "
+                    f"requests {row['requests_per_replica']}, prefill max/mean {row['prefill_max_over_mean']}"
+                )
+    return {"rows": rows, "summary": _summary(rows)}
+
+
+def main(config: RoutersConfig, png: str) -> int:
+    result = {
+        "benchmark": "routers",
+        "config": {k: str(v) for k, v in vars(config).items()},
+        "environment": environment(),
+    }
+    result.update(asyncio.run(run(config)))
+    plot(result["summary"], result["rows"], Path(png))
+    print(
+        f"\n{'routers':>8}{'runs':>6}{'hit rate':>10}{'TTFT p90':>10}{'prefill max/mean':>18}{'requests max/mean':>19}"
+    )
+    for s in result["summary"]:
+        print(
+            f"{s['routers']:>8}{s['runs']:>6}{s['hit_rate_median']:>10.3f}{s['ttft_p90_median']:>9.0f}ms"
+            f"{s['prefill_max_over_mean_median']:>18.2f}{s['requests_max_over_mean_median']:>19.2f}"
+        )
+    write_result(config.out, result)
+    print(f"wrote {png}")
+    return 0
