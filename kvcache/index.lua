@@ -7,6 +7,11 @@
 --   ns.."r:"..id       HASH  replica record: address, incarnation, started_at, load...
 --   ns.."i"..inc       STRING replica id of a LIVE incarnation; its TTL is the heartbeat
 --   ns.."b"..<8 bytes> SET   incarnations holding that block hash (an intset)
+--   ns.."routers"      SET   router incarnations that may hold reservations
+--   ns.."ri"..rinc     STRING a LIVE router incarnation; its TTL is the router's heartbeat
+--   ns.."load"         HASH  "<replica>|n|p|d" -> in-flight requests, prefill and decode
+--                            blocks the live routers reserved on that replica (fleet-wide)
+--   ns.."w"..rinc      HASH  the same, one router incarnation's share (reaped when it dies)
 -- A block entry counts only while its incarnation's "i" key exists, so retiring a dead
 -- or restarted replica is one DEL (or a TTL expiry); kvmesh_sweep removes the leftovers.
 
@@ -30,8 +35,7 @@ end
 -- depths are found by bisection over k with SINTER on block ranges (done in C): when
 -- every candidate holds the whole chain that is two calls, and a long walk is never
 -- needed to find where the holders thin out.
-local function lookup(keys, args)
-  local ns, bkeys = args[1], keys
+local function matches(ns, bkeys)
   local n = #bkeys
   local depth, owner = {}, {}
 
@@ -79,6 +83,73 @@ local function lookup(keys, args)
     out[#out + 1] = d
   end
   return out
+end
+
+local function lookup(keys, args)
+  return matches(args[1], keys)
+end
+
+-- KEYS and ARGV as lookup's. Returns {lookup's reply, the fleet's in-flight work (flat
+-- field/value pairs of ns.."load")}: everything a routing decision reads, in one call.
+local function decide(keys, args)
+  return {matches(args[1], keys), redis.call('HGETALL', args[1] .. 'load')}
+end
+
+-- ARGV: ns, ttl_ms. A new router incarnation; returns its number.
+local function router_register(keys, args)
+  local ns, ttl = args[1], args[2]
+  local rinc = redis.call('INCR', ns .. 'next')
+  redis.call('SET', ns .. 'ri' .. rinc, '1', 'PX', ttl)
+  redis.call('SADD', ns .. 'routers', rinc)
+  return rinc
+end
+
+-- Take back what dead router incarnations reserved (their heartbeat key expired).
+local function reap(ns)
+  local reaped = 0
+  for _, rinc in ipairs(redis.call('SMEMBERS', ns .. 'routers')) do
+    if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then
+      local share = redis.call('HGETALL', ns .. 'w' .. rinc)
+      for j = 1, #share, 2 do
+        local left = tonumber(redis.call('HINCRBYFLOAT', ns .. 'load', share[j], -tonumber(share[j + 1])))
+        if math.abs(left) < 1e-6 then redis.call('HDEL', ns .. 'load', share[j]) end
+      end
+      redis.call('DEL', ns .. 'w' .. rinc)
+      redis.call('SREM', ns .. 'routers', rinc)
+      reaped = reaped + 1
+    end
+  end
+  return reaped
+end
+
+-- ARGV: ns, rinc, ttl_ms. Extends the router's life (0: it expired, its reservations are
+-- gone: register anew) and reaps the dead ones'.
+local function router_heartbeat(keys, args)
+  local ns, rinc, ttl = args[1], args[2], args[3]
+  local alive = redis.call('PEXPIRE', ns .. 'ri' .. rinc, ttl)
+  reap(ns)
+  return alive
+end
+
+-- ARGV: ns, rinc. A graceful exit: its reservations go now.
+local function router_deregister(keys, args)
+  redis.call('DEL', args[1] .. 'ri' .. args[2])
+  return reap(args[1])
+end
+
+-- ARGV: ns, rinc, then (field, delta) pairs, field "<replica>|n|p|d". Applies them to the
+-- fleet's totals and the router's share; 0 (nothing applied) if the router is not live.
+local function reserve(keys, args)
+  local ns, rinc = args[1], args[2]
+  if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then return 0 end
+  local mine = ns .. 'w' .. rinc
+  for j = 3, #args, 2 do
+    for _, key in ipairs({ns .. 'load', mine}) do
+      local left = tonumber(redis.call('HINCRBYFLOAT', key, args[j], args[j + 1]))
+      if math.abs(left) < 1e-6 then redis.call('HDEL', key, args[j]) end
+    end
+  end
+  return 1
 end
 
 -- ARGV: ns, replica_id, incarnation, then (op, packed hashes) pairs, op "+" or "-".
@@ -193,6 +264,11 @@ local function settings(keys, args)
 end
 
 redis.register_function{function_name = 'kvmesh_lookup', callback = lookup, flags = {'no-writes'}}
+redis.register_function{function_name = 'kvmesh_decide', callback = decide, flags = {'no-writes'}}
+redis.register_function('kvmesh_router_register', router_register)
+redis.register_function('kvmesh_router_heartbeat', router_heartbeat)
+redis.register_function('kvmesh_router_deregister', router_deregister)
+redis.register_function('kvmesh_reserve', reserve)
 redis.register_function('kvmesh_publish', publish)
 redis.register_function('kvmesh_register', register)
 redis.register_function('kvmesh_heartbeat', heartbeat)

@@ -50,6 +50,22 @@ class ReplicaRecord:
         return float(value) if value not in (None, "") else default
 
 
+@dataclass(frozen=True)
+class FleetWork:
+    """What every live router has in flight on one replica (``kvmesh_reserve``)."""
+
+    requests: float = 0.0
+    prefill_blocks: float = 0.0
+    decode_blocks: float = 0.0
+
+
+LOAD_FIELDS = {"n": "requests", "p": "prefill_blocks", "d": "decode_blocks"}
+
+
+def load_field(replica_id: str, kind: str) -> str:
+    return f"{replica_id}|{kind}"
+
+
 def pack_hashes(hashes: Iterable[int]) -> bytes:
     """Block hashes as the index's 8-byte big-endian keys."""
     return np.fromiter(hashes, dtype=">u8").tobytes()
@@ -231,17 +247,49 @@ class PrefixIndex:
                 return False
         return True
 
+    def _block_keys(self, block_hashes: Iterable[int]) -> list[bytes]:
+        # Built here, not in the server's Lua (which took ~0.15 us a key): the server is
+        # shared by every router, the clients scale out.
+        packed, prefix = pack_hashes(block_hashes), self._block_prefix
+        return [prefix + packed[i : i + 8] for i in range(0, len(packed), 8)]
+
     async def lookup(self, block_hashes: Iterable[int]) -> dict[str, int]:
         """Matched leading blocks per live replica holding at least the first block."""
-        packed = pack_hashes(block_hashes)
-        if not packed:
+        keys = self._block_keys(block_hashes)
+        if not keys:
             return {}
-        # The block keys are built here, not in the server's Lua (which took ~0.15 us a key):
-        # the server is shared by every router, the clients scale out.
-        prefix = self._block_prefix
-        keys = [prefix + packed[i : i + 8] for i in range(0, len(packed), 8)]
-        flat = await self._call("kvmesh_lookup", keys=keys, read_only=True)
-        return {rid.decode(): int(depth) for rid, depth in zip(flat[::2], flat[1::2], strict=True)}
+        return _matches(await self._call("kvmesh_lookup", keys=keys, read_only=True))
+
+    async def decide(self, block_hashes: Iterable[int]) -> tuple[dict[str, int], dict[str, FleetWork]]:
+        """``lookup`` and the fleet's in-flight work per replica, in one call."""
+        flat, load = await self._call("kvmesh_decide", keys=self._block_keys(block_hashes), read_only=True)
+        work: dict[str, dict[str, float]] = {}
+        for field, value in zip(load[::2], load[1::2], strict=True):
+            replica_id, _, kind = field.decode().rpartition("|")
+            if kind in LOAD_FIELDS:
+                work.setdefault(replica_id, {})[LOAD_FIELDS[kind]] = max(0.0, float(value))
+        return _matches(flat), {rid: FleetWork(**w) for rid, w in work.items()}
+
+    # ------------------------------------------------------------------ routers' reservations
+
+    async def register_router(self, ttl_s: float) -> int:
+        """A new router incarnation, live for ``ttl_s`` unless its heartbeat extends it."""
+        return int(await self._call("kvmesh_router_register", int(ttl_s * 1000)))
+
+    async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> bool:
+        """Extend it (and reap dead routers' reservations); False: it expired, register anew."""
+        return bool(await self._call("kvmesh_router_heartbeat", router_incarnation, int(ttl_s * 1000)))
+
+    async def deregister_router(self, router_incarnation: int) -> None:
+        await self._call("kvmesh_router_deregister", router_incarnation)
+
+    async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool:
+        """Add ``deltas`` (``load_field(replica, "n"|"p"|"d")`` -> amount) to the fleet's and
+        this router's in-flight work; False (nothing applied) if the router expired."""
+        flat = [x for field, delta in deltas.items() for x in (field, repr(float(delta)))]
+        if not flat:
+            return True
+        return bool(await self._call("kvmesh_reserve", router_incarnation, *flat))
 
     async def sweep(self, cursor: int = 0, count: int = 500) -> tuple[int, int]:
         """One step of background cleanup; returns (next cursor, entries removed)."""
@@ -273,6 +321,10 @@ class PrefixIndex:
                 if inc.decode() in live:
                     out[live[inc.decode()]].add(h)
         return out
+
+
+def _matches(flat: list) -> dict[str, int]:
+    return {rid.decode(): int(depth) for rid, depth in zip(flat[::2], flat[1::2], strict=True)}
 
 
 def _pairs(flat: list) -> dict[str, str]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.kvcache import block_hashes
-from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
+from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.index_truth import Prediction
@@ -129,22 +129,28 @@ class Decider:
         )
         return ids, sampling, policy
 
-    async def lookup(self, hashes: list[int]) -> dict[str, int] | None:
-        """Index matches, or None when Redis is away or slow (logged once per outage)."""
-        if not hashes:
-            return {}
+    async def lookup(self, hashes: list[int]) -> tuple[dict[str, int] | None, dict[str, FleetWork] | None]:
+        """(index matches, every router's in-flight work per replica) in one call; matches
+        None when Redis is away or slow (logged once per outage); work None then, or when
+        this router does not share its load (the policy then reads this router's counts)."""
+        shared = self.registry.fleet is not None and self.registry.fleet.active
+        if not hashes and not shared:
+            return {}, None  # no full block: nothing to look up
         start = time.perf_counter()
         try:
-            found = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s)
+            if shared:
+                found, fleet = await asyncio.wait_for(self.index.decide(hashes), self.lookup_timeout_s)
+            else:
+                found, fleet = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s), None
         except INDEX_ERRORS as exc:
             self.metrics.index_errors.inc()
             if not self._index_warned:
                 log.warning("prefix index lookup failed: routing by load only", extra={"error": str(exc)})
                 self._index_warned = True
-            return None
+            return None, None
         self._index_warned = False
         self.metrics.lookup.observe(time.perf_counter() - start)
-        return found
+        return found, fleet
 
     async def decide(self, request: pb.GenerateRequest, trace: object = None) -> Decision:
         """``trace``: the request's span, parent of the tokenize, lookup and decision spans."""
@@ -155,14 +161,14 @@ class Decider:
         if not self.registry.live():
             raise Unavailable("no live replica")
         with tracing.span("kvmesh.router.index_lookup", trace, blocks=len(hashes)):
-            found = await self.lookup(hashes)
+            found, fleet = await self.lookup(hashes)
         index_matched = found or {}
         speculative = self.overlay.matched(hashes)
         untrusted = self.untrusted()
         matched = {rid: depth for rid, depth in index_matched.items() if rid not in untrusted}
         for rid, depth in speculative.items():
             matched[rid] = max(matched.get(rid, 0), depth)
-        states = self.registry.states(matched)
+        states = self.registry.states(matched, fleet)
         if not states:
             raise Unavailable("no live replica")
         request_id = request.request_id or uuid.uuid4().hex

@@ -14,6 +14,7 @@ from kvmesh.kvcache.index import INDEX_ERRORS, IndexSettingsError
 from kvmesh.protos import pb_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
+from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.grpc_service import RouterService
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.serving import tracing
@@ -40,7 +41,10 @@ class RouterServer:
         self.model = self._model_info(config.block_size) if config.block_size else None
         seed = self.model.hash_seed if self.model else None
         self.index = connect_index(config.redis_url, self.model_id, config.block_size, seed)
-        self.registry = ReplicaRegistry(self.index, refresh_s=config.refresh_s, tls=config.tls)
+        self.fleet = FleetLoad(self.index) if config.shared_load == "on" else None
+        self.registry = ReplicaRegistry(
+            self.index, refresh_s=config.refresh_s, tls=config.tls, fleet=self.fleet
+        )
         self.service = RouterService(None, json.dumps(effective_config(config)))
         self.core: RouterCore | None = None
         self.grpc: GrpcServer | None = None
@@ -91,6 +95,8 @@ class RouterServer:
         )
         self.service.core = self.core
         self.registry.on_change(self._health_follows)
+        if self.fleet is not None:
+            await self.fleet.start()
         await self.registry.start()
         if self.config.serves_http:
             app = build_app(
@@ -165,5 +171,7 @@ class RouterServer:
             await self.http.stop(grace)
         if self.core:
             await self.core.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         await self.registry.stop()
         await self.index.close()

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex, ReplicaRecord
+from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
+from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import ReplicaState
@@ -45,8 +46,10 @@ class ReplicaRegistry:
         refresh_s: float = 0.5,
         failure_cooldown_s: float = 5.0,
         tls: TLSConfig | None = None,
+        fleet: FleetLoad | None = None,
     ):
         self.index = index
+        self.fleet = fleet  # with shared load: every router's in-flight work, through the index
         self.tls = tls
         self.refresh_s = refresh_s
         self.failure_cooldown_s = failure_cooldown_s
@@ -148,15 +151,17 @@ class ReplicaRegistry:
             if e.failed_until <= now and (e.live_until > now or not self.index_ok)
         ]
 
-    def states(self, matched: dict[str, int]) -> list[ReplicaState]:
+    def states(
+        self, matched: dict[str, int], fleet: dict[str, FleetWork] | None = None
+    ) -> list[ReplicaState]:
+        """The live replicas as the policy sees them. ``fleet``: every router's in-flight
+        work from the index (None: this router's own counts)."""
         now = time.monotonic()
         return [
             ReplicaState(
                 replica_id=e.record.replica_id,
                 matched_blocks=matched.get(e.record.replica_id, 0),
-                inflight_requests=e.load.requests,
-                inflight_prefill_blocks=e.load.prefill_blocks,
-                inflight_decode_blocks=e.load.decode_blocks,
+                **self._inflight(e, fleet),
                 recent_blocks=e.load.recent.value(now),
                 num_running=int(e.record.load("num_running")),
                 num_waiting=int(e.record.load("num_waiting")),
@@ -165,6 +170,18 @@ class ReplicaRegistry:
             )
             for e in self.live()
         ]
+
+    def _inflight(self, e: ReplicaEntry, fleet: dict[str, FleetWork] | None) -> dict[str, float]:
+        if fleet is None or self.fleet is None or not self.fleet.active:
+            return {"inflight_requests": e.load.requests, "inflight_prefill_blocks": e.load.prefill_blocks,
+                    "inflight_decode_blocks": e.load.decode_blocks}  # fmt: skip
+        rid = e.record.replica_id
+        work, unsent = fleet.get(rid, FleetWork()), self.fleet.unsent(rid)
+        return {
+            "inflight_requests": round(work.requests + unsent.requests),
+            "inflight_prefill_blocks": max(0.0, work.prefill_blocks + unsent.prefill_blocks),
+            "inflight_decode_blocks": max(0.0, work.decode_blocks + unsent.decode_blocks),
+        }
 
     def gauges(self) -> list[ReplicaGauges]:
         """The live replicas' heartbeat load, for the router's per-replica metrics."""
@@ -190,12 +207,18 @@ class ReplicaRegistry:
 
     # Load accounting goes to the entry a call started on, which may be retired meanwhile.
     def begin(self, entry: ReplicaEntry, work: RequestWork) -> None:
+        if self.fleet is not None:
+            self.fleet.add(entry.record.replica_id, 1, work.prefill, work.decode)
         entry.load.begin(work, time.monotonic())
 
     def prefill_done(self, entry: ReplicaEntry, work: RequestWork) -> None:
+        if self.fleet is not None:
+            self.fleet.add(entry.record.replica_id, 0, -work.prefill, 0)
         entry.load.prefill_done(work)
 
     def end(self, entry: ReplicaEntry, work: RequestWork) -> None:
+        if self.fleet is not None:
+            self.fleet.add(entry.record.replica_id, -1, -work.prefill, -work.decode)
         entry.load.end(work)
 
     def mark_failed(self, replica_id: str) -> None:

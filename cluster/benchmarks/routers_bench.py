@@ -3,9 +3,9 @@
 router i mod n), caches reset and checked empty before every run, runs shuffled per repeat.
 
 Per run: hit rate (from the replicas' own counters), TTFT p50/p90/p99 (client side),
-requests and uncached prefill per replica (max/mean). Today every router keeps its own
-in-flight accounting and speculative entries (``shared_load`` false in the rows): this is
-what several routers cost before they share that state in the index.
+requests and uncached prefill per replica (max/mean). Each router count runs with the
+routers sharing their in-flight work through the index (``--shared-load on``) and with
+each router on its own counts (``off``, the baseline).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.cluster.benchmarks.common import environment, progress, write_result
+from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess
 from kvmesh.cluster.benchmarks.peers import counters, replicas_of, reset_caches, served
 from kvmesh.cluster.config import ClusterConfig
@@ -35,6 +35,7 @@ class RoutersConfig:
     out: str
     cache_dir: Path
     router_counts: tuple[int, ...] = (1, 2, 4)
+    shared_modes: tuple[bool, ...] = (True, False)
     repeats: int = 2
     replicas: int = 4
     num_kv_blocks: int = 160
@@ -47,24 +48,34 @@ class RoutersConfig:
     seed: int = 0
 
 
-def _router_command(model: str, redis_url: str, grpc_port: int, http_port: int) -> list[str]:
+def _router_command(model: str, redis_url: str, grpc_port: int, http_port: int, shared: bool) -> list[str]:
     import sys
 
     return [
         str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model, "--redis-url", redis_url,
         "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
+        "--shared-load", "on" if shared else "off",
     ]  # fmt: skip
 
 
 async def _one_run(
-    cluster, http, replicas, model: str, workload, routers: int, config: RoutersConfig, scratch: Path
+    cluster,
+    http,
+    replicas,
+    model: str,
+    workload,
+    routers: int,
+    shared: bool,
+    config: RoutersConfig,
+    scratch: Path,
 ):
     ports = [(free_port(), free_port()) for _ in range(routers)]
     contender = Contender("kvmesh", "prefix")
     processes = []
     for i, (grpc_port, http_port) in enumerate(ports):
-        command = _router_command(model, cluster.redis_url, grpc_port, http_port)
-        processes.append(RouterProcess(contender, command, http_port, scratch / f"router-{routers}-{i}.log"))
+        command = _router_command(model, cluster.redis_url, grpc_port, http_port, shared)
+        log = scratch / f"router-{routers}-{'shared' if shared else 'own'}-{i}.log"
+        processes.append(RouterProcess(contender, command, http_port, log))
     try:
         for p in processes:
             await p.start()
@@ -81,7 +92,7 @@ async def _one_run(
     truth = served(before, after)
     return {
         "routers": routers,
-        "shared_load": False,
+        "shared_load": shared,
         "hit_rate": truth["hit_rate"],
         "ttft_p50": client["ttft_p50_ms"],
         "ttft_p90": client["ttft_p90_ms"],
@@ -101,10 +112,10 @@ def _max_over_mean(values: list[int]) -> float:
 
 def _summary(rows: list[dict]) -> list[dict]:
     out = []
-    for routers in sorted({r["routers"] for r in rows}):
-        mine = [r for r in rows if r["routers"] == routers]
+    for routers, shared in sorted({(r["routers"], r["shared_load"]) for r in rows}):
+        mine = [r for r in rows if r["routers"] == routers and r["shared_load"] == shared]
         out.append({
-            "routers": routers, "shared_load": False, "runs": len(mine),
+            "routers": routers, "shared_load": shared, "runs": len(mine),
             **{f"{k}_median": statistics.median(r[k] for r in mine)
                for k in ("hit_rate", "ttft_p90", "prefill_max_over_mean", "requests_max_over_mean")},
             "hit_rate_min": min(r["hit_rate"] for r in mine), "hit_rate_max": max(r["hit_rate"] for r in mine),
@@ -123,10 +134,14 @@ def plot(summary: list[dict], rows: list[dict], png: Path) -> None:
         axes, ("hit_rate", "prefill_max_over_mean", "ttft_p90"),
         ("hit rate (replicas' counters)", "uncached prefill, max/mean replica", "TTFT p90 (ms)"), strict=True,
     ):  # fmt: skip
+        for shared, color in ((True, "tab:blue"), (False, "tab:orange")):
+            mode = "shared load" if shared else "per-router load"
+            mine = [r for r in rows if r["shared_load"] == shared]
+            ax.scatter([r["routers"] for r in mine], [r[key] for r in mine], alpha=0.35, color=color)
+            medians = [s for s in summary if s["shared_load"] == shared]
+            ax.plot([s["routers"] for s in medians], [s[f"{key}_median"] for s in medians], marker="o",
+                    color=color, label=f"{mode} (median; dots: runs)")  # fmt: skip
         xs = [r["routers"] for r in rows]
-        ax.scatter(xs, [r[key] for r in rows], alpha=0.5, label="runs")
-        medians = [s[f"{key}_median"] for s in summary]
-        ax.plot([s["routers"] for s in summary], medians, marker="o", label="median, per-router load")
         ax.set_xticks(sorted(set(xs)))
         ax.set_xlabel("routers")
         ax.set_title(title, fontsize=10)
@@ -151,17 +166,48 @@ async def run(config: RoutersConfig) -> dict:
     async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
         replicas = await replicas_of(cluster)
         for repeat in range(config.repeats):
-            order = list(config.router_counts)
+            order = [(n, shared) for n in config.router_counts for shared in config.shared_modes]
             rng.shuffle(order)
-            for routers in order:
-                row = await _one_run(cluster, http, replicas, model, workload, routers, config, scratch)
+            for routers, shared in order:
+                row = await _one_run(
+                    cluster, http, replicas, model, workload, routers, shared, config, scratch
+                )
                 row["repeat"] = repeat
                 rows.append(row)
                 progress(
-                    f"{routers} router(s), repeat {repeat}: hit {row['hit_rate']:.3f}, p90 {row['ttft_p90']} ms, "
+                    f"{routers} router(s), shared load {'on' if shared else 'off'}, repeat {repeat}: hit {row['hit_rate']:.3f}, p90 {row['ttft_p90']} ms, "
                     f"requests {row['requests_per_replica']}, prefill max/mean {row['prefill_max_over_mean']}"
                 )
-    return {"rows": rows, "summary": _summary(rows)}
+    summary = _summary(rows)
+    return {"rows": rows, "summary": summary, "targets": _targets(summary)}
+
+
+def _targets(summary: list[dict]) -> list[dict]:
+    """With shared load: 2+ routers within 3 % of one router's hit rate, uncached prefill max/mean <= 1.25."""
+    shared = {s["routers"]: s for s in summary if s["shared_load"]}
+    if 1 not in shared:
+        return []
+    one = shared[1]["hit_rate_median"]
+    out = []
+    for n, s in sorted(shared.items()):
+        if n > 1:
+            out.append(
+                target(
+                    f"{n} routers, shared load: hit rate / one router's",
+                    round(s["hit_rate_median"] / one, 3),
+                    ">=",
+                    0.97,
+                )
+            )
+        out.append(
+            target(
+                f"{n} router(s), shared load: uncached prefill max/mean",
+                s["prefill_max_over_mean_median"],
+                "<=",
+                1.25,
+            )
+        )
+    return out
 
 
 def main(config: RoutersConfig, png: str) -> int:

@@ -1,0 +1,122 @@
+"""This router's share of the fleet's in-flight work, kept in the index so every router's
+policy sees what all routers sent each replica (``--shared-load``).
+
+The router registers an incarnation with a heartbeat (like a replica) and reserves work
+on a replica when it routes a request there: one request, its uncached prefill and its
+decode, in blocks; the prefill is released at the first token, the rest at the end. The
+reservations are sent after the decision, never waited for: deltas made in one event-loop
+turn go out together in one call. Until that call lands, another router can miss them
+(the race window: one loop turn plus one round trip, ~0.3 ms on loopback); this router
+adds its own unsent deltas to what the index returns. A router that dies leaks nothing
+past its heartbeat TTL: the next heartbeat of any router takes its reservations back.
+When the index cannot be reached, the router routes on its own counts (the caller's
+fallback) and, once the index is back, re-registers and re-reserves what it still has in
+flight, so the fleet's totals never keep a stale share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+
+from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, load_field
+from kvmesh.serving.background import BackgroundLoops
+
+log = logging.getLogger(__name__)
+
+
+class FleetLoad:
+    def __init__(self, index: PrefixIndex, heartbeat_s: float = 1.0, ttl_s: float = 5.0):
+        self.index = index
+        self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
+        self.incarnation: int | None = None  # None: not registered (yet, or lost): local counts only
+        self._held: collections.Counter[str] = collections.Counter()  # field -> what this router holds
+        self._unsent: collections.Counter[str] = collections.Counter()
+        self._flush: asyncio.Task | None = None
+        self._loops = BackgroundLoops()
+
+    @property
+    def active(self) -> bool:
+        """Whether the fleet's totals include this router's work (else route on local counts)."""
+        return self.incarnation is not None
+
+    async def start(self) -> None:
+        await self._renew()
+        self._loops.start(self._heartbeat_loop(), "kvmesh-fleet-load")
+
+    async def stop(self) -> None:
+        await self._loops.stop()
+        if self._flush is not None:
+            await asyncio.gather(self._flush, return_exceptions=True)
+        if self.incarnation is not None:
+            with contextlib.suppress(*INDEX_ERRORS):  # else its reservations expire with its heartbeat
+                await self.index.deregister_router(self.incarnation)
+        self.incarnation = None
+
+    # ------------------------------------------------------------------ reservations
+
+    def add(self, replica_id: str, requests: float, prefill: float, decode: float) -> None:
+        """Change this router's in-flight work on ``replica_id`` (sent within the loop turn)."""
+        for kind, delta in (("n", requests), ("p", prefill), ("d", decode)):
+            if delta:
+                field = load_field(replica_id, kind)
+                self._held[field] += delta
+                self._unsent[field] += delta
+        if self._flush is None or self._flush.done():
+            self._flush = asyncio.get_running_loop().create_task(self._send())
+
+    def unsent(self, replica_id: str) -> FleetWork:
+        """This router's deltas on ``replica_id`` not yet in the index (added to its totals)."""
+        u = self._unsent
+        return FleetWork(
+            u[load_field(replica_id, "n")], u[load_field(replica_id, "p")], u[load_field(replica_id, "d")]
+        )
+
+    async def _send(self) -> None:
+        await asyncio.sleep(0)  # let this loop turn's other deltas join
+        if self.incarnation is None:
+            return  # kept: a new incarnation reserves everything held
+        deltas, self._unsent = dict(self._unsent), collections.Counter()
+        if not deltas:
+            return
+        try:
+            if not await self.index.reserve(self.incarnation, deltas):
+                self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
+        except INDEX_ERRORS as exc:
+            log.warning("fleet load not sent, routing on this router's counts", extra={"error": str(exc)})
+            self.incarnation = None
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _heartbeat_loop(self) -> None:
+        while self._loops.running:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                if self.incarnation is None or not await self.index.router_heartbeat(
+                    self.incarnation, self.ttl_s
+                ):
+                    await self._renew()
+            except INDEX_ERRORS:
+                self.incarnation = None
+
+    async def _renew(self) -> None:
+        """A new incarnation holding exactly what this router has in flight now."""
+        old, self.incarnation = self.incarnation, None
+        try:
+            if old is not None:
+                await self.index.deregister_router(old)
+            incarnation = await self.index.register_router(self.ttl_s)
+            held = {field: amount for field, amount in self._held.items() if abs(amount) > 1e-9}
+            self._unsent = collections.Counter()
+            if await self.index.reserve(incarnation, held):
+                self.incarnation = incarnation
+                log.info(
+                    "sharing this router's in-flight work through the index",
+                    extra={"incarnation": incarnation},
+                )
+                if self._unsent:  # changed while registering
+                    self._flush = asyncio.get_running_loop().create_task(self._send())
+        except INDEX_ERRORS as exc:
+            log.warning("fleet load unavailable, routing on this router's counts", extra={"error": str(exc)})

@@ -1,0 +1,179 @@
+"""Many routers, one view of the load: every router's in-flight work on each replica is kept in
+the index next to the prefix entries, returned by the same call as the lookup, released at
+the first token and the end, and taken back when a router dies (its heartbeat's TTL)."""
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+from helpers import eventually, local_router_config
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.kvcache.index import FleetWork, PrefixIndex, load_field
+from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.fleet_load import FleetLoad
+from kvmesh.router.process import RouterServer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
+
+
+# ---------------------------------------------------------------------- the index alone
+
+
+async def test_reservations_add_up_release_and_die_with_their_router(redis_server):
+    index = PrefixIndex.from_url(redis_server.url, "shared-load-index", 16, 0)
+    await index.ensure_settings()
+    a, b = await index.register_router(ttl_s=30), await index.register_router(ttl_s=0.3)
+    assert await index.reserve(
+        a, {load_field("r0", "n"): 2, load_field("r0", "p"): 8.5, load_field("r0", "d"): 1}
+    )
+    assert await index.reserve(
+        b, {load_field("r0", "n"): 1, load_field("r1", "n"): 3, load_field("r1", "d"): 0.25}
+    )
+    _, fleet = await index.decide([])
+    assert fleet == {"r0": FleetWork(3, 8.5, 1), "r1": FleetWork(3, 0, 0.25)}
+    assert await index.reserve(a, {load_field("r0", "p"): -8.5})  # a's first token
+    await asyncio.sleep(0.5)  # b stops heartbeating: its share goes at the next heartbeat of anyone
+    assert not await index.reserve(b, {load_field("r1", "n"): 1})  # a dead router adds nothing
+    assert await index.router_heartbeat(a, 30)
+    assert (await index.decide([]))[1] == {"r0": FleetWork(2, 0, 1)}
+    assert await index.reserve(a, {load_field("r0", "n"): -2, load_field("r0", "d"): -1})
+    assert (await index.decide([]))[1] == {}
+    assert await index.client.hlen(f"{index.ns}load") == 0  # released fields leave, no float dust
+    await index.deregister_router(a)
+    await index.client.flushdb()
+    await index.close()
+
+
+async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(valkey_server):
+    index = PrefixIndex.from_url(valkey_server.url, "shared-load-fleet", 16, 0)
+    await index.ensure_settings()
+    fleet = FleetLoad(index, heartbeat_s=0.1, ttl_s=2.0)
+    await fleet.start()
+    fleet.add("r0", 1, 4, 2)
+    fleet.add("r0", 1, 4, 2)
+    assert fleet.unsent("r0") == FleetWork(2, 8, 4)  # not in the index yet: the caller adds it
+    await asyncio.sleep(0.05)
+    assert fleet.unsent("r0") == FleetWork(0, 0, 0)
+    assert (await index.decide([]))[1] == {"r0": FleetWork(2, 8, 4)}
+    await index.client.flushall()  # Redis lost everything: the heartbeat re-registers, re-reserves
+    assert await eventually(lambda: _fleet_is(index, {"r0": FleetWork(2, 8, 4)}), timeout=5)
+    fleet.add("r0", -2, -8, -4)
+    await fleet.stop()
+    assert (await index.decide([]))[1] == {}
+    await index.close()
+
+
+async def _fleet_is(index: PrefixIndex, wanted: dict) -> bool:
+    try:
+        return (await index.decide([]))[1] == wanted
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------- routers
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet_of_routers(qwen3_dir):
+    redis = EmbeddedRedis().start()
+    engine = EngineConfig(num_kv_blocks=256, block_size=16, max_model_len=4096)
+    replicas = [
+        ReplicaServer(ReplicaConfig(str(qwen3_dir), f"shared-{i}", redis.url, http_port=-1, engine=engine))
+        for i in range(2)
+    ]
+    for r in replicas:
+        await r.start()
+    routers = {}
+    for name, shared in (("a", "on"), ("b", "on"), ("off", "off")):
+        routers[name] = RouterServer(
+            local_router_config(qwen3_dir, redis.url, http_port=-1, shared_load=shared)
+        )
+        if routers[name].fleet is not None:
+            routers[name].fleet.heartbeat_s, routers[name].fleet.ttl_s = 0.2, 1.0  # die fast in this test
+        await routers[name].start()
+    for router in routers.values():
+        assert await eventually(lambda r=router: asyncio.sleep(0, result=len(r.registry.live()) == 2))
+    yield {"routers": routers, "redis": redis}
+    for router in routers.values():
+        await router.stop(grace=0.5)
+    for r in replicas:
+        await r.stop(grace=0.5)
+    redis.close()
+
+
+async def _long_requests(router: RouterServer, n: int) -> list[asyncio.Task]:
+    """``n`` requests streaming through ``router`` until cancelled."""
+    channel = grpc.aio.insecure_channel(router.address)
+    stub = pb_grpc.RouterStub(channel)
+
+    async def one(i: int) -> None:
+        req = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[7 + i] * 40),
+            sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True),
+        )
+        try:
+            async for _ in stub.Generate(req, timeout=120):
+                pass
+        finally:
+            await channel.close()
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    assert await eventually(lambda: asyncio.sleep(0, result=_local(router) == n))
+    return tasks
+
+
+def _local(router: RouterServer) -> int:
+    return sum(e.load.requests for e in router.registry.entries.values())
+
+
+async def _seen_by(router: RouterServer) -> int:
+    """In-flight requests the router's policy sees on all replicas, as it decides now."""
+    _, fleet = await router.core.decider.lookup([])
+    return sum(s.inflight_requests for s in router.registry.states({}, fleet))
+
+
+async def _stop(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_every_router_sees_the_fleets_in_flight_work(fleet_of_routers):
+    a, b, off = (fleet_of_routers["routers"][k] for k in ("a", "b", "off"))
+    tasks = await _long_requests(a, 4)
+    try:
+        assert await eventually(lambda: _equals(_seen_by(b), 4))
+        assert await _seen_by(off) == 0  # --shared-load off: its own counts only
+        per_replica = {e.record.replica_id: e.load.requests for e in a.registry.entries.values()}
+        _, fleet = await b.core.decider.lookup([])
+        assert {rid: round(w.requests) for rid, w in fleet.items()} == {
+            k: v for k, v in per_replica.items() if v
+        }
+        assert all(
+            w.prefill_blocks == 0 for w in fleet.values()
+        )  # every first token is out: prefill released
+    finally:
+        await _stop(tasks)
+    assert await eventually(lambda: _equals(_seen_by(b), 0))  # released at the end
+
+
+async def test_a_dead_routers_reservations_end_with_its_heartbeat(fleet_of_routers):
+    a, b = fleet_of_routers["routers"]["a"], fleet_of_routers["routers"]["b"]
+    tasks = await _long_requests(a, 3)
+    try:
+        assert await eventually(lambda: _equals(_seen_by(b), 3))
+        await a.fleet._loops.stop()  # the fault: router a stops talking to the index, holding 3
+        a.fleet.incarnation = None
+        assert await eventually(lambda: _equals(_seen_by(b), 0), timeout=5)  # its TTL is 1 s here
+    finally:
+        await _stop(tasks)
+        await a.fleet.start()  # a comes back: a new incarnation holding what it has (nothing)
+    assert await eventually(lambda: _equals(_seen_by(a), 0))
+
+
+async def _equals(seen, wanted: int) -> bool:
+    return await seen == wanted
