@@ -7,10 +7,12 @@
 - Publish throughput: block events/s from one process, in engine-step-sized batches.
 - Memory per (block, replica) entry: ``used_memory`` growth / entries, both for blocks
   held by one replica each (the worst case) and for the shared lookup index.
-- Decisions under concurrency: 1, 2 and 4 client processes, each a closed loop of lookups
-  (64 replicas, 32k-token prompts), for a few seconds each; client-side decisions/s and
-  latency, and the server's own cost per call from ``INFO commandstats`` (usec_per_call of
-  FCALL), which says how many decisions one server core carries whatever the clients cost.
+- Decisions under concurrency: 1, 2 and 4 client processes, each a closed loop of the call a
+  routing decision makes (``kvmesh_decide``: the prefix lookup and every router's in-flight
+  work on each replica; 64 replicas, 32k-token prompts), for a few seconds each; client-side
+  decisions/s and latency, and the server's own cost per call from ``INFO commandstats``
+  (usec_per_call of FCALL_RO), which says how many decisions one server core carries
+  whatever the clients cost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvmesh.cluster.benchmarks.common import environment, progress, target, writ
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.stats import latency_ms
 from kvmesh.kvcache import BlockStored
-from kvmesh.kvcache.index import PrefixIndex, pack_hashes
+from kvmesh.kvcache.index import PrefixIndex, load_field, pack_hashes
 
 BLOCK_SIZE = 256
 
@@ -139,12 +141,12 @@ def _decision_client(
 
     async def loop() -> list[float]:
         index = PrefixIndex.from_url(url, model_id, BLOCK_SIZE, 0)
-        await index.lookup(hashes)  # connect and load the function before the clock starts
+        await index.decide(hashes)  # connect and load the function before the clock starts
         await asyncio.sleep(max(0.0, start_at - time.time()))
         took, end = [], time.time() + seconds
         while time.time() < end:
             begin = time.perf_counter()
-            await index.lookup(hashes)
+            await index.decide(hashes)
             took.append(time.perf_counter() - begin)
         await index.close()
         return took
@@ -153,7 +155,7 @@ def _decision_client(
 
 
 async def _lookup_stats(index: PrefixIndex) -> dict:
-    """The server's accounting of the lookups (FCALL_RO, read-only, so replicas could serve them)."""
+    """The server's accounting of the decisions (FCALL_RO: read-only, so replicas could serve them)."""
     stats = await index.client.info("commandstats")
     if "cmdstat_fcall_ro" not in stats:
         raise RuntimeError(f"the server reported no FCALL_RO calls (has: {sorted(stats)})")
@@ -165,6 +167,8 @@ async def bench_concurrent(url: str, entries: int, seconds: float, rng: random.R
     index = PrefixIndex.from_url(url, model_id, BLOCK_SIZE, 0)
     await index.ensure_settings()
     hashes = await _fill(index, 64, entries, 128, rng)
+    router = await index.register_router(ttl_s=3600)  # every replica has work in flight
+    await index.reserve(router, {load_field(f"r{r}", kind): 1.5 for r in range(64) for kind in "npd"})
     rows = []
     spawn = multiprocessing.get_context("spawn")  # a clean interpreter per client, no inherited loop
     for clients in (1, 2, 4):

@@ -219,12 +219,12 @@ def main(config: RoutersConfig, png: str) -> int:
     result.update(asyncio.run(run(config)))
     plot(result["summary"], result["rows"], Path(png))
     print(
-        f"\n{'routers':>8}{'runs':>6}{'hit rate':>10}{'TTFT p90':>10}{'prefill max/mean':>18}{'requests max/mean':>19}"
+        f"\n{'routers':>8}{'shared':>8}{'runs':>6}{'hit rate':>10}{'TTFT p90':>10}{'prefill max/mean':>18}{'requests max/mean':>19}"
     )
     for s in result["summary"]:
         print(
-            f"{s['routers']:>8}{s['runs']:>6}{s['hit_rate_median']:>10.3f}{s['ttft_p90_median']:>9.0f}ms"
-            f"{s['prefill_max_over_mean_median']:>18.2f}{s['requests_max_over_mean_median']:>19.2f}"
+            f"{s['routers']:>8}{'on' if s['shared_load'] else 'off':>8}{s['runs']:>6}{s['hit_rate_median']:>10.3f}"
+            f"{s['ttft_p90_median']:>9.0f}ms{s['prefill_max_over_mean_median']:>18.2f}{s['requests_max_over_mean_median']:>19.2f}"
         )
     write_result(config.out, result)
     print(f"wrote {png}")

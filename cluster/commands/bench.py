@@ -84,6 +84,12 @@ def _routers(benches) -> None:
     )
     rt.add_argument("--routers", default="1,2,4", help="comma-separated router counts")
     rt.add_argument("--repeats", type=_repeats, default=2, help="runs per router count (order shuffled)")
+    rt.add_argument(
+        "--shared-load",
+        choices=("both", "on", "off"),
+        default="both",
+        help="the routers' --shared-load (both: each)",
+    )
     rt.add_argument("--replicas", type=int, default=4)
     rt.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
     rt.add_argument("--out", default="results/bench_routers.json")
@@ -104,9 +110,11 @@ def _routers(benches) -> None:
         if not counts or min(counts) < 1 or args.replicas < 1 or args.concurrency < 1:
             raise UsageError("--routers, --replicas and --concurrency must be positive")
         setup_logging(False)
+        modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.shared_load]
         config = RoutersConfig(
-            args.out, Path(args.cache_dir), counts, args.repeats, args.replicas, concurrency=args.concurrency
-        )
+            args.out, Path(args.cache_dir), router_counts=counts, shared_modes=modes, repeats=args.repeats,
+            replicas=args.replicas, concurrency=args.concurrency,
+        )  # fmt: skip
         return main(config, args.png)
 
     rt.set_defaults(handler=run)
