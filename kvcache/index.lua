@@ -12,6 +12,10 @@
 --   ns.."load"         HASH  "<replica>|n|p|d" -> in-flight requests, prefill and decode
 --                            blocks the live routers reserved on that replica (fleet-wide)
 --   ns.."w"..rinc      HASH  the same, one router incarnation's share (reaped when it dies)
+--   ns.."sp"..rinc.."|"..bucket  HASH  replica id -> the speculative incarnation this router
+--                            uses for it in that time bucket: its block entries sit in the
+--                            block SETs like a replica's, its "i" key holds "~"..replica id and
+--                            expires ttl after its last use, so speculation lives ttl to 2 ttl
 -- A block entry counts only while its incarnation's "i" key exists, so retiring a dead
 -- or restarted replica is one DEL (or a TTL expiry); kvmesh_sweep removes the leftovers.
 
@@ -135,6 +139,29 @@ end
 local function router_deregister(keys, args)
   redis.call('DEL', args[1] .. 'ri' .. args[2])
   return reap(args[1])
+end
+
+-- ARGV: ns, rinc, ttl_ms, bucket, then (replica id, packed block hashes) pairs: "this router
+-- just sent that replica a prompt with these blocks" (the blocks past what the index showed),
+-- so every router routes the rest of a burst there before the replica's own events arrive.
+local function speculate(keys, args)
+  local ns, rinc, ttl, bucket = args[1], args[2], args[3], args[4]
+  if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then return 0 end
+  local map = ns .. 'sp' .. rinc .. '|' .. bucket
+  for j = 5, #args, 2 do
+    local rid, packed = args[j], args[j + 1]
+    local inc = redis.call('HGET', map, rid)
+    if not inc then
+      inc = redis.call('INCR', ns .. 'next')
+      redis.call('HSET', map, rid, inc)
+      redis.call('PEXPIRE', map, 2 * ttl)
+    end
+    redis.call('SET', ns .. 'i' .. inc, '~' .. rid, 'PX', ttl)
+    for i = 0, #packed / 8 - 1 do
+      redis.call('SADD', ns .. 'b' .. string.sub(packed, i * 8 + 1, i * 8 + 8), inc)
+    end
+  end
+  return 1
 end
 
 -- ARGV: ns, rinc, then (field, delta) pairs, field "<replica>|n|p|d". Applies them to the
@@ -264,6 +291,7 @@ local function settings(keys, args)
 end
 
 redis.register_function{function_name = 'kvmesh_lookup', callback = lookup, flags = {'no-writes'}}
+redis.register_function('kvmesh_speculate', speculate)
 redis.register_function{function_name = 'kvmesh_decide', callback = decide, flags = {'no-writes'}}
 redis.register_function('kvmesh_router_register', router_register)
 redis.register_function('kvmesh_router_heartbeat', router_heartbeat)

@@ -62,6 +62,15 @@ class FleetWork:
 LOAD_FIELDS = {"n": "requests", "p": "prefill_blocks", "d": "decode_blocks"}
 
 
+@dataclass(frozen=True)
+class IndexView:
+    """What one ``decide`` call returns (blocks per replica, work per replica)."""
+
+    matched: dict[str, int]  # leading blocks each replica published
+    speculative: dict[str, int]  # leading blocks routers just sent it (not published yet)
+    fleet: dict[str, FleetWork] | None  # None: not asked (this router does not share its load)
+
+
 def load_field(replica_id: str, kind: str) -> str:
     return f"{replica_id}|{kind}"
 
@@ -254,21 +263,41 @@ class PrefixIndex:
         return [prefix + packed[i : i + 8] for i in range(0, len(packed), 8)]
 
     async def lookup(self, block_hashes: Iterable[int]) -> dict[str, int]:
-        """Matched leading blocks per live replica holding at least the first block."""
+        """Matched leading blocks per live replica holding at least the first block (what the
+        replicas published; routers' speculative entries are left out)."""
         keys = self._block_keys(block_hashes)
         if not keys:
             return {}
-        return _matches(await self._call("kvmesh_lookup", keys=keys, read_only=True))
+        return _matches(await self._call("kvmesh_lookup", keys=keys, read_only=True))[0]
 
-    async def decide(self, block_hashes: Iterable[int]) -> tuple[dict[str, int], dict[str, FleetWork]]:
-        """``lookup`` and the fleet's in-flight work per replica, in one call."""
+    async def decide(self, block_hashes: Iterable[int]) -> IndexView:
+        """Everything a routing decision reads, in one call: the replicas' matches, the
+        routers' speculative matches and every router's in-flight work per replica."""
         flat, load = await self._call("kvmesh_decide", keys=self._block_keys(block_hashes), read_only=True)
         work: dict[str, dict[str, float]] = {}
         for field, value in zip(load[::2], load[1::2], strict=True):
             replica_id, _, kind = field.decode().rpartition("|")
             if kind in LOAD_FIELDS:
                 work.setdefault(replica_id, {})[LOAD_FIELDS[kind]] = max(0.0, float(value))
-        return _matches(flat), {rid: FleetWork(**w) for rid, w in work.items()}
+        matched, speculative = _matches(flat)
+        return IndexView(matched, speculative, {rid: FleetWork(**w) for rid, w in work.items()})
+
+    async def speculate(
+        self,
+        router_incarnation: int,
+        entries: Mapping[str, Sequence[int]],
+        ttl_s: float,
+        bucket: int | None = None,
+    ) -> bool:
+        """Record that this router sent each replica a prompt with these blocks (a whole chain:
+        a speculative match, like a replica's, runs from the first block); every router's
+        ``decide`` sees them for ``ttl_s`` to twice that. ``bucket``: ``speculation_bucket``
+        (now, by default). False: the router expired."""
+        flat = [x for rid, hashes in entries.items() if hashes for x in (rid, pack_hashes(hashes))]
+        if not flat:
+            return True
+        bucket = speculation_bucket(ttl_s) if bucket is None else bucket
+        return bool(await self._call("kvmesh_speculate", router_incarnation, _ms(ttl_s), bucket, *flat))
 
     # ------------------------------------------------------------------ routers' reservations
 
@@ -323,8 +352,25 @@ class PrefixIndex:
         return out
 
 
-def _matches(flat: list) -> dict[str, int]:
-    return {rid.decode(): int(depth) for rid, depth in zip(flat[::2], flat[1::2], strict=True)}
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def speculation_bucket(ttl_s: float) -> int:
+    """The time bucket speculative entries made now share (one speculative incarnation per
+    router, replica and bucket)."""
+    return int(time.time() * 1000) // _ms(ttl_s)
+
+
+def _matches(flat: list) -> tuple[dict[str, int], dict[str, int]]:
+    """(replicas' matches, speculative matches): per replica the deepest of its entries."""
+    matched: dict[str, int] = {}
+    speculative: dict[str, int] = {}
+    for owner, depth in zip(flat[::2], flat[1::2], strict=True):
+        owner = owner.decode()
+        into, rid = (speculative, owner[1:]) if owner.startswith("~") else (matched, owner)
+        into[rid] = max(into.get(rid, 0), int(depth))
+    return matched, speculative
 
 
 def _pairs(flat: list) -> dict[str, str]:

@@ -48,7 +48,8 @@ class RouterCore:
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
-        self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
+        # With shared load the speculative entries live in the index, seen by every router.
+        self.overlay = None if registry.fleet is not None else SpeculativeOverlay(ttl_s=speculative_ttl_s)
         self.metrics = metrics or RouterMetrics(model.api_name)
         self.limits = limits or RouterLimits()
         self.watch = IndexWatch(registry, index, self.metrics, model.block_size, index_health)

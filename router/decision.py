@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.kvcache import block_hashes
-from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex
+from kvmesh.kvcache.index import INDEX_ERRORS, IndexView, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.index_truth import Prediction
@@ -82,7 +82,7 @@ class Decider:
         tokenizer: PromptTokenizer | None,
         index: PrefixIndex,
         registry: ReplicaRegistry,
-        overlay: SpeculativeOverlay,
+        overlay: SpeculativeOverlay | None,
         metrics: RouterMetrics,
         limits: RouterLimits,
         default_policy: str = "prefix",
@@ -129,28 +129,31 @@ class Decider:
         )
         return ids, sampling, policy
 
-    async def lookup(self, hashes: list[int]) -> tuple[dict[str, int] | None, dict[str, FleetWork] | None]:
-        """(index matches, every router's in-flight work per replica) in one call; matches
-        None when Redis is away or slow (logged once per outage); work None then, or when
-        this router does not share its load (the policy then reads this router's counts)."""
+    async def lookup(self, hashes: list[int]) -> IndexView | None:
+        """What the index says of this prompt in one call: the replicas' matches and, with
+        shared load, the routers' speculative matches and every router's in-flight work
+        (``fleet`` None without it: the policy then reads this router's own counts and
+        speculative entries). None when Redis is away or slow (logged once per outage)."""
         shared = self.registry.fleet is not None and self.registry.fleet.active
         if not hashes and not shared:
-            return {}, None  # no full block: nothing to look up
+            return IndexView({}, {}, None)  # no full block: nothing to look up
         start = time.perf_counter()
         try:
             if shared:
-                found, fleet = await asyncio.wait_for(self.index.decide(hashes), self.lookup_timeout_s)
+                view = await asyncio.wait_for(self.index.decide(hashes), self.lookup_timeout_s)
             else:
-                found, fleet = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s), None
+                view = IndexView(
+                    await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s), {}, None
+                )
         except INDEX_ERRORS as exc:
             self.metrics.index_errors.inc()
             if not self._index_warned:
                 log.warning("prefix index lookup failed: routing by load only", extra={"error": str(exc)})
                 self._index_warned = True
-            return None, None
+            return None
         self._index_warned = False
         self.metrics.lookup.observe(time.perf_counter() - start)
-        return found, fleet
+        return view
 
     async def decide(self, request: pb.GenerateRequest, trace: object = None) -> Decision:
         """``trace``: the request's span, parent of the tokenize, lookup and decision spans."""
@@ -161,9 +164,12 @@ class Decider:
         if not self.registry.live():
             raise Unavailable("no live replica")
         with tracing.span("kvmesh.router.index_lookup", trace, blocks=len(hashes)):
-            found, fleet = await self.lookup(hashes)
-        index_matched = found or {}
-        speculative = self.overlay.matched(hashes)
+            view = await self.lookup(hashes)
+        index_matched = view.matched if view else {}
+        fleet = view.fleet if view else None
+        speculative = (
+            self.overlay.matched(hashes) if self.overlay is not None else view.speculative if view else {}
+        )
         untrusted = self.untrusted()
         matched = {rid: depth for rid, depth in index_matched.items() if rid not in untrusted}
         for rid, depth in speculative.items():
@@ -175,7 +181,7 @@ class Decider:
         decision = Decision(
             request_id, ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
         )
-        decision.index_read = found is not None
+        decision.index_read = view is not None
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
         policy = self.policy(policy_name)
         with tracing.span("kvmesh.router.decision", trace, policy=policy_name) as span:

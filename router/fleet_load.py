@@ -7,7 +7,9 @@ decode, in blocks; the prefill is released at the first token, the rest at the e
 reservations are sent after the decision, never waited for: deltas made in one event-loop
 turn go out together in one call. Until that call lands, another router can miss them
 (the race window: one loop turn plus one round trip, ~0.3 ms on loopback); this router
-adds its own unsent deltas to what the index returns. A router that dies leaks nothing
+adds its own unsent deltas to what the index returns. Speculative entries go the same way
+("this replica will hold these blocks": the blocks of a prompt past what the index showed),
+so every router sends the rest of a burst after its first request. A router that dies leaks nothing
 past its heartbeat TTL: the next heartbeat of any router takes its reservations back.
 When the index cannot be reached, the router routes on its own counts (the caller's
 fallback) and, once the index is back, re-registers and re-reserves what it still has in
@@ -21,16 +23,21 @@ import collections
 import contextlib
 import logging
 
-from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, load_field
+from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, load_field, speculation_bucket
 from kvmesh.serving.background import BackgroundLoops
 
 log = logging.getLogger(__name__)
 
 
 class FleetLoad:
-    def __init__(self, index: PrefixIndex, heartbeat_s: float = 1.0, ttl_s: float = 5.0):
+    def __init__(
+        self, index: PrefixIndex, heartbeat_s: float = 1.0, ttl_s: float = 5.0, speculative_ttl_s: float = 2.0
+    ):
         self.index = index
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
+        self.speculative_ttl_s = speculative_ttl_s
+        self._speculation: dict[str, list[int]] = {}  # replica -> blocks to announce (this turn)
+        self._announced: tuple[int, dict[str, set[int]]] = (-1, {})  # (bucket, replica -> blocks sent in it)
         self.incarnation: int | None = None  # None: not registered (yet, or lost): local counts only
         self._held: collections.Counter[str] = collections.Counter()  # field -> what this router holds
         self._unsent: collections.Counter[str] = collections.Counter()
@@ -67,6 +74,20 @@ class FleetLoad:
         if self._flush is None or self._flush.done():
             self._flush = asyncio.get_running_loop().create_task(self._send())
 
+    def speculate(self, replica_id: str, block_hashes: list[int]) -> None:
+        """Tell every router that ``replica_id`` will hold this chain (sent within the loop
+        turn; blocks already announced for it in this time bucket are not sent again)."""
+        bucket = speculation_bucket(self.speculative_ttl_s)
+        if self._announced[0] != bucket:
+            self._announced = (bucket, {})
+        sent = self._announced[1].setdefault(replica_id, set())
+        new = [h for h in block_hashes if h not in sent]
+        if new:
+            sent.update(new)
+            self._speculation.setdefault(replica_id, []).extend(new)
+            if self._flush is None or self._flush.done():
+                self._flush = asyncio.get_running_loop().create_task(self._send())
+
     def unsent(self, replica_id: str) -> FleetWork:
         """This router's deltas on ``replica_id`` not yet in the index (added to its totals)."""
         u = self._unsent
@@ -76,14 +97,16 @@ class FleetLoad:
 
     async def _send(self) -> None:
         await asyncio.sleep(0)  # let this loop turn's other deltas join
+        speculation, self._speculation = self._speculation, {}
+        bucket = self._announced[0]
         if self.incarnation is None:
-            return  # kept: a new incarnation reserves everything held
+            return  # deltas kept: a new incarnation reserves everything held (speculation is dropped)
         deltas, self._unsent = dict(self._unsent), collections.Counter()
-        if not deltas:
-            return
         try:
-            if not await self.index.reserve(self.incarnation, deltas):
+            if deltas and not await self.index.reserve(self.incarnation, deltas):
                 self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
+            elif speculation:
+                await self.index.speculate(self.incarnation, speculation, self.speculative_ttl_s, bucket)
         except INDEX_ERRORS as exc:
             log.warning("fleet load not sent, routing on this router's counts", extra={"error": str(exc)})
             self.incarnation = None

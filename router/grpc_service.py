@@ -35,11 +35,14 @@ class RouterService(pb_grpc.RouterServicer):
         self._cut_off = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
+        cut = bool(self._streams)
         while self._streams and loop.time() < deadline:
             if loop.time() > deadline - wait_s / 2:
                 for task in self._streams:
                     task.cancel()
             await asyncio.sleep(0.01)
+        if cut:
+            await asyncio.sleep(0.05)  # their UNAVAILABLE statuses reach the wire before the server stops
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
         if self.core is None:

@@ -41,7 +41,11 @@ class RouterServer:
         self.model = self._model_info(config.block_size) if config.block_size else None
         seed = self.model.hash_seed if self.model else None
         self.index = connect_index(config.redis_url, self.model_id, config.block_size, seed)
-        self.fleet = FleetLoad(self.index) if config.shared_load == "on" else None
+        self.fleet = (
+            FleetLoad(self.index, speculative_ttl_s=config.speculative_ttl_s)
+            if config.shared_load == "on"
+            else None
+        )
         self.registry = ReplicaRegistry(
             self.index, refresh_s=config.refresh_s, tls=config.tls, fleet=self.fleet
         )
@@ -166,7 +170,9 @@ class RouterServer:
             while self.core and self.core.active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             await self.service.cut_off()
-            await self.grpc.stop(1.0)  # a short grace: the cut-off calls' statuses still go out
+            # No grace: during one the server accepts calls it never serves, and they end
+            # CANCELLED; stopped at once, new calls see the listener gone (UNAVAILABLE).
+            await self.grpc.stop(0)
         if self.http:
             await self.http.stop(grace)
         if self.core:

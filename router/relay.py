@@ -57,7 +57,7 @@ class Relay:
     def __init__(
         self,
         registry: ReplicaRegistry,
-        overlay: SpeculativeOverlay,
+        overlay: SpeculativeOverlay | None,
         metrics: RouterMetrics,
         block_size: int,
         watch: IndexWatch | None = None,
@@ -162,7 +162,11 @@ class Relay:
             len(decision.block_hashes), matched, decision.decode_estimate, self.block_size
         )
         self.registry.begin(entry, work)
-        self.overlay.record(entry.record.replica_id, decision.block_hashes)
+        rid = entry.record.replica_id
+        if self.overlay is not None:
+            self.overlay.record(rid, decision.block_hashes)
+        elif self.registry.fleet is not None:  # every router learns it through the index
+            self.registry.fleet.speculate(rid, decision.block_hashes)
         self.inflight[decision.request_id] = entry.record.replica_id
         return work
 

@@ -33,15 +33,15 @@ async def test_reservations_add_up_release_and_die_with_their_router(redis_serve
     assert await index.reserve(
         b, {load_field("r0", "n"): 1, load_field("r1", "n"): 3, load_field("r1", "d"): 0.25}
     )
-    _, fleet = await index.decide([])
+    fleet = (await index.decide([])).fleet
     assert fleet == {"r0": FleetWork(3, 8.5, 1), "r1": FleetWork(3, 0, 0.25)}
     assert await index.reserve(a, {load_field("r0", "p"): -8.5})  # a's first token
     await asyncio.sleep(0.5)  # b stops heartbeating: its share goes at the next heartbeat of anyone
     assert not await index.reserve(b, {load_field("r1", "n"): 1})  # a dead router adds nothing
     assert await index.router_heartbeat(a, 30)
-    assert (await index.decide([]))[1] == {"r0": FleetWork(2, 0, 1)}
+    assert (await index.decide([])).fleet == {"r0": FleetWork(2, 0, 1)}
     assert await index.reserve(a, {load_field("r0", "n"): -2, load_field("r0", "d"): -1})
-    assert (await index.decide([]))[1] == {}
+    assert (await index.decide([])).fleet == {}
     assert await index.client.hlen(f"{index.ns}load") == 0  # released fields leave, no float dust
     await index.deregister_router(a)
     await index.client.flushdb()
@@ -58,18 +58,18 @@ async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(
     assert fleet.unsent("r0") == FleetWork(2, 8, 4)  # not in the index yet: the caller adds it
     await asyncio.sleep(0.05)
     assert fleet.unsent("r0") == FleetWork(0, 0, 0)
-    assert (await index.decide([]))[1] == {"r0": FleetWork(2, 8, 4)}
+    assert (await index.decide([])).fleet == {"r0": FleetWork(2, 8, 4)}
     await index.client.flushall()  # Redis lost everything: the heartbeat re-registers, re-reserves
     assert await eventually(lambda: _fleet_is(index, {"r0": FleetWork(2, 8, 4)}), timeout=5)
     fleet.add("r0", -2, -8, -4)
     await fleet.stop()
-    assert (await index.decide([]))[1] == {}
+    assert (await index.decide([])).fleet == {}
     await index.close()
 
 
 async def _fleet_is(index: PrefixIndex, wanted: dict) -> bool:
     try:
-        return (await index.decide([]))[1] == wanted
+        return (await index.decide([])).fleet == wanted
     except Exception:
         return False
 
@@ -132,8 +132,8 @@ def _local(router: RouterServer) -> int:
 
 async def _seen_by(router: RouterServer) -> int:
     """In-flight requests the router's policy sees on all replicas, as it decides now."""
-    _, fleet = await router.core.decider.lookup([])
-    return sum(s.inflight_requests for s in router.registry.states({}, fleet))
+    view = await router.core.decider.lookup([])
+    return sum(s.inflight_requests for s in router.registry.states({}, view.fleet))
 
 
 async def _stop(tasks: list[asyncio.Task]) -> None:
@@ -149,7 +149,7 @@ async def test_every_router_sees_the_fleets_in_flight_work(fleet_of_routers):
         assert await eventually(lambda: _equals(_seen_by(b), 4))
         assert await _seen_by(off) == 0  # --shared-load off: its own counts only
         per_replica = {e.record.replica_id: e.load.requests for e in a.registry.entries.values()}
-        _, fleet = await b.core.decider.lookup([])
+        fleet = (await b.core.decider.lookup([])).fleet
         assert {rid: round(w.requests) for rid, w in fleet.items()} == {
             k: v for k, v in per_replica.items() if v
         }
@@ -177,3 +177,22 @@ async def test_a_dead_routers_reservations_end_with_its_heartbeat(fleet_of_route
 
 async def _equals(seen, wanted: int) -> bool:
     return await seen == wanted
+
+
+async def test_speculative_entries_are_seen_by_every_router_and_expire(valkey_server):
+    index = PrefixIndex.from_url(valkey_server.url, "shared-load-speculation", 16, 0)
+    await index.ensure_settings()
+    router = await index.register_router(ttl_s=30)
+    inc = await index.register("r0", "127.0.0.1:1", ttl_s=30)
+    await index.publish_all("r0", inc, [11, 12])
+    assert await index.speculate(router, {"r1": [11, 12, 13], "r0": [11, 12, 13, 14]}, ttl_s=0.3)
+    view = await index.decide([11, 12, 13, 15])
+    assert view.matched == {"r0": 2}  # published
+    assert view.speculative == {"r1": 3, "r0": 3}
+    assert await index.lookup([11, 12, 13]) == {"r0": 2}  # what replicas published, only
+    await asyncio.sleep(0.7)  # ttl to twice ttl after its last use
+    assert (await index.decide([11, 12, 13])).speculative == {}
+    await index.deregister_router(router)
+    assert not await index.speculate(router, {"r1": [11]}, ttl_s=0.3)  # a dead router adds nothing
+    await index.client.flushdb()
+    await index.close()
