@@ -48,8 +48,9 @@ class RouterCore:
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
-        # With shared load the speculative entries live in the index, seen by every router.
-        self.overlay = None if registry.fleet is not None else SpeculativeOverlay(ttl_s=speculative_ttl_s)
+        # This router's own speculative entries, seen at once; with shared load they also go
+        # to the index for the other routers (which see them a round trip later).
+        self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
         self.metrics = metrics or RouterMetrics(model.api_name)
         self.limits = limits or RouterLimits()
         self.watch = IndexWatch(registry, index, self.metrics, model.block_size, index_health)

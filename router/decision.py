@@ -82,7 +82,7 @@ class Decider:
         tokenizer: PromptTokenizer | None,
         index: PrefixIndex,
         registry: ReplicaRegistry,
-        overlay: SpeculativeOverlay | None,
+        overlay: SpeculativeOverlay,
         metrics: RouterMetrics,
         limits: RouterLimits,
         default_policy: str = "prefix",
@@ -167,9 +167,9 @@ class Decider:
             view = await self.lookup(hashes)
         index_matched = view.matched if view else {}
         fleet = view.fleet if view else None
-        speculative = (
-            self.overlay.matched(hashes) if self.overlay is not None else view.speculative if view else {}
-        )
+        speculative = self.overlay.matched(hashes)  # this router's own, then every router's
+        for rid, depth in (view.speculative if view else {}).items():
+            speculative[rid] = max(speculative.get(rid, 0), depth)
         untrusted = self.untrusted()
         matched = {rid: depth for rid, depth in index_matched.items() if rid not in untrusted}
         for rid, depth in speculative.items():

@@ -57,7 +57,7 @@ class Relay:
     def __init__(
         self,
         registry: ReplicaRegistry,
-        overlay: SpeculativeOverlay | None,
+        overlay: SpeculativeOverlay,
         metrics: RouterMetrics,
         block_size: int,
         watch: IndexWatch | None = None,
@@ -163,9 +163,8 @@ class Relay:
         )
         self.registry.begin(entry, work)
         rid = entry.record.replica_id
-        if self.overlay is not None:
-            self.overlay.record(rid, decision.block_hashes)
-        elif self.registry.fleet is not None:  # every router learns it through the index
+        self.overlay.record(rid, decision.block_hashes)
+        if self.registry.fleet is not None:  # every other router learns it through the index
             self.registry.fleet.speculate(rid, decision.block_hashes)
         self.inflight[decision.request_id] = entry.record.replica_id
         return work
