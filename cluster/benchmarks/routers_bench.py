@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,7 +161,7 @@ async def run(config: RoutersConfig) -> dict:
     cluster_config = ClusterConfig.for_model(
         model, config.replicas, engine={"num_kv_blocks": config.num_kv_blocks}, with_router=False
     )
-    scratch = Path(config.out).resolve().with_suffix("")
+    scratch = Path(tempfile.mkdtemp(prefix="kvmesh-bench-routers-"))  # router logs, for failures
     rows = []
     rng = random.Random(config.seed)
     async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
