@@ -89,14 +89,9 @@ local function matches(ns, bkeys)
   return out
 end
 
+-- (A decision pipelines an HGETALL of ns.."load" behind this call: the fleet's work.)
 local function lookup(keys, args)
   return matches(args[1], keys)
-end
-
--- KEYS and ARGV as lookup's. Returns {lookup's reply, the fleet's in-flight work (flat
--- field/value pairs of ns.."load")}: everything a routing decision reads, in one call.
-local function decide(keys, args)
-  return {matches(args[1], keys), redis.call('HGETALL', args[1] .. 'load')}
 end
 
 -- ARGV: ns, ttl_ms. A new router incarnation; returns its number.
@@ -292,7 +287,6 @@ end
 
 redis.register_function{function_name = 'kvmesh_lookup', callback = lookup, flags = {'no-writes'}}
 redis.register_function('kvmesh_speculate', speculate)
-redis.register_function{function_name = 'kvmesh_decide', callback = decide, flags = {'no-writes'}}
 redis.register_function('kvmesh_router_register', router_register)
 redis.register_function('kvmesh_router_heartbeat', router_heartbeat)
 redis.register_function('kvmesh_router_deregister', router_deregister)

@@ -129,6 +129,7 @@ class PrefixIndex:
         self.hash_seed = hash_seed
         self.ns = namespace(model_id)
         self._block_prefix = f"{self.ns}b".encode()
+        self._load_key = f"{self.ns}load".encode()
         self._loaded = False
 
     @classmethod
@@ -271,11 +272,29 @@ class PrefixIndex:
         return _matches(await self._call("kvmesh_lookup", keys=keys, read_only=True))[0]
 
     async def decide(self, block_hashes: Iterable[int]) -> IndexView:
-        """Everything a routing decision reads, in one call: the replicas' matches, the
-        routers' speculative matches and every router's in-flight work per replica."""
-        flat, load = await self._call("kvmesh_decide", keys=self._block_keys(block_hashes), read_only=True)
+        """Everything a routing decision reads, in one round trip: the replicas' matches, the
+        routers' speculative matches and every router's in-flight work per replica. The
+        work is a plain HGETALL pipelined behind the lookup: through Lua, its reply cost the
+        server ~40 us more per decision at 64 replicas."""
+        keys = self._block_keys(block_hashes)
+        for attempt in range(2):
+            if not self._loaded:
+                await self.client.function_load(_LIBRARY, replace=True)
+                self._loaded = True
+            pipe = self.client.pipeline(transaction=False)
+            if keys:
+                pipe.fcall_ro("kvmesh_lookup", len(keys), *keys, self.ns)
+            pipe.hgetall(self._load_key)
+            replies = await pipe.execute(raise_on_error=False)
+            error = next((r for r in replies if isinstance(r, Exception)), None)
+            if error is None:
+                break
+            if attempt or "not found" not in str(error).lower():  # the server lost the library: load it again
+                raise error
+            self._loaded = False
+        flat, load = (replies[0], replies[1]) if keys else ([], replies[0])
         work: dict[str, dict[str, float]] = {}
-        for field, value in zip(load[::2], load[1::2], strict=True):
+        for field, value in load.items():
             replica_id, _, kind = field.decode().rpartition("|")
             if kind in LOAD_FIELDS:
                 work.setdefault(replica_id, {})[LOAD_FIELDS[kind]] = max(0.0, float(value))

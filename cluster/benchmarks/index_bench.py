@@ -154,12 +154,15 @@ def _decision_client(
     return asyncio.run(loop())
 
 
-async def _lookup_stats(index: PrefixIndex) -> dict:
-    """The server's accounting of the decisions (FCALL_RO: read-only, so replicas could serve them)."""
+async def _decision_stats(index: PrefixIndex) -> dict:
+    """The server's accounting of the decisions: the lookup (FCALL_RO, read-only, so replicas
+    could serve it) and the fleet's work (HGETALL) pipelined behind it."""
     stats = await index.client.info("commandstats")
-    if "cmdstat_fcall_ro" not in stats:
-        raise RuntimeError(f"the server reported no FCALL_RO calls (has: {sorted(stats)})")
-    return stats["cmdstat_fcall_ro"]
+    parts = [stats.get(f"cmdstat_{name}") for name in ("fcall_ro", "hgetall")]
+    if None in parts:
+        raise RuntimeError(f"the server reported no FCALL_RO or HGETALL calls (has: {sorted(stats)})")
+    calls = int(parts[0]["calls"])
+    return {"calls": calls, "usec_per_call": sum(int(p["usec"]) for p in parts) / calls}
 
 
 async def bench_concurrent(url: str, entries: int, seconds: float, rng: random.Random) -> list[dict]:
@@ -180,7 +183,7 @@ async def bench_concurrent(url: str, entries: int, seconds: float, rng: random.R
                 for _ in range(clients)
             ]
             took = [t for f in futures for t in await asyncio.wrap_future(f)]
-        server = await _lookup_stats(index)
+        server = await _decision_stats(index)
         row = {"clients": clients, "decisions": len(took), "decisions_per_s": round(len(took) / seconds)}
         row.update(latency_ms(took))
         row["server_calls"] = int(server["calls"])
