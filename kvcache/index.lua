@@ -19,6 +19,15 @@
 -- A block entry counts only while its incarnation's "i" key exists, so retiring a dead
 -- or restarted replica is one DEL (or a TTL expiry); kvmesh_sweep removes the leftovers.
 
+-- cmd (SADD or SREM) of incarnation inc on every block key in packed (8-byte hashes); returns the count.
+local function on_blocks(ns, cmd, packed, inc)
+  local n = #packed / 8
+  for i = 0, n - 1 do
+    redis.call(cmd, ns .. 'b' .. string.sub(packed, i * 8 + 1, i * 8 + 8), inc)
+  end
+  return n
+end
+
 -- live[inc] = replica id, or false; one GET per incarnation per call.
 local function liveness(ns)
   local cache = {}
@@ -152,9 +161,7 @@ local function speculate(keys, args)
       redis.call('PEXPIRE', map, 2 * ttl)
     end
     redis.call('SET', ns .. 'i' .. inc, '~' .. rid, 'PX', ttl)
-    for i = 0, #packed / 8 - 1 do
-      redis.call('SADD', ns .. 'b' .. string.sub(packed, i * 8 + 1, i * 8 + 8), inc)
-    end
+    on_blocks(ns, 'SADD', packed, inc)
   end
   return 1
 end
@@ -182,12 +189,7 @@ local function publish(keys, args)
   if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
   local applied = 0
   for j = 4, #args, 2 do
-    local cmd = (args[j] == '+') and 'SADD' or 'SREM'
-    local packed = args[j + 1]
-    for i = 0, #packed / 8 - 1 do
-      redis.call(cmd, ns .. 'b' .. string.sub(packed, i * 8 + 1, i * 8 + 8), inc)
-      applied = applied + 1
-    end
+    applied = applied + on_blocks(ns, (args[j] == '+') and 'SADD' or 'SREM', args[j + 1], inc)
   end
   return applied
 end

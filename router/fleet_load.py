@@ -96,20 +96,25 @@ class FleetLoad:
         )
 
     async def _send(self) -> None:
-        await asyncio.sleep(0)  # let this loop turn's other deltas join
-        speculation, self._speculation = self._speculation, {}
-        bucket = self._announced[0]
-        if self.incarnation is None:
-            return  # deltas kept: a new incarnation reserves everything held (speculation is dropped)
-        deltas, self._unsent = dict(self._unsent), collections.Counter()
-        try:
-            if deltas and not await self.index.reserve(self.incarnation, deltas):
-                self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
-            elif speculation:
-                await self.index.speculate(self.incarnation, speculation, self.speculative_ttl_s, bucket)
-        except INDEX_ERRORS as exc:
-            log.warning("fleet load not sent, routing on this router's counts", extra={"error": str(exc)})
-            self.incarnation = None
+        """Send what accumulated, until nothing is left (deltas made while a call is in flight
+        go out right after it)."""
+        while self._unsent or self._speculation:
+            await asyncio.sleep(0)  # let this loop turn's other deltas join
+            speculation, self._speculation = self._speculation, {}
+            bucket = self._announced[0]
+            if self.incarnation is None:
+                return  # deltas kept: a new incarnation reserves everything held (speculation is dropped)
+            deltas, self._unsent = dict(self._unsent), collections.Counter()
+            try:
+                if deltas and not await self.index.reserve(self.incarnation, deltas):
+                    self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
+                    return
+                if speculation and self.incarnation is not None:
+                    await self.index.speculate(self.incarnation, speculation, self.speculative_ttl_s, bucket)
+            except INDEX_ERRORS as exc:
+                log.warning("fleet load not sent, routing on this router's counts", extra={"error": str(exc)})
+                self.incarnation = None
+                return
 
     # ------------------------------------------------------------------ liveness
 

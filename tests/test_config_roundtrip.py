@@ -36,6 +36,7 @@ VALUES = {
     "policy": ("least_loaded", "least_loaded"),
     "registry-refresh": ("0.3", 0.3),
     "speculative-ttl": ("1.5", 1.5),
+    "shared-load": ("off", "off"),
     "index-health-window": ("30", 30),
     "index-health-window-s": ("45.0", 45.0),
     "index-health-min-samples": ("5", 5),
