@@ -20,6 +20,7 @@ class BackgroundLoops:
         self._tasks: list[asyncio.Task] = []
 
     def start(self, loop: Coroutine, name: str) -> None:
+        self.running = True  # a component stopped and started again runs again
         self._tasks.append(asyncio.create_task(loop, name=name))
 
     async def stop(self) -> None:

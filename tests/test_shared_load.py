@@ -3,6 +3,7 @@ the index next to the prefix entries, returned by the same call as the lookup, r
 the first token and the end, and taken back when a router dies (its heartbeat's TTL)."""
 
 import asyncio
+import collections
 
 import grpc
 import pytest
@@ -196,3 +197,44 @@ async def test_speculative_entries_are_seen_by_every_router_and_expire(valkey_se
     assert not await index.speculate(router, {"r1": [11]}, ttl_s=0.3)  # a dead router adds nothing
     await index.client.flushdb()
     await index.close()
+
+
+async def test_two_routers_ride_out_redis_away_and_the_fleet_counts_return_to_zero(fleet_of_routers):
+    """Redis away 10 s (and back empty) under load through two sharing routers: every request
+    is served (by local counts meanwhile), none hangs, both routers share again afterwards,
+    and when the load stops the fleet's in-flight work is exactly zero."""
+    a, b = fleet_of_routers["routers"]["a"], fleet_of_routers["routers"]["b"]
+    redis = fleet_of_routers["redis"]
+    stop, codes = asyncio.Event(), []
+
+    async def client(router: RouterServer, k: int) -> None:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = pb_grpc.RouterStub(channel)
+            i = 0
+            while not stop.is_set():
+                req = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[11 + k] * 32 + [i % 50 + 1] * 8),
+                    sampling=pb.SamplingParams(max_tokens=8),
+                )
+                try:
+                    async for _ in stub.Generate(req, timeout=30):
+                        pass
+                    codes.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code().name)
+                i += 1
+
+    clients = [asyncio.create_task(client(r, k)) for k, r in enumerate((a, b, a, b))]
+    await asyncio.sleep(1.0)
+    redis.stop()
+    await asyncio.sleep(10.0)
+    assert not a.fleet.active and not b.fleet.active  # routing on their own counts meanwhile
+    redis.start()
+    assert await eventually(lambda: asyncio.sleep(0, result=a.fleet.active and b.fleet.active), timeout=15)
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*clients), 60)  # nothing hangs
+    assert len(codes) > 20 and set(codes) == {"OK"}, collections.Counter(codes)
+    index = a.index
+    assert await eventually(lambda: _fleet_is(index, {}), timeout=10)
+    assert await index.client.hlen(f"{index.ns}load") == 0
