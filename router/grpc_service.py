@@ -42,7 +42,10 @@ class RouterService(pb_grpc.RouterServicer):
                     task.cancel()
             await asyncio.sleep(0.01)
         if cut:
-            await asyncio.sleep(0.05)  # their UNAVAILABLE statuses reach the wire before the server stops
+            # A few loop turns for gRPC to write their UNAVAILABLE statuses before the server
+            # stops; kept short: a client that retries at once could otherwise send a call the
+            # stop then cancels mid-refusal (CANCELLED instead of UNAVAILABLE).
+            await asyncio.sleep(0.005)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
         if self.core is None:
