@@ -112,16 +112,19 @@ local function router_register(keys, args)
   return rinc
 end
 
+-- HINCRBYFLOAT, dropping the field once it is back to zero (no float dust left behind).
+local function add_work(key, field, delta)
+  local left = tonumber(redis.call('HINCRBYFLOAT', key, field, delta))
+  if math.abs(left) < 1e-6 then redis.call('HDEL', key, field) end
+end
+
 -- Take back what dead router incarnations reserved (their heartbeat key expired).
 local function reap(ns)
   local reaped = 0
   for _, rinc in ipairs(redis.call('SMEMBERS', ns .. 'routers')) do
     if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then
       local share = redis.call('HGETALL', ns .. 'w' .. rinc)
-      for j = 1, #share, 2 do
-        local left = tonumber(redis.call('HINCRBYFLOAT', ns .. 'load', share[j], -tonumber(share[j + 1])))
-        if math.abs(left) < 1e-6 then redis.call('HDEL', ns .. 'load', share[j]) end
-      end
+      for j = 1, #share, 2 do add_work(ns .. 'load', share[j], -tonumber(share[j + 1])) end
       redis.call('DEL', ns .. 'w' .. rinc)
       redis.call('SREM', ns .. 'routers', rinc)
       reaped = reaped + 1
@@ -173,10 +176,8 @@ local function reserve(keys, args)
   if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then return 0 end
   local mine = ns .. 'w' .. rinc
   for j = 3, #args, 2 do
-    for _, key in ipairs({ns .. 'load', mine}) do
-      local left = tonumber(redis.call('HINCRBYFLOAT', key, args[j], args[j + 1]))
-      if math.abs(left) < 1e-6 then redis.call('HDEL', key, args[j]) end
-    end
+    add_work(ns .. 'load', args[j], args[j + 1])
+    add_work(mine, args[j], args[j + 1])
   end
   return 1
 end

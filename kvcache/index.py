@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -30,6 +31,7 @@ _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
 
 
 # What a call to the index raises when Redis is away, slow or refuses: callers degrade on these.
+T = TypeVar("T")
 INDEX_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
@@ -143,19 +145,23 @@ class PrefixIndex:
         await self.client.aclose()
 
     async def _call(self, function: str, *args, keys: Sequence[bytes] = (), read_only: bool = False):
-        """FCALL (ARGV: ns, *args), (re)loading the library if the server does not have it
-        (new or restarted). ``keys``: the keys it reads, when the caller knows them."""
+        """FCALL (ARGV: ns, *args). ``keys``: the keys it reads, when the caller knows them."""
         fcall = self.client.fcall_ro if read_only else self.client.fcall
+        return await self._with_library(lambda: fcall(function, len(keys), *keys, self.ns, *args))
+
+    async def _with_library(self, send: Callable[[], Awaitable[T]]) -> T:
+        """``send()``, loading the library first if this client has not, and again if the
+        server lost it (new or restarted)."""
         if not self._loaded:
             await self.client.function_load(_LIBRARY, replace=True)
             self._loaded = True
         try:
-            return await fcall(function, len(keys), *keys, self.ns, *args)
+            return await send()
         except ResponseError as exc:
             if "function" not in str(exc).lower() or "not found" not in str(exc).lower():
                 raise
             await self.client.function_load(_LIBRARY, replace=True)
-            return await fcall(function, len(keys), *keys, self.ns, *args)
+            return await send()
 
     # ------------------------------------------------------------------ settings
 
@@ -277,21 +283,15 @@ class PrefixIndex:
         work is a plain HGETALL pipelined behind the lookup: through Lua, its reply cost the
         server ~40 us more per decision at 64 replicas."""
         keys = self._block_keys(block_hashes)
-        for attempt in range(2):
-            if not self._loaded:
-                await self.client.function_load(_LIBRARY, replace=True)
-                self._loaded = True
+
+        def send() -> Awaitable[list]:
             pipe = self.client.pipeline(transaction=False)
             if keys:
                 pipe.fcall_ro("kvmesh_lookup", len(keys), *keys, self.ns)
             pipe.hgetall(self._load_key)
-            replies = await pipe.execute(raise_on_error=False)
-            error = next((r for r in replies if isinstance(r, Exception)), None)
-            if error is None:
-                break
-            if attempt or "not found" not in str(error).lower():  # the server lost the library: load it again
-                raise error
-            self._loaded = False
+            return pipe.execute()
+
+        replies = await self._with_library(send)
         flat, load = (replies[0], replies[1]) if keys else ([], replies[0])
         work: dict[str, dict[str, float]] = {}
         for field, value in load.items():

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import grpc
 
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
+from kvmesh.router.metrics import heartbeat_age
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import ServingError
 
@@ -104,7 +104,6 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext):
         core = await self._ready(context)
-        now = time.time()
         replicas = []
         for e in sorted(core.registry.live(), key=lambda e: e.record.replica_id):
             rec = e.record
@@ -119,7 +118,7 @@ class RouterService(pb_grpc.RouterServicer):
                     num_free_blocks=int(rec.load("num_free_blocks")),
                     num_blocks=int(rec.load("num_blocks")),
                     tokens_per_s=rec.load("tokens_per_s"),
-                    heartbeat_age_s=max(0.0, now - rec.load("heartbeat_at", now)),
+                    heartbeat_age_s=heartbeat_age(rec.load("heartbeat_at")),
                     index_state=state,
                     index_state_cause=cause,
                 )
