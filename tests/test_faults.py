@@ -71,12 +71,20 @@ async def index_equals_every_cache(cluster) -> bool:
     return True
 
 
-async def test_kill_a_replica_with_50_requests_in_flight(cluster):
+async def test_kill_a_replica_with_50_requests_in_flight_through_two_routers(cluster, qwen3_dir):
+    """Two routers sharing the fleet's load, a replica killed under them: nothing is lost
+    silently, and when the load stops the fleet's in-flight work is back to exactly zero."""
     before = await live(cluster)
     victim = "replica-1"
-    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+    second = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1))
+    await second.start()
+    await eventually(lambda: _sees(second, 3))
+    async with (
+        grpc.aio.insecure_channel(cluster.router_address) as one,
+        grpc.aio.insecure_channel(second.address) as two,
+    ):
         tasks = [
-            asyncio.create_task(tracked(channel, request(i, max_tokens=80, policy="round_robin")))
+            asyncio.create_task(tracked((one, two)[i % 2], request(i, max_tokens=80, policy="round_robin")))
             for i in range(50)
         ]
         await asyncio.sleep(0.6)  # some stream, some still wait in queues
@@ -89,6 +97,9 @@ async def test_kill_a_replica_with_50_requests_in_flight(cluster):
         r["chunks"] > 0 and "replica error" in r["details"] for r in failed
     )  # only streaming ones fail
     assert codes["OK"] >= 50 - 32  # the not-yet-streaming ones were retried elsewhere
+    index = cluster.router.index
+    assert await eventually(lambda: _no_fleet_work(index), timeout=10)  # nothing reserved outlives the load
+    await second.stop(grace=0.2)
 
     async def replaced():
         now = await live(cluster)
@@ -96,6 +107,10 @@ async def test_kill_a_replica_with_50_requests_in_flight(cluster):
 
     assert await eventually(replaced, timeout=60)  # retired at once, replaced with a new incarnation
     assert await eventually(lambda: index_equals_every_cache(cluster), timeout=30)  # no stale entries
+
+
+async def _no_fleet_work(index: PrefixIndex) -> bool:
+    return (await index.decide([])).fleet == {} and await index.client.hlen(f"{index.ns}load") == 0
 
 
 async def test_replica_channel_closed_mid_stream_is_an_error_not_silence(cluster):

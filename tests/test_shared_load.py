@@ -4,6 +4,12 @@ the first token and the end, and taken back when a router dies (its heartbeat's 
 
 import asyncio
 import collections
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,6 +23,8 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.process import RouterServer
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -174,6 +182,75 @@ async def test_a_dead_routers_reservations_end_with_its_heartbeat(fleet_of_route
         await _stop(tasks)
         await a.fleet.start()  # a comes back: a new incarnation holding what it has (nothing)
     assert await eventually(lambda: _equals(_seen_by(a), 0))
+
+
+async def test_a_router_process_killed_leaks_nothing_and_its_clients_are_told(fleet_of_routers, qwen3_dir):
+    """SIGKILL a real router process holding 3 streams: its clients get UNAVAILABLE (no hang),
+    its replicas free the work, the other routers see its share gone within its heartbeat TTL,
+    and they keep serving."""
+    a, redis = fleet_of_routers["routers"]["a"], fleet_of_routers["redis"]
+    port = _free_port()
+    proc = subprocess.Popen(
+        [KVMESH, "router", "--model", str(qwen3_dir), "--redis-url", redis.url, "--port", str(port),
+         "--http-port", "-1", "--block-size", "16", "--registry-refresh", "0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.RouterStub(channel)
+            assert await eventually(lambda: _serves(stub), timeout=60), (
+                proc.stderr.read() if proc.poll() else ""
+            )
+
+            async def stream(i: int) -> str:
+                req = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[30 + i] * 40),
+                    sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True),
+                )
+                try:
+                    async for _ in stub.Generate(req, timeout=120):
+                        pass
+                    return "OK"
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(3)]
+            assert await eventually(lambda: _equals(_seen_by(a), 3))  # its work, seen by another router
+            proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            codes = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert codes == ["UNAVAILABLE"] * 3, codes  # told at once, no hang
+        assert await eventually(lambda: _equals(_seen_by(a), 0), timeout=10)  # reaped: TTL 5 s
+        reaped_after = time.monotonic() - killed
+        assert reaped_after < 5.0 + 1.0 + 1.0, reaped_after  # its TTL + a heartbeat + a refresh
+        index = a.index
+        assert await index.client.hlen(f"{index.ns}load") == 0
+        assert await eventually(lambda: _replicas_idle(a))  # the replicas dropped its streams
+        tasks = await _long_requests(a, 2)  # and the fleet keeps serving
+        await _stop(tasks)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _serves(stub) -> bool:
+    try:
+        replicas = await stub.ListReplicas(pb.ListReplicasRequest(), timeout=2)
+        return len(replicas.replicas) == 2
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def _replicas_idle(router: RouterServer) -> bool:
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        replicas = await pb_grpc.RouterStub(channel).ListReplicas(pb.ListReplicasRequest(), timeout=5)
+    return all(r.num_running == 0 and r.num_waiting == 0 for r in replicas.replicas)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 async def _equals(seen, wanted: int) -> bool:
