@@ -139,12 +139,11 @@ class Decider:
             return IndexView({}, {}, None)  # no full block: nothing to look up
         start = time.perf_counter()
         try:
-            if shared:
-                view = await asyncio.wait_for(self.index.decide(hashes), self.lookup_timeout_s)
-            else:
-                view = IndexView(
-                    await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s), {}, None
-                )
+            async with asyncio.timeout(self.lookup_timeout_s):  # no task per lookup, unlike wait_for
+                if shared:
+                    view = await self.index.decide(hashes)
+                else:
+                    view = IndexView(await self.index.lookup(hashes), {}, None)
         except INDEX_ERRORS as exc:
             self.metrics.index_errors.inc()
             if not self._index_warned:

@@ -23,6 +23,7 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.process import RouterServer
+from kvmesh.serving.metrics import read_samples
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
@@ -168,6 +169,32 @@ async def test_every_router_sees_the_fleets_in_flight_work(fleet_of_routers):
     finally:
         await _stop(tasks)
     assert await eventually(lambda: _equals(_seen_by(b), 0))  # released at the end
+
+
+async def test_a_prompt_without_a_full_block_is_routed_without_a_prefix_lookup(fleet_of_routers):
+    """Nothing to look up: a router on its own counts makes no index call; a sharing one
+    reads only the fleet's work (one HGETALL)."""
+    off, a = fleet_of_routers["routers"]["off"], fleet_of_routers["routers"]["a"]
+
+    def lookups(router: RouterServer) -> float:
+        return read_samples(router.core.render_metrics().decode())[
+            ("kvmesh_router_index_lookup_seconds_count", ())
+        ]
+
+    short = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 15), sampling=pb.SamplingParams(max_tokens=1))
+    long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 40), sampling=pb.SamplingParams(max_tokens=1))
+    before = lookups(off)
+    assert (await off.core.decide(short)).index_read
+    assert lookups(off) == before  # block size 16: no full block, no call
+    await off.core.decide(long)
+    assert lookups(off) == before + 1
+    commands = await a.index.client.info("commandstats")
+    fcalls = commands.get("cmdstat_fcall_ro", {}).get("calls", 0)
+    decision = await a.core.decide(short)
+    assert (
+        decision.index_read
+        and (await a.index.client.info("commandstats"))["cmdstat_fcall_ro"]["calls"] == fcalls
+    )
 
 
 async def test_a_dead_routers_reservations_end_with_its_heartbeat(fleet_of_routers):
