@@ -22,8 +22,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def latency_ms(seconds: Sequence[float], digits: int = 3) -> dict[str, float]:
-    """p50 and p99 of latencies in seconds, as milliseconds."""
+    """p50, p90 and p99 of latencies in seconds, as milliseconds."""
     return {
         "p50_ms": round(percentile(seconds, 0.5) * 1e3, digits),
+        "p90_ms": round(percentile(seconds, 0.9) * 1e3, digits),
         "p99_ms": round(percentile(seconds, 0.99) * 1e3, digits),
     }

@@ -4,8 +4,11 @@ so both tokenize (and therefore hash) every input kind the same way."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
+import os
 from typing import Any
 
 from kvmesh.protos import pb
@@ -87,7 +90,16 @@ def _json(text: str, name: str, kind: type):
     return value
 
 
+# Long prompts tokenize here, at most one per core but one: the event loop keeps a core, so
+# a burst of long texts never holds up the other requests' decisions and relays.
+_TOKENIZE_THREADS = concurrent.futures.ThreadPoolExecutor(
+    max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvmesh-tokenize"
+)
+
+
 async def _off_loop(size: int, fn, *args):
     """Tokenize long inputs in a thread (the tokenizer releases the GIL) so one long prompt
     does not stall every other stream; short ones inline (cheaper)."""
-    return await asyncio.to_thread(fn, *args) if size > _INLINE_TOKENIZE_CHARS else fn(*args)
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREADS, functools.partial(fn, *args))

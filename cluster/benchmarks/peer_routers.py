@@ -52,16 +52,22 @@ def check_peers(venv: Path) -> None:
         raise UsageError(f"{', '.join(missing)} not found in {venv}: run `make peers` first")
 
 
+def kvmesh_router_command(
+    model_dir: str, redis_url: str, grpc_port: int, http_port: int, *extra: str
+) -> list[str]:
+    """A ``kvmesh router`` process on 127.0.0.1 (port 0: any free port)."""
+    return [
+        str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model_dir, "--redis-url", redis_url,
+        "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port), *extra,
+    ]  # fmt: skip
+
+
 def router_command(
     contender: Contender, venv: Path, port: int, workers: list[str], model_dir: str, redis_url: str
 ) -> list[str]:
     """How each router is started, listeners on 127.0.0.1, quiet logs, defaults otherwise."""
     if contender.router == "kvmesh":
-        return [
-            str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model_dir,
-            "--redis-url", redis_url, "--policy", contender.policy, "--host", "127.0.0.1",
-            "--port", "0", "--http-port", str(port),
-        ]  # fmt: skip
+        return kvmesh_router_command(model_dir, redis_url, 0, port, "--policy", contender.policy)
     common = [
         "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
         "--policy", contender.policy, "--prometheus-host", "127.0.0.1",

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
-from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess
+from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess, kvmesh_router_command
 from kvmesh.cluster.benchmarks.peers import counters, replicas_of, reset_caches, served
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
@@ -49,16 +49,6 @@ class RoutersConfig:
     seed: int = 0
 
 
-def _router_command(model: str, redis_url: str, grpc_port: int, http_port: int, shared: bool) -> list[str]:
-    import sys
-
-    return [
-        str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model, "--redis-url", redis_url,
-        "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
-        "--shared-load", "on" if shared else "off",
-    ]  # fmt: skip
-
-
 async def _one_run(
     cluster,
     http,
@@ -74,7 +64,9 @@ async def _one_run(
     contender = Contender("kvmesh", "prefix")
     processes = []
     for i, (grpc_port, http_port) in enumerate(ports):
-        command = _router_command(model, cluster.redis_url, grpc_port, http_port, shared)
+        command = kvmesh_router_command(
+            model, cluster.redis_url, grpc_port, http_port, "--shared-load", "on" if shared else "off"
+        )
         log = scratch / f"router-{routers}-{'shared' if shared else 'own'}-{i}.log"
         processes.append(RouterProcess(contender, command, http_port, log))
     try:
