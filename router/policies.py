@@ -181,11 +181,15 @@ class PrefixAware(Policy):
 
     def cap(self, replicas: Sequence[ReplicaState]) -> float:
         """The guard's cap: the fair share of in-flight requests (this one included) times the factor."""
-        total = sum(r.inflight_requests for r in replicas)
-        return self.hot_spot_factor * (total + 1) / len(replicas) + self.hot_spot_slack
+        return self.cap_of(sum(r.inflight_requests for r in replicas), len(replicas))
 
-    def rank(self, request, replicas):
-        cap = self.cap(replicas)
+    def cap_of(self, inflight_requests: int, num_replicas: int) -> float:
+        return self.hot_spot_factor * (inflight_requests + 1) / num_replicas + self.hot_spot_slack
+
+    def rank(self, request, replicas, cap: float | None = None):
+        """``cap``: the guard's cap when ``replicas`` is a subset of the fleet (the simulator
+        passes only the replicas that can come first); by default, from ``replicas``."""
+        cap = self.cap(replicas) if cap is None else cap
         key = (
             request.block_hashes[0].to_bytes(8, "little")
             if request.num_blocks

@@ -10,7 +10,27 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def leading_matches(holders: Mapping[int, AbstractSet[T]], block_hashes: Sequence[int]) -> dict[T, int]:
+    """How many leading blocks of a hash chain each holder has, consecutively from the first
+    (holders of none left out): the prefix walk the index's lookup does, over sets in memory."""
+    if not block_hashes or block_hashes[0] not in holders:
+        return {}
+    candidates = set(holders[block_hashes[0]])
+    depth = dict.fromkeys(candidates, 1)
+    for i in range(1, len(block_hashes)):
+        candidates &= holders.get(block_hashes[i], frozenset())
+        if not candidates:
+            break
+        for holder in candidates:
+            depth[holder] = i + 1
+    return depth
 
 
 class SpeculativeOverlay:
@@ -33,17 +53,7 @@ class SpeculativeOverlay:
     def matched(self, block_hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
         """Leading blocks of the chain each replica is expected to hold (only those with any)."""
         self._expire(time.monotonic() if now is None else now)
-        if not block_hashes or block_hashes[0] not in self._holders:
-            return {}
-        cand = set(self._holders[block_hashes[0]])
-        depth = dict.fromkeys(cand, 1)
-        for i in range(1, len(block_hashes)):
-            cand &= self._holders.get(block_hashes[i], set())
-            if not cand:
-                break
-            for r in cand:
-                depth[r] = i + 1
-        return depth
+        return leading_matches(self._holders, block_hashes)
 
     def _expire(self, now: float) -> None:
         while self._expiry:

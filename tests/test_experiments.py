@@ -111,11 +111,11 @@ def test_simulated_time_follows_the_cost_model():
     req = wl.WorkloadRequest(((7, 100),), 5, 0.0)
     sim = Simulation([req], 1, "round_robin", FLAT, block_size=16)
     result = sim.run()
-    [done] = sim.done
+    assert len(sim.results) == 1
     prefill = FLAT.step_seconds(100, 0, 100)
-    assert done.first_token_s == pytest.approx(prefill)
+    assert sim.results["first_token_s"][0] == pytest.approx(prefill)
     decode = sum(FLAT.step_seconds(0, 1, 0) for _ in range(4))
-    assert done.done_s == pytest.approx(prefill + decode)
+    assert sim.results["done_s"][0] == pytest.approx(prefill + decode)
     assert result["num_requests"] == 1 and result["hit_rate"] == 0.0
 
 
@@ -223,3 +223,125 @@ def test_experiment_suite_quick(tmp_path):
     data = json.loads((tmp_path / "experiments.json").read_text())
     assert data["targets"] and all("met" in t for t in data["targets"])
     assert (tmp_path / "img" / "w3_ttft_p90.png").is_file()
+
+
+# ---------------------------------------------------------------------- routers, lag, scale
+
+
+def _mixed_load(seed: int) -> list[wl.WorkloadRequest]:
+    """Hot prefixes (the guard triggers), cold ones, and conversations, fast enough to queue."""
+    hot = wl.shared_prefix(
+        num_groups=12,
+        prompts_per_group=12,
+        system_prompt_len=512,
+        question_len=64,
+        output_len=48,
+        zipf=1.3,
+        seed=seed,
+    )
+    chat = wl.multi_turn(
+        num_sessions=8,
+        turns=3,
+        system_prompt_len=256,
+        user_len=64,
+        answer_len=32,
+        think_s=0.3,
+        session_rate=20,
+    )
+    return wl.poisson_arrivals(hot, 150, seed=seed) + chat
+
+
+@pytest.mark.parametrize(
+    "routers, shared, lag_s, heartbeat_s",
+    [(1, True, 0.0, 0.0), (3, True, 0.005, 0.02), (3, False, 0.0, 0.05), (5, False, 0.02, 0.0)],
+)
+def test_the_load_order_picks_what_ranking_every_replica_picks(routers, shared, lag_s, heartbeat_s):
+    """Replicas holding nothing of a prompt come from a load-ordered list instead of a full
+    ranking: every request must land where the full ranking sends it."""
+    runs = {}
+    for rank_all in (False, True):
+        sim = Simulation(
+            _mixed_load(seed=routers), 24, "prefix", H100_LLAMA3_8B, block_size=64, blocks_per_replica=160,
+            routers=routers, shared_load=shared, event_lag_s=lag_s, heartbeat_s=heartbeat_s, rank_all=rank_all,
+        )  # fmt: skip
+        runs[rank_all] = (sim.run(), sim.results["replica"].tolist())
+        assert (sim.routers[0].order is None) == rank_all
+    (fast, fast_where), (full, full_where) = runs[False], runs[True]
+    assert fast_where == full_where and fast == full
+    assert fast["num_requests"] == len(fast_where) > 150
+
+
+def test_several_routers_on_their_own_counts_pile_onto_prefix_holders():
+    """A burst of one shared prefix through 8 routers: each sees only its own share, so all
+    of them judge the prefix holder idle; with shared load the guard sees the whole burst."""
+    burst = wl.poisson_arrivals(
+        wl.shared_prefix(num_groups=1, prompts_per_group=160, system_prompt_len=1024, question_len=64, output_len=64),
+        400, seed=1,
+    )  # fmt: skip
+    spread = {}
+    for shared in (True, False):
+        sim = Simulation(burst, 8, "prefix", H100_LLAMA3_8B, block_size=64, routers=8, shared_load=shared)
+        spread[shared] = sim.run()["requests_max_over_mean"]
+    assert spread[True] < spread[False]
+
+
+def test_index_lag_hides_what_replicas_hold_until_it_passes():
+    """Requests that revisit finished prompts 0.5 s later: with the index current the router
+    predicts their reuse; with a lag longer than the run (and no speculative entries), none."""
+    reqs = wl.poisson_arrivals(
+        wl.shared_prefix(num_groups=4, prompts_per_group=10, system_prompt_len=512, question_len=32, output_len=8),
+        2, seed=3,
+    )  # fmt: skip
+    predicted = {}
+    for lag_s in (0.0, 60.0):
+        sim = Simulation(
+            reqs, 4, "prefix", H100_LLAMA3_8B, block_size=64, speculative_ttl_s=0, event_lag_s=lag_s
+        )
+        predicted[lag_s] = sim.run()["predicted_hit_rate"]
+    assert predicted[0.0] > 0.5 and predicted[60.0] == 0.0
+
+
+def test_a_streamed_workload_is_the_listed_one_and_must_come_in_order():
+    listed = wl.shared_prefix(num_groups=5, prompts_per_group=6, zipf=1.1)
+    assert list(wl.iter_shared_prefix(num_groups=5, prompts_per_group=6, zipf=1.1)) == listed
+    timed = wl.poisson_arrivals(listed, 50)
+    as_list = Simulation(timed, 3, "prefix", FLAT, block_size=16).run()
+    streamed = Simulation(iter(timed), 3, "prefix", FLAT, block_size=16).run()
+    assert streamed == as_list
+    with pytest.raises(ValueError, match="arrival order"):
+        Simulation(iter(timed[::-1]), 3, "prefix", FLAT, block_size=16).run()
+    copies = list(wl.iter_mooncake(limit=None, copies=2))
+    assert len(copies) == 2 * 3993 and all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(copies))
+    assert copies[3993].prompt_len == copies[0].prompt_len and copies[3993].tokens() != copies[0].tokens()
+
+
+def test_simulate_cli_routers_lag_and_heartbeats(tmp_path):
+    out = tmp_path / "sim.json"
+    run = subprocess.run(
+        [KVMESH, "simulate", "--workload", "zipf", "--num-groups", "6", "--prompts-per-group", "5", "--rate", "50",
+         "--replicas", "4", "--routers", "3", "--shared-load", "off", "--event-lag-ms", "5", "--heartbeat-ms", "100",
+         "-q", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert (
+        result["config"] | {"routers": 3, "shared_load": False, "event_lag_ms": 5.0, "heartbeat_ms": 100.0}
+        == result["config"]
+    )
+    assert result["policies"]["prefix"]["num_requests"] == 30 and result["peak_rss_mb"] > 0
+    for bad, message in (
+        (["--routers", "0"], "must be positive"),
+        (["--event-lag-ms", "-1"], "must not be negative"),
+    ):
+        failed = subprocess.run(
+            [KVMESH, "simulate", "--workload", "zipf", "-q", "--out", str(out), *bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (
+            failed.returncode == 2
+            and message in failed.stderr
+            and len(failed.stderr.strip().splitlines()) == 1
+        )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import time
 from pathlib import Path
 
-from kvmesh.cluster.commands.workload_flags import add_workload_flags, build_workload, usage_errors
+from kvmesh.cluster.commands.workload_flags import add_workload_flags, stream_workload, usage_errors
 from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import PRESETS, load_cost_model
 
@@ -25,9 +27,28 @@ def register(commands) -> None:
     sim.add_argument(
         "--cost-model", default="h100-llama3-8b", help=f"preset ({', '.join(PRESETS)}) or a JSON file"
     )
+    sim.add_argument(
+        "--routers", type=int, default=1, help="routers taking requests in turn (request i: router i mod N)"
+    )
+    sim.add_argument(
+        "--shared-load", choices=("on", "off"), default="on",
+        help="on: every router sees the fleet's in-flight work and speculative entries; off: its own",
+    )  # fmt: skip
+    sim.add_argument(
+        "--event-lag-ms",
+        type=float,
+        default=0.0,
+        help="how long a replica's KV events take to reach the index",
+    )
+    sim.add_argument(
+        "--heartbeat-ms", type=float, default=0.0, help="how often routers learn replicas' queues (0: live)"
+    )
     sim.add_argument("--out", default="results/simulate.json")
     sim.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(handler=usage_errors(simulate))
+
+
+CEILING_MAX_REQUESTS = 200_000  # the infinite-cache ceiling keeps every hash: skipped past this
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -36,7 +57,6 @@ def simulate(args: argparse.Namespace) -> int:
     from kvmesh.cluster.experiments.simulator import Simulation
     from kvmesh.router.policies import POLICIES
 
-    name, requests = build_workload(args)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
@@ -46,31 +66,48 @@ def simulate(args: argparse.Namespace) -> int:
     if (
         args.replicas <= 0
         or args.block_size <= 0
+        or args.routers <= 0
         or (args.blocks_per_replica is not None and args.blocks_per_replica <= 0)
     ):
-        raise ValueError("--replicas, --block-size and --blocks-per-replica must be positive")
+        raise ValueError("--replicas, --routers, --block-size and --blocks-per-replica must be positive")
+    if args.event_lag_ms < 0 or args.heartbeat_ms < 0:
+        raise ValueError("--event-lag-ms and --heartbeat-ms must not be negative")
+    name, stream, total = stream_workload(args)
     cost = load_cost_model(args.cost_model)
     result = {
         "config": {
             "workload": name,
-            "requests": len(requests),
+            "requests": total,
             "replicas": args.replicas,
+            "routers": args.routers,
+            "shared_load": args.shared_load == "on",
+            "event_lag_ms": args.event_lag_ms,
+            "heartbeat_ms": args.heartbeat_ms,
             "block_size": args.block_size,
             "blocks_per_replica": args.blocks_per_replica,
             "cost_model": cost.as_dict(),
             "rate": args.rate,
             "speedup": args.speedup,
+            "copies": args.copies,
         },
-        "hit_rate_ceiling": round(wl.infinite_cache_hit_rate(requests, args.block_size), 4),
+        "hit_rate_ceiling": round(wl.infinite_cache_hit_rate(stream(), args.block_size), 4)
+        if total <= CEILING_MAX_REQUESTS
+        else None,
         "policies": {},
     }
     for policy in policies:
-        with tqdm(total=len(requests), desc=f"simulate {policy}", unit="req", disable=args.quiet) as bar:
+        start = time.monotonic()
+        with tqdm(total=total, desc=f"simulate {policy}", unit="req", disable=args.quiet) as bar:
             sim = Simulation(
-                requests, args.replicas, policy, cost, block_size=args.block_size,
+                stream(), args.replicas, policy, cost, block_size=args.block_size,
                 blocks_per_replica=args.blocks_per_replica, seed=args.seed, progress=bar.update,
+                routers=args.routers, shared_load=args.shared_load == "on",
+                event_lag_s=args.event_lag_ms / 1000, heartbeat_s=args.heartbeat_ms / 1000,
             )  # fmt: skip
             result["policies"][policy] = sim.run()
+        result["policies"][policy]["wall_s"] = round(time.monotonic() - start, 1)
+        del sim  # its replicas' ledgers before the next policy's
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(simulation_table(result))
@@ -80,13 +117,19 @@ def simulate(args: argparse.Namespace) -> int:
 
 def simulation_table(result: dict) -> str:
     cfg = result["config"]
+    routers = (
+        f", {cfg['routers']} routers ({'shared' if cfg['shared_load'] else 'own'} load)"
+        if cfg["routers"] > 1
+        else ""
+    )
     lines = [
-        f"{cfg['workload']}: {cfg['requests']} requests, {cfg['replicas']} replicas, ceiling hit rate {result['hit_rate_ceiling']}",
-        f"{'policy':<16}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'TTFT p99':>10}{'tok/s':>11}{'max/mean':>9}",
+        f"{cfg['workload']}: {cfg['requests']} requests, {cfg['replicas']} replicas{routers}, "
+        f"ceiling hit rate {result['hit_rate_ceiling']}, peak RSS {result['peak_rss_mb']} MB",
+        f"{'policy':<16}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'TTFT p99':>10}{'tok/s':>11}{'max/mean':>9}{'wall':>8}",
     ]
     for policy, s in result["policies"].items():
         lines.append(
             f"{policy:<16}{s['hit_rate']:>9.3f}{s['ttft_p50']:>9.3f}s{s['ttft_p90']:>9.3f}s{s['ttft_p99']:>9.3f}s"
-            f"{s['throughput_tok_s']:>11.0f}{s['load_imbalance_max_over_mean']:>9.2f}"
+            f"{s['throughput_tok_s']:>11.0f}{s['load_imbalance_max_over_mean']:>9.2f}{s['wall_s']:>7.0f}s"
         )
     return "\n".join(lines)

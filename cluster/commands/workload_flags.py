@@ -4,6 +4,9 @@ the wrapper that turns their ValueErrors into one-line usage errors."""
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
+from collections.abc import Callable, Iterator
 
 from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.experiments import workloads as wl
@@ -26,6 +29,9 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=sorted(wl.WORKLOADS), help="a generated workload or mooncake")
     p.add_argument("--trace", help="a Mooncake-format JSONL trace (implies --workload mooncake)")
     p.add_argument("--speedup", type=float, default=1.0, help="trace replay speed-up factor")
+    p.add_argument(
+        "--copies", type=int, default=1, help="trace: play it this many times in a row, each with new content"
+    )
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (generated workloads)")
     p.add_argument("--requests", type=int, help="use only the first N requests")
     p.add_argument("--seed", type=int, default=0)
@@ -33,30 +39,50 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text)
 
 
-def build_workload(args: argparse.Namespace) -> tuple[str, list[wl.WorkloadRequest]]:
-    """The workload the flags describe; ValueError (a usage error) when they do not fit."""
-    if args.trace:
-        name, requests = "mooncake", wl.mooncake(args.trace, speedup=args.speedup)
-    elif args.workload == "mooncake":
-        name, requests = "mooncake", wl.mooncake(speedup=args.speedup)
+def stream_workload(args: argparse.Namespace) -> tuple[str, Callable[[], Iterator[wl.WorkloadRequest]], int]:
+    """(name, a maker of the request stream the flags describe, in arrival order: a fresh
+    stream per call, its length). ValueError (a usage error) when the flags do not fit."""
+    if args.requests is not None and args.requests <= 0:
+        raise ValueError("--requests must be positive")
+    if args.trace or args.workload == "mooncake":
+        path = args.trace or wl.MOONCAKE_TRACE
+        name = "mooncake"
+        base = lambda: wl.iter_mooncake(path, speedup=args.speedup, copies=args.copies)  # noqa: E731
     elif args.workload:
         name = args.workload
         knobs = {k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None}
+        if args.rate is not None and args.rate <= 0:
+            raise ValueError("--rate must be positive")
         try:
-            requests = wl.make_workload(name, seed=args.seed, **knobs)
+            wl.make_stream(name, seed=args.seed, **knobs)
         except TypeError as exc:
             raise ValueError(f"workload {name}: {exc}") from None
-        if args.rate:
-            if args.rate <= 0:
-                raise ValueError("--rate must be positive")
-            requests = wl.poisson_arrivals(requests, args.rate, seed=args.seed)
+
+        def base() -> Iterator[wl.WorkloadRequest]:
+            stream = wl.make_stream(name, seed=args.seed, **knobs)
+            return wl.iter_poisson_arrivals(stream, args.rate, seed=args.seed) if args.rate else stream
     else:
         raise ValueError("give --workload NAME or --trace FILE")
-    if args.requests:
-        requests = requests[: args.requests]
-    if not requests:
+
+    def make() -> Iterator[wl.WorkloadRequest]:
+        return itertools.islice(base(), args.requests)
+
+    total, last = 0, -math.inf  # one pass now: its length, and any error before a long run starts
+    for request in make():
+        if request.arrival_s < last:
+            raise ValueError(
+                f"the {name} workload is not in arrival order (request {total}): sort it by time"
+            )
+        total, last = total + 1, request.arrival_s
+    if not total:
         raise ValueError("the workload has no requests")
-    return name, requests
+    return name, make, total
+
+
+def build_workload(args: argparse.Namespace) -> tuple[str, list[wl.WorkloadRequest]]:
+    """The workload the flags describe, as a list; ValueError (a usage error) when they do not fit."""
+    name, make, _ = stream_workload(args)
+    return name, list(make())
 
 
 def usage_errors(handler):

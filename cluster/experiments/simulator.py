@@ -1,14 +1,28 @@
-"""Discrete-event simulation of a kvmesh cluster, for 100s of replicas.
+"""Discrete-event simulation of a kvmesh cluster: 1,000s of replicas, millions of requests,
+one or many routers.
 
 What is real here, not modelled: each replica's ``BlockManager`` and ``Scheduler`` (the
 engine's own classes: continuous batching, chunked prefill, prefix reuse, preemption by
-recompute), the hash contract, the routing policy classes, the speculative overlay and the
-router's in-flight accounting. What is modelled: time (``CostModel`` per engine iteration)
-and the index (updated from the ledgers' KV events the moment an iteration ends).
+recompute), the hash contract, the routing policy objects, the speculative entries and the
+routers' in-flight accounting. What is modelled: time (``CostModel`` per engine iteration),
+the index (fed by the ledgers' KV events, ``event_lag_s`` after the iteration that made
+them) and the replicas' heartbeats (queue lengths seen every ``heartbeat_s``; 0: live).
 
-Speed: a replica whose batch is only decoding, with nobody waiting, runs many identical
-iterations as one "window" (closed-form duration) up to the first finish or block boundary;
-an arrival routed to it mid-window splits the window at the next iteration boundary.
+Routers: request i goes to router i mod ``routers``. Each router runs its own policy object
+and keeps its own counts of what it sent and its own recent-work tie-breaks. With
+``shared_load`` every router sees the fleet's in-flight work and every router's speculative
+entries (what the index carries; the reservation's round trip, ~1 ms, is not modelled);
+without it, each sees only its own.
+
+Speed and memory: the workload is read as an iterator in arrival order (generated or read
+as the clock reaches it), and a finished request leaves one row of numbers, so memory is
+bounded by what is in flight and cached, not by the trace's length. A replica whose batch
+is only decoding, with nobody waiting, runs many identical iterations as one "window"
+(closed-form duration) up to the first finish or block boundary. A prefix-policy decision
+does not rank every replica: replicas holding nothing of the prompt differ only by load, so
+each router keeps them ordered by the load part of its policy's cost (``LoadOrder``), and
+the policy ranks the holders plus the cheapest tied non-holders; the choice is the one the
+full ranking makes (tested).
 """
 
 from __future__ import annotations
@@ -16,8 +30,10 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from array import array
+from bisect import bisect_left, insort
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.experiments.cost_model import CostModel
@@ -34,23 +50,52 @@ from kvmesh.kvcache import (
 from kvmesh.replica.request import Request
 from kvmesh.replica.scheduler import Scheduler
 from kvmesh.router.load import ReplicaLoad, RequestWork
-from kvmesh.router.policies import Policy, ReplicaState, RouteRequest, make_policy
-from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.router.policies import Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
+from kvmesh.router.speculative import SpeculativeOverlay, leading_matches
 from kvmesh.serving.sampling import SamplingParams
+
+_NO_BLOCKS = RouteRequest((), ())  # a policy's cost of it is the load part alone
 
 
 @dataclass
 class SimRequest:
-    index: int
-    spec: WorkloadRequest
+    """A request in flight (dropped when it finishes: only its ``Results`` row stays)."""
+
     request: Request
-    hashes: list[int]
     replica: int
-    work: RequestWork
+    router: int
+    work: RequestWork  # what its router counts
+    fleet_work: RequestWork  # what the fleet's shared counts hold (paid off separately)
     predicted_tokens: int
     answer: list[int]
     first_token_s: float | None = None
-    done_s: float | None = None
+
+
+class Results:
+    """One row of numbers per finished request, in typed columns (1M requests: ~60 MB)."""
+
+    FLOATS = ("arrival_s", "first_token_s", "done_s")
+    INTS = ("replica", "prompt_tokens", "cached_tokens", "predicted_tokens", "completion_tokens")
+
+    def __init__(self) -> None:
+        self.columns = {name: array("d") for name in self.FLOATS} | {name: array("q") for name in self.INTS}
+
+    def add(self, record: SimRequest, done_s: float) -> None:
+        r, c = record.request, self.columns
+        c["arrival_s"].append(r.arrival_time)
+        c["first_token_s"].append(record.first_token_s)
+        c["done_s"].append(done_s)
+        c["replica"].append(record.replica)
+        c["prompt_tokens"].append(r.num_prompt_tokens)
+        c["cached_tokens"].append(r.cached_prompt_tokens or 0)
+        c["predicted_tokens"].append(record.predicted_tokens)
+        c["completion_tokens"].append(r.num_completion_tokens)
+
+    def __getitem__(self, name: str) -> array:
+        return self.columns[name]
+
+    def __len__(self) -> int:
+        return len(self.columns["done_s"])
 
 
 class SimIndex:
@@ -77,17 +122,39 @@ class SimIndex:
 
     def lookup(self, hashes: Sequence[int]) -> dict[int, int]:
         """Leading blocks each replica holds consecutively (what ``kvmesh_lookup`` returns)."""
-        if not hashes or hashes[0] not in self.holders:
-            return {}
-        cand = set(self.holders[hashes[0]])
-        depth = dict.fromkeys(cand, 1)
-        for i in range(1, len(hashes)):
-            cand &= self.holders.get(hashes[i], set())
-            if not cand:
-                break
-            for r in cand:
-                depth[r] = i + 1
-        return depth
+        return leading_matches(self.holders, hashes)
+
+
+class LoadOrder:
+    """One router's replicas sorted by (load part of its policy's cost, recent work): the
+    order its prefix policy ranks replicas that hold nothing of a prompt, kept up to date as
+    loads change (a sorted list: an update moves one entry, in C)."""
+
+    def __init__(self, num_replicas: int):
+        self.keys = [(0.0, -math.inf, r) for r in range(num_replicas)]
+        self.sorted = sorted(self.keys)
+
+    def update(self, replica: int, cost: float, recent_key: float) -> None:
+        new = (cost, recent_key, replica)
+        old = self.keys[replica]
+        if new != old:
+            del self.sorted[bisect_left(self.sorted, old)]
+            insort(self.sorted, new)
+            self.keys[replica] = new
+
+
+@dataclass
+class RouterView:
+    """What one router knows and runs: its policy object, its counts of what it sent each
+    replica (and their recent-work tie-breaks), its speculative entries (the fleet's, with
+    shared load) and, for a prefix policy, its ``LoadOrder``."""
+
+    index: int
+    policy: Policy
+    own: list[ReplicaLoad]
+    overlay: SpeculativeOverlay
+    order: LoadOrder | None
+    inflight: int = 0  # requests it sent that have not finished
 
 
 @dataclass
@@ -111,7 +178,6 @@ class SimReplica:
     index: int
     bm: BlockManager
     scheduler: Scheduler
-    load: ReplicaLoad = field(default_factory=ReplicaLoad)
     busy: bool = False
     version: int = 0  # invalidates stale wake-ups
     scheduled: list = field(default_factory=list)
@@ -123,7 +189,7 @@ class SimReplica:
 class Simulation:
     def __init__(
         self,
-        workload: Sequence[WorkloadRequest],
+        workload: Iterable[WorkloadRequest],
         replicas: int,
         policy: str | Policy,
         cost: CostModel,
@@ -133,15 +199,22 @@ class Simulation:
         seed: int = 0,
         progress: Callable[[int], object] | None = None,  # called with 1 per arrival
         decode_windows: bool = True,
+        routers: int = 1,
+        shared_load: bool = True,
+        event_lag_s: float = 0.0,
+        heartbeat_s: float = 0.0,
+        rank_all: bool = False,  # rank every replica at every decision (the reference for LoadOrder)
     ):
-        if replicas <= 0:
-            raise ValueError("replicas must be positive")
-        self.workload = sorted(workload, key=lambda r: r.arrival_s)
+        if replicas <= 0 or routers <= 0:
+            raise ValueError("replicas and routers must be positive")
+        if event_lag_s < 0 or heartbeat_s < 0:
+            raise ValueError("event lag and heartbeat interval must not be negative")
+        # A list is sorted here; an iterator must already be in arrival order (checked as read).
+        self.workload = (
+            sorted(workload, key=lambda r: r.arrival_s) if isinstance(workload, list) else workload
+        )
         self.cost = cost
         self.block_size = block_size
-        self.policy = (
-            make_policy(policy, block_size=block_size, seed=seed) if isinstance(policy, str) else policy
-        )
         self.seed_hash = namespace_seed("simulated-model", block_size)
         num_blocks = blocks_per_replica or max(1, cost.kv_tokens_per_replica // block_size)
         self.replicas = []
@@ -150,31 +223,78 @@ class Simulation:
             self.replicas.append(
                 SimReplica(i, bm, Scheduler(bm, cost.max_num_seqs, cost.max_num_batched_tokens))
             )
-        self._states = [ReplicaState(str(i), num_blocks=num_blocks) for i in range(replicas)]
+        self._ids = [str(i) for i in range(replicas)]
+        self._num_blocks = num_blocks
         self.index = SimIndex()
-        self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
-        self.done: list[SimRequest] = []
+        shared_overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
+        self.fleet = [ReplicaLoad() for _ in range(replicas)] if shared_load else None
+        self.fleet_inflight = 0
+        self.routers = []
+        for k in range(routers):
+            p = (
+                make_policy(policy, block_size=block_size, seed=seed + k)
+                if isinstance(policy, str)
+                else policy
+            )
+            # Exactness of the load order: costs of power-of-two block sizes are exact binary
+            # fractions, so adding the prefix term never merges two distinct loads into a tie.
+            fast = isinstance(p, PrefixAware) and not rank_all and block_size & (block_size - 1) == 0
+            self.routers.append(
+                RouterView(
+                    k, p, [ReplicaLoad() for _ in range(replicas)],
+                    shared_overlay if shared_load else SpeculativeOverlay(ttl_s=speculative_ttl_s),
+                    LoadOrder(replicas) if fast else None,
+                )
+            )  # fmt: skip
+        self.event_lag_s = event_lag_s
+        self.heartbeat_s = heartbeat_s
+        self._lagged: deque[tuple[float, int, list]] = deque()  # (visible at, replica, KV events)
+        self._beats: list[tuple[float, int]] = []  # (next heartbeat, replica)
+        if heartbeat_s:
+            self._beats = [((r + 0.5) / replicas * heartbeat_s, r) for r in range(replicas)]
+            heapq.heapify(self._beats)
+        self._queues = [(0, 0)] * replicas  # (running, waiting) as the routers last saw them
+        self.results = Results()
         self.rejected = 0
         self._events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, replica, version)
         self._tiebreak = 0
         self._active: dict[int, SimRequest] = {}  # id(Request) -> record
         self._progress = progress
         self.decode_windows = decode_windows
+        self._arrivals = 0
 
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> dict:
-        i, n = 0, len(self.workload)
-        while i < n or self._events:
-            next_arrival = self.workload[i].arrival_s if i < n else math.inf
-            if self._events and self._events[0][0] < next_arrival:
+        arrivals: Iterator[WorkloadRequest] = iter(self.workload)
+        upcoming = next(arrivals, None)
+        last_arrival = -math.inf
+        while True:
+            t_arrival = upcoming.arrival_s if upcoming is not None else math.inf
+            t_event = self._events[0][0] if self._events else math.inf
+            t_index = self._lagged[0][0] if self._lagged else math.inf
+            if min(t_arrival, t_event, t_index) == math.inf:
+                break
+            t_beat = self._beats[0][0] if self._beats else math.inf
+            if t_index <= min(t_event, t_arrival, t_beat):
+                _, r, events = self._lagged.popleft()
+                self.index.apply(r, events)
+            elif t_beat <= min(t_event, t_arrival):
+                _, r = heapq.heappop(self._beats)
+                heapq.heappush(self._beats, (t_beat + self.heartbeat_s, r))
+                self._see_queues(self.replicas[r])
+            elif t_event < t_arrival:
                 t, _, r, version = heapq.heappop(self._events)
                 replica = self.replicas[r]
                 if version == replica.version:
                     self._finish_iteration(replica, t)
-                continue
-            self._arrive(i, self.workload[i], next_arrival)
-            i += 1
+            else:
+                if t_arrival < last_arrival:
+                    raise ValueError(f"workload not in arrival order: {t_arrival} after {last_arrival}")
+                last_arrival = t_arrival
+                self._arrive(self._arrivals, upcoming, t_arrival)
+                self._arrivals += 1
+                upcoming = next(arrivals, None)
         return self.summary()
 
     def _wake(self, replica: SimReplica, at: float) -> None:
@@ -182,49 +302,136 @@ class Simulation:
         self._tiebreak += 1
         heapq.heappush(self._events, (at, self._tiebreak, replica.index, replica.version))
 
+    # ------------------------------------------------------------------ what routers see
+
+    def _seen(self, router: RouterView, r: int) -> ReplicaLoad:
+        return self.fleet[r] if self.fleet is not None else router.own[r]
+
+    def _state(self, router: RouterView, r: int, matched: int, now: float) -> ReplicaState:
+        load = self._seen(router, r)
+        running, waiting = self._queues[r]
+        return ReplicaState(
+            self._ids[r], matched, load.requests, load.prefill_blocks, load.decode_blocks,
+            running, waiting, num_blocks=self._num_blocks, recent_blocks=router.own[r].recent.value(now),
+        )  # fmt: skip
+
+    def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
+        """Replica ``r``'s load changed as ``routers`` see it: move it in their load orders."""
+        for router in routers:
+            if router.order is not None:
+                cost = router.policy.cost(_NO_BLOCKS, self._state(router, r, 0, 0.0))
+                router.order.update(r, cost, router.own[r].recent.order_key())
+
+    def _affected(self, router: RouterView) -> Sequence[RouterView]:
+        """The routers that see a change to ``router``'s counts."""
+        return self.routers if self.fleet is not None else (router,)
+
+    def _see_queues(self, replica: SimReplica) -> None:
+        """The routers learn the replica's queue lengths (at a heartbeat, or live)."""
+        queues = (len(replica.scheduler.running), len(replica.scheduler.waiting))
+        if queues != self._queues[replica.index]:
+            self._queues[replica.index] = queues
+            self._reorder(replica.index, self.routers)
+
+    def _queues_changed(self, replica: SimReplica) -> None:
+        if not self.heartbeat_s:
+            self._see_queues(replica)
+
     # ------------------------------------------------------------------ routing
 
+    def _decide(self, router: RouterView, route: RouteRequest, matched: dict[int, int], now: float) -> int:
+        n = len(self.replicas)
+        if router.order is None:
+            states = [self._state(router, r, matched.get(r, 0), now) for r in range(n)]
+            return int(router.policy.rank(route, states)[0])
+        total = self.fleet_inflight if self.fleet is not None else router.inflight
+        cap = router.policy.cap_of(total, n)
+        candidates = [self._state(router, r, depth, now) for r, depth in matched.items()]
+        for r in self._cheapest_others(router, matched, cap, now):
+            candidates.append(self._state(router, r, 0, now))
+        return int(router.policy.rank(route, candidates, cap=cap)[0])
+
+    def _cheapest_others(
+        self, router: RouterView, matched: dict[int, int], cap: float, now: float
+    ) -> list[int]:
+        """The replicas holding none of the prompt that the full ranking could put first: the
+        cheapest under the guard's cap (all of them, when every one is over it), with every
+        replica tied with it on the policy's key before the rendezvous tie-break."""
+        for guarded in (True, False):
+            tied, best = [], None
+            for cost, _, r in router.order.sorted:
+                if r in matched or (guarded and self._seen(router, r).requests + 1 > cap):
+                    continue
+                key = (cost, round(router.own[r].recent.value(now)))
+                if best is not None and key != best:
+                    break
+                best = key
+                tied.append(r)
+            if tied:
+                return tied
+        return []
+
     def _arrive(self, i: int, spec: WorkloadRequest, now: float) -> None:
+        if self._progress:
+            self._progress(1)
         tokens = spec.tokens()
-        if -(-(len(tokens) + spec.max_tokens) // self.block_size) > self.replicas[0].bm.num_blocks:
+        if -(-(len(tokens) + spec.max_tokens) // self.block_size) > self._num_blocks:
             self.rejected += 1
             return
+        router = self.routers[i % len(self.routers)]
         hashes = block_hashes(tokens, self.block_size, self.seed_hash)
         matched = self.index.lookup(hashes)
-        for rid, depth in self.overlay.matched(hashes, now).items():
-            if depth > matched.get(int(rid), 0):
-                matched[int(rid)] = depth
-        for rep, state in zip(self.replicas, self._states, strict=True):
-            state.matched_blocks = matched.get(rep.index, 0)
-            state.inflight_requests = rep.load.requests
-            state.inflight_prefill_blocks = rep.load.prefill_blocks
-            state.inflight_decode_blocks = rep.load.decode_blocks
-            state.recent_blocks = rep.load.recent.value(now)
-            state.num_running = len(rep.scheduler.running)
-            state.num_waiting = len(rep.scheduler.waiting)
+        for rid, depth in router.overlay.matched(hashes, now).items():
+            if depth > matched.get(rid, 0):
+                matched[rid] = depth
         route = RouteRequest(tokens, hashes, spec.max_tokens, spec.session)
-        chosen = int(self.policy.rank(route, self._states)[0])
+        chosen = self._decide(router, route, matched, now)
         replica = self.replicas[chosen]
-        self.overlay.record(str(chosen), hashes, now)
+        router.overlay.record(chosen, hashes, now)
         depth = matched.get(chosen, 0)
         work = RequestWork.estimate(len(hashes), depth, spec.max_tokens, self.block_size)
-        replica.load.begin(work, now)
-        params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
-        request = Request(str(i), tokens, self.block_size, params, None, frozenset(), None)
-        request.arrival_time = now
-        lookable = (len(tokens) - 1) // self.block_size
-        answer = spec.answer_tokens() or [(i + k) % 997 + 3 for k in range(spec.max_tokens)]
         record = SimRequest(
-            i, spec, request, hashes, chosen, work, min(depth, lookable) * self.block_size, answer
-        )
-        self._active[id(request)] = record
-        replica.scheduler.add(request)
+            Request(str(i), tokens, self.block_size, SamplingParams(temperature=0, max_tokens=spec.max_tokens,
+                    ignore_eos=True), None, frozenset(), None),
+            chosen, router.index, work, RequestWork(work.prefill, work.decode),
+            min(depth, (len(tokens) - 1) // self.block_size) * self.block_size,
+            spec.answer_tokens() or [(i + k) % 997 + 3 for k in range(spec.max_tokens)],
+        )  # fmt: skip
+        record.request.arrival_time = now
+        self._begin(router, record, now)
+        self._active[id(record.request)] = record
+        replica.scheduler.add(record.request)
         if replica.window is not None:
             self._split_window(replica, now)
         elif not replica.busy:
             self._plan(replica, now)
-        if self._progress:
-            self._progress(1)
+        self._queues_changed(replica)
+
+    # ------------------------------------------------------------------ load accounting
+
+    def _begin(self, router: RouterView, record: SimRequest, now: float) -> None:
+        router.own[record.replica].begin(record.work, now)
+        router.inflight += 1
+        if self.fleet is not None:
+            self.fleet[record.replica].begin(record.fleet_work, now)
+            self.fleet_inflight += 1
+        self._reorder(record.replica, self._affected(router))
+
+    def _prefill_done(self, record: SimRequest) -> None:
+        router = self.routers[record.router]
+        router.own[record.replica].prefill_done(record.work)
+        if self.fleet is not None:
+            self.fleet[record.replica].prefill_done(record.fleet_work)
+        self._reorder(record.replica, self._affected(router))
+
+    def _end(self, record: SimRequest) -> None:
+        router = self.routers[record.router]
+        router.own[record.replica].end(record.work)
+        router.inflight -= 1
+        if self.fleet is not None:
+            self.fleet[record.replica].end(record.fleet_work)
+            self.fleet_inflight -= 1
+        self._reorder(record.replica, self._affected(router))
 
     # ------------------------------------------------------------------ replica iterations
 
@@ -295,50 +502,50 @@ class Simulation:
                 r.num_computed_tokens += steps - 1
                 replica.bm.hash_blocks(r)
             self._emit_token(replica, record, now)
-        self.index.apply(replica.index, replica.bm.drain_events())
+        events = replica.bm.drain_events()
+        if not self.event_lag_s:
+            self.index.apply(replica.index, events)
+        elif events:
+            self._lagged.append((now + self.event_lag_s, replica.index, events))
         self._plan(replica, now)
-
-    @staticmethod
-    def _append(record: SimRequest) -> None:
-        k = record.request.num_completion_tokens
-        record.request.append_token(record.answer[k] if k < len(record.answer) else 3)
+        self._queues_changed(replica)
 
     def _emit_token(self, replica: SimReplica, record: SimRequest, now: float) -> None:
         """The token sampled at the end of this iteration; finishes the request at max_tokens."""
         r = record.request
-        self._append(record)
+        k = r.num_completion_tokens
+        r.append_token(record.answer[k] if k < len(record.answer) else 3)
         if record.first_token_s is None:
             record.first_token_s = now
-            replica.load.prefill_done(record.work)
+            self._prefill_done(record)
         if r.num_completion_tokens >= r.params.max_tokens:
             replica.scheduler.finish(r, "length")
-            record.done_s = now
-            replica.load.end(record.work)
-            self.done.append(record)
+            self._end(record)
+            self.results.add(record, now)
             del self._active[id(r)]
 
     # ------------------------------------------------------------------ results
 
     def summary(self) -> dict:
-        recs = self.done
-        ttft = [r.first_token_s - r.request.arrival_time for r in recs]
-        prompt = sum(r.request.num_prompt_tokens for r in recs)
-        cached = sum(r.request.cached_prompt_tokens or 0 for r in recs)
-        predicted = sum(r.predicted_tokens for r in recs)
-        out_tokens = sum(r.request.num_completion_tokens for r in recs)
-        span = max((r.done_s for r in recs), default=0.0) - min(
-            (r.request.arrival_time for r in recs), default=0.0
+        c = self.results
+        arrival, first, done = c["arrival_s"], c["first_token_s"], c["done_s"]
+        ttft = [f - a for f, a in zip(first, arrival, strict=True)]
+        prompt, cached, predicted = (
+            sum(c["prompt_tokens"]),
+            sum(c["cached_tokens"]),
+            sum(c["predicted_tokens"]),
         )
+        span = max(done, default=0.0) - min(arrival, default=0.0)
         loads = [rep.prefill_tokens for rep in self.replicas]
-        counts = [sum(1 for r in recs if r.replica == rep.index) for rep in self.replicas]
+        counts = [0] * len(self.replicas)
+        for r in c["replica"]:
+            counts[r] += 1
         mean_load = statistics.mean(loads) if loads else 0.0
         tpot = [
-            (r.done_s - r.first_token_s) / (r.request.num_completion_tokens - 1)
-            for r in recs
-            if r.request.num_completion_tokens > 1
+            (d - f) / (n - 1) for d, f, n in zip(done, first, c["completion_tokens"], strict=True) if n > 1
         ]
         return {
-            "num_requests": len(recs),
+            "num_requests": len(c),
             "rejected": self.rejected,
             "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             "predicted_hit_rate": round(predicted / prompt, 4) if prompt else 0.0,
@@ -346,12 +553,10 @@ class Simulation:
             "ttft_p90": round(percentile(ttft, 0.9), 4),
             "ttft_p99": round(percentile(ttft, 0.99), 4),
             "tpot_p50": round(percentile(tpot, 0.5), 5) if tpot else None,
-            "throughput_tok_s": round(out_tokens / span, 1) if span > 0 else 0.0,
+            "throughput_tok_s": round(sum(c["completion_tokens"]) / span, 1) if span > 0 else 0.0,
             "load_imbalance_max_over_mean": round(max(loads) / mean_load, 3) if mean_load else 0.0,
             "load_cv": round(statistics.pstdev(loads) / mean_load, 3) if mean_load else 0.0,
-            "requests_max_over_mean": round(max(counts) / statistics.mean(counts), 3)
-            if counts and sum(counts)
-            else 0.0,
+            "requests_max_over_mean": round(max(counts) / statistics.mean(counts), 3) if sum(counts) else 0.0,
             "preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "simulated_s": round(span, 2),
         }

@@ -13,7 +13,7 @@ import functools
 import gzip
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,12 +74,18 @@ class WorkloadRequest:
 
 def poisson_arrivals(requests: list[WorkloadRequest], rate: float, seed: int = 0) -> list[WorkloadRequest]:
     """The same requests (in order) with Poisson arrival times at ``rate`` per second."""
+    return list(iter_poisson_arrivals(requests, rate, seed))
+
+
+def iter_poisson_arrivals(
+    requests: Iterable[WorkloadRequest], rate: float, seed: int = 0
+) -> Iterator[WorkloadRequest]:
+    """``poisson_arrivals`` as a stream: each request timed as it is read."""
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t = 0.0
     for r in requests:
         t += rng.expovariate(rate)
-        out.append(_with(r, arrival_s=t))
-    return out
+        yield _with(r, arrival_s=t)
 
 
 def _with(r: WorkloadRequest, **changes) -> WorkloadRequest:
@@ -100,25 +106,41 @@ def shared_prefix(
 ) -> list[WorkloadRequest]:
     """SGLang's generated-shared-prefix benchmark: groups share a system prompt, questions differ.
 
-    Requests are shuffled so groups interleave. With ``zipf`` = s, the number of requests
-    per group follows a Zipf(s) popularity instead (same total): a hot-spot test.
+    Requests are shuffled so groups interleave. With ``zipf`` = s, each request's group is
+    drawn with Zipf(s) popularity instead (same total): a hot-spot test.
     """
-    rng = random.Random(seed)
+    return list(
+        iter_shared_prefix(
+            num_groups, prompts_per_group, system_prompt_len, question_len, output_len, vocab, seed, zipf
+        )
+    )
+
+
+def iter_shared_prefix(
+    num_groups: int = 64,
+    prompts_per_group: int = 16,
+    system_prompt_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    vocab: int = DEFAULT_VOCAB,
+    seed: int = 0,
+    zipf: float | None = None,
+) -> Iterator[WorkloadRequest]:
+    """``shared_prefix`` as a stream: the requests are made as they are read; what is kept
+    is one small integer per request (its group, in the shuffled order)."""
+    rng = np.random.default_rng(seed)
     total = num_groups * prompts_per_group
     if zipf is None:
-        counts = [prompts_per_group] * num_groups
+        order = rng.permutation(np.repeat(np.arange(num_groups, dtype=np.int32), prompts_per_group))
     else:
-        weights = [1 / (g + 1) ** zipf for g in range(num_groups)]
-        picks = rng.choices(range(num_groups), weights=weights, k=total)
-        counts = [picks.count(g) for g in range(num_groups)]
-    requests = []
-    for g, count in enumerate(counts):
+        weights = 1 / np.arange(1, num_groups + 1, dtype=np.float64) ** zipf
+        order = rng.choice(num_groups, size=total, p=weights / weights.sum()).astype(np.int32)
+    asked = np.zeros(num_groups, dtype=np.int64)  # questions each group has had so far
+    for g in order.tolist():
         system = (_key("sys", seed, g), system_prompt_len)
-        for i in range(count):
-            question = (_key("q", seed, g, i), question_len)
-            requests.append(WorkloadRequest((system, question), output_len, group=f"g{g}", vocab=vocab))
-    rng.shuffle(requests)
-    return requests
+        question = (_key("q", seed, g, int(asked[g])), question_len)
+        asked[g] += 1
+        yield WorkloadRequest((system, question), output_len, group=f"g{g}", vocab=vocab)
 
 
 def no_sharing(
@@ -177,33 +199,63 @@ def mooncake(
     ``hash_ids`` of 512-token blocks): each hash id becomes one fixed 512-token segment (the
     last one cut to the input length), so prompts share exactly what the trace shares.
     ``speedup`` divides the timestamps."""
+    requests = list(iter_mooncake(path, speedup, limit, vocab=vocab))
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+def iter_mooncake(
+    path: str | Path = MOONCAKE_TRACE,
+    speedup: float = 1.0,
+    limit: int | None = None,
+    copies: int = 1,
+    vocab: int = DEFAULT_VOCAB,
+) -> Iterator[WorkloadRequest]:
+    """``mooncake`` as a stream, read line by line (the trace must be in time order, as
+    Mooncake's are). ``copies`` > 1 plays the trace again after itself that many times, each
+    copy with its own hash ids (new content, the same sharing pattern): a longer run from
+    a short trace. ``limit`` caps the requests of all copies together."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace {str(path)!r} does not exist")
-    if speedup <= 0:
-        raise ValueError(f"speedup must be positive, got {speedup}")
-    requests = []
-    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
-        for n, line in enumerate(f):
-            if limit is not None and n >= limit:
-                break
-            row = json.loads(line)
-            ids, length = row["hash_ids"], row["input_length"]
+    if speedup <= 0 or copies <= 0:
+        raise ValueError(f"speedup and copies must be positive, got {speedup} and {copies}")
+    span_ms, id_space = _trace_extent(path) if copies > 1 else (0.0, 0)
+    made = 0
+    for copy in range(copies):
+        for n, row in enumerate(_trace_rows(path)):
+            if limit is not None and made >= limit:
+                return
+            ids, length = [h + copy * id_space for h in row["hash_ids"]], row["input_length"]
             if not ids or length <= 0 or length > len(ids) * MOONCAKE_BLOCK:
                 raise ValueError(f"{path.name}:{n + 1}: input_length {length} does not fit {len(ids)} blocks")
             segments = [(_key("mooncake", h), MOONCAKE_BLOCK) for h in ids[:-1]]
             segments.append((_key("mooncake", ids[-1]), length - MOONCAKE_BLOCK * (len(ids) - 1)))
-            requests.append(
-                WorkloadRequest(
-                    tuple(segments),
-                    max(1, row["output_length"]),
-                    row["timestamp"] / 1000 / speedup,
-                    group=f"h{ids[0]}",
-                    vocab=vocab,
-                )
-            )
-    requests.sort(key=lambda r: r.arrival_s)
-    return requests
+            arrival_ms = row["timestamp"] + copy * span_ms
+            yield WorkloadRequest(
+                tuple(segments), max(1, row["output_length"]), arrival_ms / 1000 / speedup,
+                group=f"h{ids[0]}", vocab=vocab,
+            )  # fmt: skip
+            made += 1
+
+
+def _trace_rows(path: Path) -> Iterator[dict]:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
+        for line in f:
+            yield json.loads(line)
+
+
+def _trace_extent(path: Path) -> tuple[float, int]:
+    """(how long a copy lasts in ms: the trace's span plus one mean gap, ids one copy uses)."""
+    first = last = None
+    rows = top = 0
+    for row in _trace_rows(path):
+        first = row["timestamp"] if first is None else first
+        last = row["timestamp"]
+        top = max(top, *row["hash_ids"]) if row["hash_ids"] else top
+        rows += 1
+    span = (last - first) if rows else 0.0
+    return span + (span / max(1, rows - 1)), top + 1
 
 
 def infinite_cache_hit_rate(requests: Sequence[WorkloadRequest], block_size: int) -> float:
@@ -233,7 +285,21 @@ WORKLOADS = {
 }
 
 
+STREAMS = {
+    "shared_prefix": iter_shared_prefix,
+    "zipf": lambda **kw: iter_shared_prefix(zipf=kw.pop("zipf", 1.1), **kw),
+}
+
+
 def make_workload(name: str, **kwargs) -> list[WorkloadRequest]:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     return WORKLOADS[name](**kwargs)
+
+
+def make_stream(name: str, **kwargs) -> Iterator[WorkloadRequest]:
+    """A generated workload as a stream in its order (made as read where it can be; the
+    others are built whole first)."""
+    if name in STREAMS:
+        return STREAMS[name](**kwargs)
+    return iter(make_workload(name, **kwargs))
