@@ -18,6 +18,10 @@ def register(commands) -> None:
     exp.add_argument("--quick", action="store_true", help="a smoke run of the same suite, smaller")
     exp.add_argument("--no-real", action="store_true", help="skip the scaled-down real-cluster run")
     exp.add_argument("--cache-dir", default=".cache/tiny-models")
+    exp.add_argument(
+        "--routers-grid", action="store_true",
+        help="only the many-routers grid in the simulator (its section of experiments.md, sim_routers.json)",
+    )  # fmt: skip
     exp.set_defaults(handler=usage_errors(experiments))
 
 
@@ -25,5 +29,8 @@ def experiments(args: argparse.Namespace) -> int:
     from kvmesh.cluster.experiments.suite import main as suite_main
 
     require_extra("experiments", "matplotlib")
+    if args.routers_grid:
+        from kvmesh.cluster.experiments.routers_grid import main as grid_main
 
+        return grid_main(args.out_dir, args.quick)
     return suite_main(args.out_dir, args.quick, not args.no_real, args.cache_dir)

@@ -140,7 +140,7 @@ def markdown_table(
 
 def plot_policies(path: Path, rows: Sequence[tuple[str, dict]], title: str) -> None:
     """Bars per run: hit rate and TTFT p50/p90."""
-    plt = _pyplot()
+    plt = pyplot()
     names = [n for n, _ in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     axes[0].bar(names, [s["hit_rate"] for _, s in rows], color="#2a7")
@@ -163,7 +163,7 @@ def plot_replica_load(
     path: Path, records: Sequence[RequestRecord], title: str, bucket_s: float = 1.0
 ) -> None:
     """Uncached prefill tokens sent to each replica over time."""
-    plt = _pyplot()
+    plt = pyplot()
     series: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in records:
         if r.error is None:
@@ -183,7 +183,7 @@ def plot_replica_load(
 
 def plot_sweep(path: Path, sweep: dict[str, list[tuple[float, float]]], ylabel: str, title: str) -> None:
     """One line per policy: (rate, value) points."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for policy, points in sorted(sweep.items()):
         xs, ys = zip(*sorted(points), strict=True)
@@ -198,7 +198,7 @@ def plot_sweep(path: Path, sweep: dict[str, list[tuple[float, float]]], ylabel: 
     plt.close(fig)
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")

@@ -18,6 +18,7 @@ from kvmesh.cluster.benchmarks.common import target
 from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel
 from kvmesh.cluster.experiments.report import PEERS_SECTION, marked_section, plot_sweep
+from kvmesh.cluster.experiments.routers_grid import SECTION as ROUTERS_SECTION
 from kvmesh.cluster.experiments.simulator import Simulation
 from kvmesh.router.policies import POLICIES
 
@@ -347,8 +348,9 @@ def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
             "",
         ]
     path = out_dir / "experiments.md"
-    kept = marked_section(path.read_text(), PEERS_SECTION) if path.exists() else ""  # kvmesh bench peers
-    path.write_text("\n".join(lines) + "\n" + (f"\n{kept}\n" if kept else ""))
+    old = path.read_text() if path.exists() else ""
+    kept = [marked_section(old, name) for name in (ROUTERS_SECTION, PEERS_SECTION)]  # their own commands'
+    path.write_text("\n".join(lines) + "\n" + "".join(f"\n{block}\n" for block in kept if block))
     (out_dir / "experiments.json").write_text(
         json.dumps({"results": results, "targets": checks}, indent=2) + "\n"
     )
