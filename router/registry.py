@@ -56,6 +56,7 @@ class ReplicaRegistry:
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
+        self._back_until = 0.0  # after the index returns: replicas it does not list yet are kept until then
         self._loops = BackgroundLoops()
         self._listeners: list = []
 
@@ -96,6 +97,10 @@ class ReplicaRegistry:
             else:
                 if not self.index_ok:
                     log.info("prefix index reachable", extra={"replicas": len(records)})
+                    # Replicas re-register within a heartbeat of its return (the settings
+                    # can be back before them): until then, one it does not list yet stays.
+                    ttl = max((e.record.heartbeat_ttl_ms for e in self.entries.values()), default=0)
+                    self._back_until = time.monotonic() + ttl / 1000
                 self.index_problem = ""
                 await self._apply(records)
         for callback in self._listeners:
@@ -124,6 +129,9 @@ class ReplicaRegistry:
             entry.record = rec
             entry.live_until = now + rec.heartbeat_ttl_ms / 1000
         for gone in set(self.entries) - seen:
+            if now < self._back_until:  # the index just came back: not re-registered yet
+                self.entries[gone].live_until = self._back_until
+                continue
             self._retired.append(self.entries.pop(gone))
         await self._close_idle_retired()
 

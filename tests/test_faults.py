@@ -149,6 +149,33 @@ async def test_departed_replica_channel_closes_only_when_its_calls_are_done(valk
     await index.close()
 
 
+async def test_replicas_not_yet_back_in_a_returned_index_stay_for_a_heartbeat(valkey_server):
+    """Redis came back empty and the settings were stored again before every replica had
+    re-registered: the ones not listed yet must not drop out (a router saw "no live replica"
+    in that window); one that never comes back leaves after its heartbeat TTL."""
+    index = PrefixIndex.from_url(valkey_server.url, "returning-index", 16, 1)
+    await index.ensure_settings()
+    for rid in ("r0", "r1"):
+        await index.register(rid, f"127.0.0.1:{9 if rid == 'r0' else 10}", ttl_s=1.0)
+    registry = ReplicaRegistry(index)
+    await registry.refresh()
+    assert {e.record.replica_id for e in registry.live()} == {"r0", "r1"}
+    await index.client.flushall()
+    await registry.refresh()
+    assert registry.index_problem == "index lost its data" and len(registry.live()) == 2
+    await index.ensure_settings()  # back: settings first, then r0 only
+    await index.register("r0", "127.0.0.1:9", ttl_s=1.0)
+    await registry.refresh()
+    assert registry.index_ok and {e.record.replica_id for e in registry.live()} == {"r0", "r1"}
+    await asyncio.sleep(1.2)  # r1's heartbeat TTL: it is gone for good
+    await index.register("r0", "127.0.0.1:9", ttl_s=1.0)
+    await registry.refresh()
+    assert {e.record.replica_id for e in registry.live()} == {"r0"}
+    await registry.stop()
+    await index.client.flushall()
+    await index.close()
+
+
 async def test_registry_stops_even_if_a_refresh_swallows_its_cancellation(valkey_server, monkeypatch):
     """A cancel that lands inside a Redis call can be swallowed there; stop() must still return
     (it used to wait forever on a refresh loop that kept going: a hung server shutdown)."""

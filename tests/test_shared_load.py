@@ -120,20 +120,28 @@ async def _long_requests(router: RouterServer, n: int) -> list[asyncio.Task]:
     channel = grpc.aio.insecure_channel(router.address)
     stub = pb_grpc.RouterStub(channel)
 
-    async def one(i: int) -> None:
-        req = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=[7 + i] * 40),
-            sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True),
-        )
+    async def one(i: int) -> str:
         try:
-            async for _ in stub.Generate(req, timeout=120):
-                pass
+            return await _long_stream(stub, 7 + i)
         finally:
             await channel.close()
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
     assert await eventually(lambda: asyncio.sleep(0, result=_local(router) == n))
     return tasks
+
+
+async def _long_stream(stub: pb_grpc.RouterStub, token: int) -> str:
+    """A 3,000-token generation to its end: "OK", or the status code that ended it."""
+    req = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[token] * 40), sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True)
+    )
+    try:
+        async for _ in stub.Generate(req, timeout=120):
+            pass
+        return "OK"
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
 
 
 def _local(router: RouterServer) -> int:
@@ -163,9 +171,7 @@ async def test_every_router_sees_the_fleets_in_flight_work(fleet_of_routers):
         assert {rid: round(w.requests) for rid, w in fleet.items()} == {
             k: v for k, v in per_replica.items() if v
         }
-        assert all(
-            w.prefill_blocks == 0 for w in fleet.values()
-        )  # every first token is out: prefill released
+        assert await eventually(lambda: _prefill_released(b))  # every first token out: prefill released
     finally:
         await _stop(tasks)
     assert await eventually(lambda: _equals(_seen_by(b), 0))  # released at the end
@@ -229,19 +235,7 @@ async def test_a_router_process_killed_leaks_nothing_and_its_clients_are_told(fl
                 proc.stderr.read() if proc.poll() else ""
             )
 
-            async def stream(i: int) -> str:
-                req = pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=[30 + i] * 40),
-                    sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True),
-                )
-                try:
-                    async for _ in stub.Generate(req, timeout=120):
-                        pass
-                    return "OK"
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code().name
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(3)]
+            tasks = [asyncio.create_task(_long_stream(stub, 30 + i)) for i in range(3)]
             assert await eventually(lambda: _equals(_seen_by(a), 3))  # its work, seen by another router
             proc.send_signal(signal.SIGKILL)
             killed = time.monotonic()
@@ -278,6 +272,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def _prefill_released(router: RouterServer) -> bool:
+    fleet = (await router.core.decider.lookup([])).fleet
+    return all(w.prefill_blocks == 0 for w in fleet.values())
 
 
 async def _equals(seen, wanted: int) -> bool:

@@ -16,6 +16,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -94,26 +95,10 @@ def _with(r: WorkloadRequest, **changes) -> WorkloadRequest:
     return replace(r, **changes)
 
 
-def shared_prefix(
-    num_groups: int = 64,
-    prompts_per_group: int = 16,
-    system_prompt_len: int = 2048,
-    question_len: int = 128,
-    output_len: int = 256,
-    vocab: int = DEFAULT_VOCAB,
-    seed: int = 0,
-    zipf: float | None = None,
-) -> list[WorkloadRequest]:
-    """SGLang's generated-shared-prefix benchmark: groups share a system prompt, questions differ.
-
-    Requests are shuffled so groups interleave. With ``zipf`` = s, each request's group is
-    drawn with Zipf(s) popularity instead (same total): a hot-spot test.
-    """
-    return list(
-        iter_shared_prefix(
-            num_groups, prompts_per_group, system_prompt_len, question_len, output_len, vocab, seed, zipf
-        )
-    )
+def shared_prefix(**kwargs: Any) -> list[WorkloadRequest]:
+    """SGLang's generated-shared-prefix benchmark as a list (``iter_shared_prefix``'s
+    parameters)."""
+    return list(iter_shared_prefix(**kwargs))
 
 
 def iter_shared_prefix(
@@ -126,8 +111,10 @@ def iter_shared_prefix(
     seed: int = 0,
     zipf: float | None = None,
 ) -> Iterator[WorkloadRequest]:
-    """``shared_prefix`` as a stream: the requests are made as they are read; what is kept
-    is one small integer per request (its group, in the shuffled order)."""
+    """SGLang's generated-shared-prefix benchmark: groups share a system prompt, questions
+    differ. Requests are shuffled so groups interleave; with ``zipf`` = s, each request's
+    group is drawn with Zipf(s) popularity instead (same total): a hot-spot test. Made as
+    they are read: what is kept is one small integer per request (its group)."""
     rng = np.random.default_rng(seed)
     total = num_groups * prompts_per_group
     if zipf is None:
@@ -189,19 +176,9 @@ def multi_turn(
     return requests
 
 
-def mooncake(
-    path: str | Path = MOONCAKE_TRACE,
-    speedup: float = 1.0,
-    limit: int | None = None,
-    vocab: int = DEFAULT_VOCAB,
-) -> list[WorkloadRequest]:
-    """Replay a Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids`` of 512-token blocks): each hash id becomes one fixed 512-token segment (the
-    last one cut to the input length), so prompts share exactly what the trace shares.
-    ``speedup`` divides the timestamps."""
-    requests = list(iter_mooncake(path, speedup, limit, vocab=vocab))
-    requests.sort(key=lambda r: r.arrival_s)
-    return requests
+def mooncake(path: str | Path = MOONCAKE_TRACE, **kwargs: Any) -> list[WorkloadRequest]:
+    """A Mooncake trace as a list in time order (``iter_mooncake``'s parameters)."""
+    return sorted(iter_mooncake(path, **kwargs), key=lambda r: r.arrival_s)
 
 
 def iter_mooncake(
@@ -211,8 +188,11 @@ def iter_mooncake(
     copies: int = 1,
     vocab: int = DEFAULT_VOCAB,
 ) -> Iterator[WorkloadRequest]:
-    """``mooncake`` as a stream, read line by line (the trace must be in time order, as
-    Mooncake's are). ``copies`` > 1 plays the trace again after itself that many times, each
+    """Replay a Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids`` of 512-token blocks): each hash id becomes one fixed 512-token segment (the
+    last one cut to the input length), so prompts share exactly what the trace shares.
+    ``speedup`` divides the timestamps. Read line by line as consumed (a stream in time
+    order needs the trace in time order, as Mooncake's are). ``copies`` > 1 plays the trace again after itself that many times, each
     copy with its own hash ids (new content, the same sharing pattern): a longer run from
     a short trace. ``limit`` caps the requests of all copies together."""
     path = Path(path)
