@@ -6,7 +6,8 @@ on a replica when it routes a request there: one request, its uncached prefill a
 decode, in blocks; the prefill is released at the first token, the rest at the end. The
 reservations are sent after the decision, never waited for: deltas made in one event-loop
 turn go out together in one call. Until that call lands, another router can miss them
-(the race window: one loop turn plus one round trip, ~0.3 ms on loopback); this router
+(the race window: one loop turn plus one round trip; each batch's is observed in
+``kvmesh_router_fleet_sync_seconds``); this router
 adds its own unsent deltas to what the index returns. Speculative entries go the same way
 ("this replica will hold these blocks": the blocks of a prompt past what the index showed),
 so every router sends the rest of a burst after its first request. A router that dies leaks nothing
@@ -22,6 +23,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 
 from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, load_field, speculation_bucket
 from kvmesh.serving.background import BackgroundLoops
@@ -43,6 +46,10 @@ class FleetLoad:
         self._unsent: collections.Counter[str] = collections.Counter()
         self._flush: asyncio.Task | None = None
         self._loops = BackgroundLoops()
+        self._oldest_unsent: float | None = None  # when the oldest delta not yet in the index was made
+        # Called with each batch's race window: from its oldest delta to the index applying it
+        # (other routers miss the batch meanwhile); the router's metrics observe it.
+        self.on_synced: Callable[[float], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -71,6 +78,11 @@ class FleetLoad:
                 field = load_field(replica_id, kind)
                 self._held[field] += delta
                 self._unsent[field] += delta
+        self._schedule_send()
+
+    def _schedule_send(self) -> None:
+        if self._oldest_unsent is None:
+            self._oldest_unsent = time.perf_counter()
         if self._flush is None or self._flush.done():
             self._flush = asyncio.get_running_loop().create_task(self._send())
 
@@ -85,8 +97,7 @@ class FleetLoad:
         if new:
             sent.update(new)
             self._speculation.setdefault(replica_id, []).extend(new)
-            if self._flush is None or self._flush.done():
-                self._flush = asyncio.get_running_loop().create_task(self._send())
+            self._schedule_send()
 
     def unsent(self, replica_id: str) -> FleetWork:
         """This router's deltas on ``replica_id`` not yet in the index (added to its totals)."""
@@ -105,12 +116,15 @@ class FleetLoad:
             if self.incarnation is None:
                 return  # deltas kept: a new incarnation reserves everything held (speculation is dropped)
             deltas, self._unsent = dict(self._unsent), collections.Counter()
+            since, self._oldest_unsent = self._oldest_unsent, None
             try:
                 if deltas and not await self.index.reserve(self.incarnation, deltas):
                     self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
                     return
                 if speculation and self.incarnation is not None:
                     await self.index.speculate(self.incarnation, speculation, self.speculative_ttl_s, bucket)
+                if self.on_synced is not None and since is not None:
+                    self.on_synced(time.perf_counter() - since)
             except INDEX_ERRORS as exc:
                 log.warning("fleet load not sent, routing on this router's counts", extra={"error": str(exc)})
                 self.incarnation = None

@@ -108,6 +108,12 @@ class RouterMetrics(ServerMetrics):
             FAST_BUCKETS,
         )
         self.index_errors = self.counter("kvmesh_router_index_errors", "Lookups that fell back to load only")
+        self.fleet_sync = self.histogram(
+            "kvmesh_router_fleet_sync_seconds",
+            "Shared load's race window: from a reservation or speculative entry made here to the index "
+            "applying it (other routers miss it meanwhile)",
+            FAST_BUCKETS,
+        )
         self.set_overall_state(STATES[0])
 
     def set_index_state(self, replica_id: str, state: str) -> None:

@@ -100,6 +100,7 @@ class RouterServer:
         self.service.core = self.core
         self.registry.on_change(self._health_follows)
         if self.fleet is not None:
+            self.fleet.on_synced = self.core.metrics.fleet_sync.observe
             await self.fleet.start()
         await self.registry.start()
         if self.config.serves_http:

@@ -175,6 +175,12 @@ async def test_every_router_sees_the_fleets_in_flight_work(fleet_of_routers):
     finally:
         await _stop(tasks)
     assert await eventually(lambda: _equals(_seen_by(b), 0))  # released at the end
+    samples = read_samples(a.core.render_metrics().decode())
+    synced, took = (
+        samples[("kvmesh_router_fleet_sync_seconds_count", ())],
+        samples[("kvmesh_router_fleet_sync_seconds_sum", ())],
+    )
+    assert synced >= 2 and took / synced < 0.05  # the race window was measured, and is short
 
 
 async def test_a_prompt_without_a_full_block_is_routed_without_a_prefix_lookup(fleet_of_routers):

@@ -29,6 +29,7 @@ from kvmesh.cluster.experiments.loadgen import run_load
 from kvmesh.cluster.experiments.report import summarize
 from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.serving.metrics import read_samples
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ async def _one_run(
             [f"127.0.0.1:{g}" for g, _ in ports], workload, concurrency=config.concurrency, seed=config.seed
         )
         after = await counters(http, replicas)
+        window = await race_window(http, processes) if shared else None
     finally:
         for p in processes:
             p.stop()
@@ -95,6 +97,28 @@ async def _one_run(
         "uncached_prefill_per_replica": truth["uncached_prefill_per_replica"],
         "prefill_max_over_mean": truth["prefill_max_over_mean"],
         "requests_max_over_mean": _max_over_mean(list(truth["requests_per_replica"].values())),
+        "race_window": window,
+    }
+
+
+async def race_window(http: httpx.AsyncClient, routers: list[RouterProcess]) -> dict:
+    """Shared load's race window over every router (``kvmesh_router_fleet_sync_seconds``):
+    the mean, and the histogram bucket that holds the 99th percentile."""
+    count = total = 0.0
+    buckets: dict[float, float] = {}
+    for router in routers:
+        samples = read_samples((await http.get(router.url + "/metrics")).text)
+        count += samples.get(("kvmesh_router_fleet_sync_seconds_count", ()), 0.0)
+        total += samples.get(("kvmesh_router_fleet_sync_seconds_sum", ()), 0.0)
+        for (name, labels), value in samples.items():
+            if name == "kvmesh_router_fleet_sync_seconds_bucket":
+                bound = float(dict(labels)["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + value
+    p99 = next((b for b in sorted(buckets) if count and buckets[b] >= 0.99 * count), None)
+    return {
+        "batches": int(count),
+        "mean_ms": round(total / count * 1e3, 3) if count else None,
+        "p99_at_most_ms": None if p99 is None or p99 == float("inf") else p99 * 1e3,
     }
 
 
@@ -170,6 +194,7 @@ async def run(config: RoutersConfig) -> dict:
                 progress(
                     f"{routers} router(s), shared load {'on' if shared else 'off'}, repeat {repeat}: hit {row['hit_rate']:.3f}, p90 {row['ttft_p90']} ms, "
                     f"requests {row['requests_per_replica']}, prefill max/mean {row['prefill_max_over_mean']}"
+                    + (f", race window mean {row['race_window']['mean_ms']} ms" if row["race_window"] else "")
                 )
     summary = _summary(rows)
     return {"rows": rows, "summary": summary, "targets": _targets(summary)}

@@ -92,6 +92,7 @@ def _routers(benches) -> None:
     )
     rt.add_argument("--replicas", type=int, default=4)
     rt.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
+    rt.add_argument("--quick", action="store_true", help="a smoke run: 4 prompt groups of 4")
     rt.add_argument("--out", default="results/bench_routers.json")
     rt.add_argument("--png", default="results/bench_routers.png")
     rt.add_argument("--cache-dir", default=".cache/tiny-models")
@@ -114,6 +115,7 @@ def _routers(benches) -> None:
         config = RoutersConfig(
             args.out, Path(args.cache_dir), router_counts=counts, shared_modes=modes, repeats=args.repeats,
             replicas=args.replicas, concurrency=args.concurrency,
+            **({"groups": 4, "prompts_per_group": 4} if args.quick else {}),
         )  # fmt: skip
         return main(config, args.png)
 
