@@ -312,11 +312,34 @@ class PrefixIndex:
         a speculative match, like a replica's, runs from the first block); every router's
         ``decide`` sees them for ``ttl_s`` to twice that. ``bucket``: ``speculation_bucket``
         (now, by default). False: the router expired."""
-        flat = [x for rid, hashes in entries.items() if hashes for x in (rid, pack_hashes(hashes))]
-        if not flat:
+        return await self.share(router_incarnation, {}, entries, ttl_s, bucket)
+
+    async def share(
+        self,
+        router_incarnation: int,
+        deltas: Mapping[str, float],
+        entries: Mapping[str, Sequence[int]],
+        ttl_s: float,
+        bucket: int | None = None,
+    ) -> bool:
+        """``reserve`` and ``speculate`` in one round trip (pipelined): what a router sends
+        after its decisions. False: the router expired (nothing applied)."""
+        work = [x for field, delta in deltas.items() for x in (field, repr(float(delta)))]
+        speculation = [x for rid, hashes in entries.items() if hashes for x in (rid, pack_hashes(hashes))]
+        calls = [("kvmesh_reserve", router_incarnation, *work)] if work else []
+        if speculation:
+            bucket = speculation_bucket(ttl_s) if bucket is None else bucket
+            calls.append(("kvmesh_speculate", router_incarnation, _ms(ttl_s), bucket, *speculation))
+        if not calls:
             return True
-        bucket = speculation_bucket(ttl_s) if bucket is None else bucket
-        return bool(await self._call("kvmesh_speculate", router_incarnation, _ms(ttl_s), bucket, *flat))
+
+        def send() -> Awaitable[list]:
+            pipe = self.client.pipeline(transaction=False)
+            for function, *args in calls:
+                pipe.fcall(function, 0, self.ns, *args)
+            return pipe.execute()
+
+        return all(await self._with_library(send))
 
     # ------------------------------------------------------------------ routers' reservations
 
@@ -334,10 +357,7 @@ class PrefixIndex:
     async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool:
         """Add ``deltas`` (``load_field(replica, "n"|"p"|"d")`` -> amount) to the fleet's and
         this router's in-flight work; False (nothing applied) if the router expired."""
-        flat = [x for field, delta in deltas.items() for x in (field, repr(float(delta)))]
-        if not flat:
-            return True
-        return bool(await self._call("kvmesh_reserve", router_incarnation, *flat))
+        return await self.share(router_incarnation, deltas, {}, 0.0)
 
     async def sweep(self, cursor: int = 0, count: int = 500) -> tuple[int, int]:
         """One step of background cleanup; returns (next cursor, entries removed)."""

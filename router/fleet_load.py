@@ -118,11 +118,11 @@ class FleetLoad:
             deltas, self._unsent = dict(self._unsent), collections.Counter()
             since, self._oldest_unsent = self._oldest_unsent, None
             try:
-                if deltas and not await self.index.reserve(self.incarnation, deltas):
+                if not await self.index.share(
+                    self.incarnation, deltas, speculation, self.speculative_ttl_s, bucket
+                ):
                     self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
                     return
-                if speculation and self.incarnation is not None:
-                    await self.index.speculate(self.incarnation, speculation, self.speculative_ttl_s, bucket)
                 if self.on_synced is not None and since is not None:
                     self.on_synced(time.perf_counter() - since)
             except INDEX_ERRORS as exc:
