@@ -29,6 +29,8 @@ from kvmesh.router.process import RouterServer
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.options import redacted_url
 
+log = logging.getLogger(__name__)
+
 
 def check_gpus(replicas: int, gpus: float, local: bool, progress: Callable[[str], None]) -> None:
     """Refuse at once what cannot be placed on this machine's GPUs; on a cluster that may
@@ -68,14 +70,7 @@ class LocalCluster:
     async def start(self, ready_timeout_s: float = 600.0) -> LocalCluster:
         c = self.config
         if not ray.is_initialized():
-            local_cpus = None if c.ray_address else max(os.cpu_count() or 1, c.replicas + 1)
-            ray.init(  # no --ray-address: a new local Ray, never one an earlier `ray start` left running
-                address=c.ray_address or "local",
-                num_cpus=local_cpus,
-                include_dashboard=False,
-                log_to_driver=c.verbose,
-                logging_level=logging.INFO if c.verbose else logging.ERROR,
-            )
+            await self._init_ray()
             self._owns_ray = True
         if self.redis_url is None:
             self.redis = EmbeddedRedis().start()
@@ -102,6 +97,32 @@ class LocalCluster:
         await self.router.start()
         await self.wait_for_replicas(c.replicas, ready_timeout_s)
         return self
+
+    async def _init_ray(self, attempts: int = 3) -> None:
+        """Connect to Ray (no --ray-address: a new local Ray, never one an earlier `ray start`
+        left running). A ``ray://`` connection is tried again on a server-side start failure:
+        Ray's client proxier sometimes loses the per-client server it just spawned (seen as
+        "Initialization failure from server ... ZombieProcess"), and a second try succeeds."""
+        c = self.config
+        local_cpus = None if c.ray_address else max(os.cpu_count() or 1, c.replicas + 1)
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(
+                    address=c.ray_address or "local",
+                    num_cpus=local_cpus,
+                    include_dashboard=False,
+                    log_to_driver=c.verbose,
+                    logging_level=logging.INFO if c.verbose else logging.ERROR,
+                )
+                return
+            except ConnectionAbortedError as exc:
+                if not (c.ray_address or "").startswith("ray://") or attempt == attempts:
+                    raise
+                log.warning(
+                    "Ray client connection failed, retrying",
+                    extra={"attempt": attempt, "error": str(exc)[-200:]},
+                )
+                await asyncio.sleep(2.0 * attempt)
 
     async def wait_for_replicas(self, count: int, timeout_s: float = 60.0) -> None:
         """Until ``count`` replicas are live (in the router's view, or the index's without a router)."""

@@ -183,3 +183,35 @@ def test_placement_and_reachability_fail_in_one_line(qwen3_dir):
     )  # fmt: skip
     assert out.returncode == 2 and "give --redis-url of a Redis they can reach" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("address, calls", [("ray://head:10001", 2), (None, 1)])
+def test_a_ray_client_start_failure_is_tried_again_only_for_ray_client_addresses(
+    monkeypatch, qwen3_dir, address, calls
+):
+    """Ray's client proxier sometimes loses the server it spawned for a new client
+    ("Initialization failure from server ... ZombieProcess"); a second connection works."""
+    from kvmesh.cluster import launcher
+    from kvmesh.cluster.config import ClusterConfig
+
+    tried = []
+    REMOTE = "redis://10.0.0.9:6379"
+
+    def flaky_init(**kwargs):
+        tried.append(kwargs["address"])
+        if len(tried) == 1:
+            raise ConnectionAbortedError("Initialization failure from server: ZombieProcess")
+
+    monkeypatch.setattr(launcher.ray, "init", flaky_init)
+    no_wait = asyncio.sleep
+    monkeypatch.setattr(launcher.asyncio, "sleep", lambda seconds: no_wait(0))
+    config = ClusterConfig.for_model(
+        str(qwen3_dir), 1, ray_address=address, router={"redis_url": REMOTE}, replica={"redis_url": REMOTE}
+    )
+    cluster = launcher.LocalCluster(config)
+    if calls == 1:
+        with pytest.raises(ConnectionAbortedError):
+            asyncio.run(cluster._init_ray())
+    else:
+        asyncio.run(cluster._init_ray())
+    assert len(tried) == calls
