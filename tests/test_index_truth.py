@@ -264,6 +264,9 @@ async def test_a_flushed_redis_is_reported_and_recovered(fleet):
     start = time.monotonic()
     await client.flushall()
     await client.aclose()
+    # Read the index now, before a replica's next publish or heartbeat re-registers it: a
+    # replica that resyncs first leaves no "lost data" for the router to see (a flake, once).
+    await router.registry.refresh()
     assert await eventually(
         lambda: asyncio.sleep(0, result=("index lost its data", (LOAD_ONLY, "index lost its data")) in seen),
         DETECT_S,
