@@ -2,6 +2,7 @@
 same engine, same tokenization as the router, usage with cached prompt tokens, vLLM-style
 /tokenize, Prometheus /metrics, and the HTTP address registered in the index."""
 
+import itertools
 import json
 import socket
 
@@ -215,3 +216,29 @@ async def test_http_address_is_registered_and_shown_by_status(replica):
     assert record["http_address"] == server.http_address
     table = status.render(models)
     assert server.address in table and server.http_address in table
+
+
+async def test_closed_loop_conversations_resend_what_the_server_answered(replica, qwen3_dir):
+    """Multi-turn chat as the peers sweep drives it: each turn's prompt carries the answer the
+    server gave, so from turn 2 on the replica reuses the previous turn's prompt and answer."""
+    from kvmesh.cluster.experiments import workloads as wl
+    from kvmesh.cluster.experiments.loadgen import run_http_conversations
+    from kvmesh.cluster.experiments.text_workload import segment_text, word_table
+
+    server, http, _ = replica
+    model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    chats = wl.conversations(
+        wl.multi_turn(num_sessions=3, turns=3, system_prompt_len=48, user_len=16, answer_len=8, seed=4)
+    )
+    words = word_table(qwen3_dir)
+    records = await run_http_conversations(
+        server.http_address, chats, lambda segment: segment_text(segment, words), "chat", model, concurrency=2
+    )
+    assert len(records) == 9 and not [r.error for r in records if r.error]
+    assert all(r.completion_tokens == 8 for r in records)
+    for session in ("s0", "s1", "s2"):
+        turns = sorted((r for r in records if r.group == session), key=lambda r: r.sent_s)
+        assert len(turns) == 3
+        for before, after in itertools.pairwise(turns):
+            assert after.prompt_tokens > before.prompt_tokens + 8 + 16 - 1  # it carries the answer
+            assert after.cached_tokens >= before.prompt_tokens // 16 * 16  # and reuses the last turn

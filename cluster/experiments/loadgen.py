@@ -74,9 +74,18 @@ async def _one(
 
 
 async def _http_one(
-    http, index: int, req: WorkloadRequest, prompt: str, label: str, t0: float, timeout_s: float, model: str
+    http,
+    index: int,
+    req: WorkloadRequest,
+    prompt: str,
+    label: str,
+    t0: float,
+    timeout_s: float,
+    model: str,
+    answer: list[str] | None = None,
 ) -> RequestRecord:
-    """One streamed OpenAI /v1/completions call (text prompt); usage carries the cached tokens."""
+    """One streamed OpenAI /v1/completions call (text prompt); usage carries the cached tokens.
+    ``answer``: where the generated text goes, when the caller needs it (conversations)."""
     record = RequestRecord(index=index, group=req.group, policy=label, prompt_tokens=0)
     body = {
         "model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
@@ -94,8 +103,11 @@ async def _http_one(
                 event = json.loads(line[6:])
                 if "error" in event:
                     raise RuntimeError(f"in-band error: {event['error']}")
-                if event.get("choices") and event["choices"][0].get("text") and record.first_token_s is None:
+                text = event["choices"][0].get("text") if event.get("choices") else None
+                if text and record.first_token_s is None:
                     record.first_token_s = time.perf_counter() - t0
+                if text and answer is not None:
+                    answer.append(text)
                 if usage := event.get("usage"):
                     record.prompt_tokens = usage["prompt_tokens"]
                     record.completion_tokens = usage["completion_tokens"]
@@ -197,3 +209,43 @@ async def run_http_load(
             lambda i, req, t0: _http_one(http, i, req, prompts[i], label, t0, timeout_s, model),
             concurrency, rate, False, seed, label, progress,
         )  # fmt: skip
+
+
+async def run_http_conversations(
+    base_url: str,
+    conversations: Sequence[Sequence[WorkloadRequest]],
+    text: Callable[[tuple[int, int]], str],
+    label: str,
+    model: str,
+    concurrency: int = 16,
+    timeout_s: float = 300.0,
+) -> list[RequestRecord]:
+    """Multi-turn chat, closed loop, against any OpenAI-compatible server: up to
+    ``concurrency`` conversations at once, each sending its next turn when the previous
+    answer is complete. A turn's prompt is the previous prompt + the answer the server
+    actually gave + the new user message (so what a replica cached is what comes back);
+    ``conversations[s][t]`` gives turn t's user message (its last segment) and, on turn 0,
+    the system prompt (its first); ``text`` renders a segment. A failed turn ends its
+    conversation (recorded)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limit = asyncio.Semaphore(concurrency)
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter()
+
+    async def converse(http, turns: Sequence[WorkloadRequest]) -> None:
+        async with limit:
+            history = text(turns[0].segments[0])
+            for req in turns:
+                prompt = history + text(req.segments[-1])
+                answer: list[str] = []
+                record = await _http_one(http, len(records), req, prompt, label, t0, timeout_s, model, answer)
+                records.append(record)
+                if record.error:
+                    return
+                history = prompt + "".join(answer)
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits) as http:
+        await asyncio.gather(*(converse(http, turns) for turns in conversations))
+    return records

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from kvmesh.cluster.experiments.workloads import WorkloadRequest
+from kvmesh.cluster.experiments.workloads import DEFAULT_VOCAB, Segment, WorkloadRequest, segment_tokens
 
 
 def word_table(model_dir: str | Path) -> list[str]:
@@ -32,4 +32,9 @@ def word_table(model_dir: str | Path) -> list[str]:
 
 
 def as_text(requests: Sequence[WorkloadRequest], words: Sequence[str]) -> list[str]:
-    return ["".join(words[t % len(words)] for t in r.tokens()) for r in requests]
+    return ["".join(segment_text(s, words, r.vocab) for s in r.segments) for r in requests]
+
+
+def segment_text(segment: Segment, words: Sequence[str], vocab: int = DEFAULT_VOCAB) -> str:
+    """One segment's tokens as words (conversations build their prompts a segment at a time)."""
+    return "".join(words[t % len(words)] for t in segment_tokens(segment, vocab).tolist())

@@ -238,6 +238,14 @@ def _trace_extent(path: Path) -> tuple[float, int]:
     return span + (span / max(1, rows - 1)), top + 1
 
 
+def conversations(requests: Sequence[WorkloadRequest]) -> list[list[WorkloadRequest]]:
+    """``multi_turn``'s requests grouped by session, turns in order (for closed-loop chat)."""
+    by_session: dict[str, list[WorkloadRequest]] = {}
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        by_session.setdefault(r.session, []).append(r)
+    return list(by_session.values())
+
+
 def infinite_cache_hit_rate(requests: Sequence[WorkloadRequest], block_size: int) -> float:
     """The ceiling: prefix hits of an infinite cache replayed in arrival order (prompt and
     generated blocks become hittable after each request; a prompt's last block never hits)."""
