@@ -43,7 +43,9 @@ def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
     ("args", "needle"),
     [
         (["--routers", "nginx lol"], "--routers: pick from"),
-        (["--rate", "0"], "must be positive"),
+        (["--rates", "0,6"], "must be positive"),
+        (["--rates", "fast"], "--rates: comma-separated numbers"),
+        (["--workloads", "shared_prefix,tpcc"], "--workloads:"),
         (["--peers-venv", "/nonexistent"], "run `make peers` first"),
     ],
 )
@@ -53,32 +55,48 @@ def test_bad_flags_are_one_line_errors(args, needle):
     assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-def test_kvmesh_contenders_end_to_end(ray_cluster, qwen3_dir, tmp_path):
-    """Two real `kvmesh router` processes in turn over 2 replicas, kvmesh's HTTP load generator;
-    the replicas' own counters must agree with what the clients were told."""
-    load = GuidellmLoad(128, 2, 16, 4, rate=20.0, requests=16, max_seconds=60)
-    ours = tuple(c for c in CONTENDERS if c.router == "kvmesh")
+def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
+    """Two real `kvmesh router` processes over 2 replicas, two repeats of two workloads at one
+    rate, kvmesh's HTTP load generator: every run's hit rate comes from the replicas' counters
+    and agrees with what the clients were told; the summary has medians and min/max."""
+    load = GuidellmLoad(128, 2, 16, 4, rate=20.0, requests=12, max_seconds=60)
+    ours = tuple(c for c in CONTENDERS if c.name in ("kvmesh prefix", "kvmesh round_robin"))
     out = tmp_path / "peers.json"
     config = peers.PeersConfig(
         out=str(out), venv=tmp_path, cache_dir=tmp_path, replicas=2, num_kv_blocks=64, load=load,
-        overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir, docs=tmp_path / "docs" / "e.md",
+        rates=(20.0,), repeats=2, overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir,
+        docs=tmp_path / "docs" / "e.md",
     )  # fmt: skip
     assert peers.main(config) == 0
     result = json.loads(out.read_text())
-    assert set(result["runs"]) == {"kvmesh prefix", "kvmesh round_robin"}
-    for name, run in result["runs"].items():
-        s = run["kvmesh_loadgen"]
-        assert s["errors"] == 0 and s["requests"] == 16, name
-        assert sum(s["requests_per_replica"].values()) == 16, name  # counted by the replicas
-        assert s["hit_rate"] == pytest.approx(s["client_hit_rate"], abs=1e-3), name
-        assert run["overhead"]["routed_p50_ms"] > 0
-    # every group's prefix is shared 8 ways: the prefix router reuses it, from cold caches each run
-    assert result["runs"]["kvmesh prefix"]["kvmesh_loadgen"]["hit_rate"] > 0.5
-    assert "| kvmesh prefix |" in out.with_suffix(".md").read_text()
-    assert out.with_name("peers_kvmesh_loadgen.png").stat().st_size > 0
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 2  # routers x workloads x repeats
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == 12, r
+        assert sum(r["requests_per_replica"].values()) == 12  # counted by the replicas
+        assert r["hit_rate"] == pytest.approx(r["client_hit_rate"], abs=1e-3)
+        assert r["routed_p50_ms"] > 0 and "added_p90_ms" in r
+    for repeat in (0, 1):  # each repeat runs every cell once
+        assert sorted((r["router"], r["workload"]) for r in rows if r["repeat"] == repeat) == sorted(
+            (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn")
+        )
+    summary = {(s["router"], s["workload"]): s for s in result["summary"]}
+    assert len(summary) == 4 and all(s["runs"] == 2 and s["rate"] == 20.0 for s in summary.values())
+    for s in summary.values():
+        assert s["hit_rate_min"] <= s["hit_rate_median"] <= s["hit_rate_max"]
+    # a shared prefix 6 ways (shared_prefix) or a conversation's own history (multi_turn): prefix reuses it
+    assert summary[("kvmesh prefix", "shared_prefix")]["hit_rate_median"] > 0.5
+    assert summary[("kvmesh prefix", "multi_turn")]["hit_rate_median"] > 0.5
+    assert {t["target"].split(":")[0] for t in result["targets"]} == {
+        f"{m} median, {w} at 20/s (kvmesh_loadgen)"
+        for m in ("hit rate", "TTFT p90")
+        for w in ("shared_prefix", "multi_turn")
+    }
+    assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
+    assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
     docs = (tmp_path / "docs" / "e.md").read_text()
-    assert docs.count("<!-- bench peers -->") == 1 and "| kvmesh round_robin |" in docs
-    assert (tmp_path / "docs" / "img" / "peers.png").stat().st_size > 0
+    assert docs.count("<!-- bench peers -->") == 1 and "| kvmesh round_robin | 20 |" in docs
+    assert (tmp_path / "docs" / "img" / "peers_shared_prefix.png").stat().st_size > 0
 
 
 def test_docs_section_is_replaced_in_place_not_duplicated(tmp_path):

@@ -39,11 +39,14 @@ class Contender:
 
 CONTENDERS = (
     Contender("kvmesh", "prefix"),
+    Contender("kvmesh", "consistent_hash"),
     Contender("kvmesh", "round_robin"),
     Contender("sglang", "cache_aware"),
     Contender("sglang", "round_robin"),
     Contender("vllm", "cache_aware"),
 )
+# The sweep's default: kvmesh's policy, its strongest own competitor, and the peers' prefix-aware policies.
+SWEEP_CONTENDERS = tuple(c for c in CONTENDERS if c.policy in ("prefix", "consistent_hash", "cache_aware"))
 
 
 def check_peers(venv: Path) -> None:

@@ -1,10 +1,15 @@
-"""``kvmesh bench peers``: kvmesh's router beside sglang-router and vllm-router, one run.
+"""``kvmesh bench peers``: kvmesh's router beside sglang-router and vllm-router, swept over
+rates and workloads, with repeats.
 
 N CPU replicas start once; each router in turn fronts them over OpenAI HTTP, from cold
-caches, under the same seeded shared-prefix load: guidellm's (a generator nobody here
-wrote) and kvmesh's own. The replicas, not the clients, say what was cached: their
-/metrics counters are read around every run. Router overhead is measured by interleaving
-identical requests sent through the router and straight to a replica.
+caches (checked empty), under the same seeded load: the shared-prefix shape from guidellm
+(a generator nobody here wrote) and from kvmesh's own, and multi-turn chat (closed loop:
+kvmesh's generator for every router, each turn resending the answer it got). Every repeat
+runs every (router, workload, rate) cell once, in its own shuffled order, with its own
+seed. The replicas, not the clients, say what was cached: their /metrics counters are read
+around every run. Router overhead is measured in every run by interleaving identical
+requests sent through the router and straight to a replica. The summary gives, per
+(router, workload, rate), medians and min/max across repeats.
 
 The KV pool is sized to hold only some of the shared prefixes per replica, so a router
 that scatters a prefix over every replica evicts it again; with a pool that holds every
@@ -14,6 +19,8 @@ prefix everywhere, any router converges to the same hit rate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 import shutil
 import statistics
 import time
@@ -24,7 +31,7 @@ import httpx
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.benchmarks.peer_routers import (
-    CONTENDERS,
+    SWEEP_CONTENDERS,
     Contender,
     GuidellmLoad,
     RouterProcess,
@@ -34,17 +41,12 @@ from kvmesh.cluster.benchmarks.peer_routers import (
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.embedded_redis import free_port
-from kvmesh.cluster.experiments.loadgen import run_http_load
-from kvmesh.cluster.experiments.report import (
-    PEERS_SECTION,
-    markdown_table,
-    plot_policies,
-    summarize,
-    write_section,
-)
-from kvmesh.cluster.experiments.text_workload import as_text, word_table
-from kvmesh.cluster.experiments.workloads import shared_prefix
+from kvmesh.cluster.experiments.loadgen import run_http_conversations, run_http_load
+from kvmesh.cluster.experiments.report import PEERS_SECTION, pyplot, summarize, write_section
+from kvmesh.cluster.experiments.text_workload import as_text, segment_text, word_table
+from kvmesh.cluster.experiments.workloads import conversations, multi_turn, shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.stats import percentile
 from kvmesh.serving.metrics import read_samples
 
 _SAMPLES = {  # key -> (sample name, labels) in a replica's /metrics
@@ -54,15 +56,6 @@ _SAMPLES = {  # key -> (sample name, labels) in a replica's /metrics
     "cached_hashes": ("kvmesh_replica_kv_cached_hashes", ()),
 }
 _LOADGEN_KEYS = ("requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s")
-_TABLE = [
-    ("hit rate (replicas)", "hit_rate", "{:.3f}"),
-    ("TTFT p50", "ttft_p50_ms", "{:.0f} ms"),
-    ("TTFT p90", "ttft_p90_ms", "{:.0f} ms"),
-    ("tok/s", "output_tokens_per_s", "{:.0f}"),
-    ("requests per replica", "spread", "{}"),
-    ("errors", "errors", "{}"),
-    ("added latency p50", "added_p50_ms", "{:.2f} ms"),
-]
 
 
 @dataclass(frozen=True)
@@ -147,7 +140,11 @@ async def router_overhead(
         direct.append(await timed(replicas[i % len(replicas)].http_url))
         routed.append(await timed(router_url))
     d, r = statistics.median(direct) * 1e3, statistics.median(routed) * 1e3
-    return {"direct_p50_ms": round(d, 3), "routed_p50_ms": round(r, 3), "added_p50_ms": round(r - d, 3)}
+    d90, r90 = percentile(direct, 0.9) * 1e3, percentile(routed, 0.9) * 1e3
+    return {
+        "direct_p50_ms": round(d, 3), "routed_p50_ms": round(r, 3),
+        "added_p50_ms": round(r - d, 3), "added_p90_ms": round(r90 - d90, 3),
+    }  # fmt: skip
 
 
 async def unloaded_ttft_ms(http: httpx.AsyncClient, replica: Replica, model_id: str, prompt: str) -> float:
@@ -169,6 +166,14 @@ DEFAULT_LOAD = GuidellmLoad(
 )
 
 
+WORKLOADS = ("shared_prefix", "multi_turn")
+CHAT_TURNS = 6
+_METRICS = (  # summarized per (router, workload, rate, generator): median, min and max over repeats
+    "hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s",
+    "requests_max_over_mean", "prefill_max_over_mean", "added_p50_ms", "added_p90_ms",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PeersConfig:
     out: str
@@ -176,133 +181,223 @@ class PeersConfig:
     cache_dir: Path
     replicas: int = 4
     num_kv_blocks: int = 160
-    load: GuidellmLoad = DEFAULT_LOAD
+    load: GuidellmLoad = DEFAULT_LOAD  # the shape; its rate and seed are the sweep's
+    rates: tuple[float, ...] = (2.0, 6.0)
+    repeats: int = 3
+    workloads: tuple[str, ...] = WORKLOADS
     overhead_pairs: int = 60
-    contenders: tuple[Contender, ...] = CONTENDERS
+    contenders: tuple[Contender, ...] = SWEEP_CONTENDERS
     guidellm: bool = True  # False: kvmesh's load generator only (no peer venv needed for kvmesh routers)
     model_dir: Path | None = None  # None: the demo's tiny model, built once in cache_dir
     docs: Path | None = None  # write the results as a section of this document (docs/experiments.md)
 
+    @property
+    def main_generator(self) -> str:
+        """Whose numbers the summary's targets and plots use for the shared-prefix shape."""
+        return "guidellm" if self.guidellm else "kvmesh_loadgen"
+
 
 @dataclass
 class _Bench:
-    """What every (router, load generator) run shares: replicas, model, workload, a scratch folder."""
+    """What every run shares: replicas, model, its word table, a scratch folder."""
 
     config: PeersConfig
     model: Path
-    workload: list
-    prompts: list[str]
+    words: list[str]
     scratch: Path  # router logs, guidellm reports
     replicas: list[Replica]
     cluster: LocalCluster
     http: httpx.AsyncClient
 
-    async def run(self, contender: Contender, generator: str, result: dict) -> None:
-        """One router process, cold caches, one load; adds to ``result`` (overhead once)."""
+    def generators(self, workload: str) -> tuple[str, ...]:
+        if workload == "shared_prefix" and self.config.guidellm:
+            return ("guidellm", "kvmesh_loadgen")
+        return ("kvmesh_loadgen",)  # multi-turn is closed loop: kvmesh's generator for every router
+
+    async def run(
+        self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
+    ) -> dict:
+        """One router process, its overhead, cold caches, one load: one row."""
         port = free_port()
         workers = [r.http_url for r in self.replicas]
         command = router_command(
             contender, self.config.venv, port, workers, str(self.model), self.cluster.redis_url
         )
-        stem = f"{contender.name.replace(' ', '-')}-{generator}"
+        stem = f"{contender.name.replace(' ', '-')}-{workload}-{rate:g}-{generator}-{repeat}"
         async with RouterProcess(contender, command, port, self.scratch / f"{stem}.log") as router:
-            if "overhead" not in result:
-                result["overhead"] = await router_overhead(
-                    self.http, router.url, self.replicas, self.model.name, self.config.overhead_pairs
-                )
+            overhead = await router_overhead(
+                self.http, router.url, self.replicas, self.model.name, self.config.overhead_pairs
+            )
             await reset_caches(self.cluster, self.http, self.replicas)
             await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
             before = await counters(self.http, self.replicas)
-            progress(f"{contender.name}: {generator} ...")
-            client = await self.drive(generator, router.url, contender.name, self.scratch / f"{stem}.json")
-            result[generator] = {**client, **served(before, await counters(self.http, self.replicas))}
-            progress(f"{contender.name}: {generator}: {_line(result[generator])}")
+            load = dataclasses.replace(self.config.load, rate=rate, seed=self.config.load.seed + repeat)
+            client = await self.drive(
+                workload, generator, load, router.url, contender.name, self.scratch / f"{stem}.json"
+            )
+            truth = served(before, await counters(self.http, self.replicas))
+        row = {"router": contender.name, "workload": workload, "rate": rate, "repeat": repeat,
+               "generator": generator, **client, **truth, **overhead}  # fmt: skip
+        row["requests_max_over_mean"] = _max_over_mean(list(truth["requests_per_replica"].values()))
+        return row
 
-    async def drive(self, generator: str, url: str, label: str, report: Path) -> dict:
+    async def drive(
+        self, workload: str, generator: str, load: GuidellmLoad, url: str, label: str, report: Path
+    ) -> dict:
         """The load, as the client saw it."""
-        load = self.config.load
         if generator == "guidellm":
             return await asyncio.to_thread(
                 run_guidellm, load, self.config.venv, url, self.model.name, str(self.model), report
             )
-        records = await run_http_load(
-            url, self.workload, self.prompts, label, self.model.name,
-            concurrency=256, rate=load.rate, seed=load.seed,
-        )  # fmt: skip
+        if workload == "shared_prefix":
+            requests = shared_prefix(
+                num_groups=load.prefix_count, prompts_per_group=max(1, load.requests // load.prefix_count),
+                system_prompt_len=load.prefix_tokens, question_len=load.prompt_tokens,
+                output_len=load.output_tokens, seed=load.seed,
+            )  # fmt: skip
+            records = await run_http_load(
+                url, requests, as_text(requests, self.words), label, self.model.name,
+                concurrency=256, rate=load.rate, seed=load.seed,
+            )  # fmt: skip
+        else:  # rate r: r conversations at once, each sending its next turn when answered
+            chats = conversations(
+                multi_turn(
+                    num_sessions=max(1, load.requests // CHAT_TURNS), turns=CHAT_TURNS,
+                    system_prompt_len=load.prefix_tokens, user_len=load.prompt_tokens,
+                    answer_len=load.output_tokens, seed=load.seed,
+                )
+            )  # fmt: skip
+            records = await run_http_conversations(
+                url, chats, lambda segment: segment_text(segment, self.words), label, self.model.name,
+                concurrency=max(1, round(load.rate)),
+            )  # fmt: skip
         summary = summarize(records)
         return {k: summary[k] for k in _LOADGEN_KEYS} | {"client_hit_rate": summary["hit_rate"]}
 
 
+def _max_over_mean(values: list[int]) -> float:
+    mean = statistics.mean(values) if values else 0
+    return round(max(values) / mean, 3) if mean else 0.0
+
+
 async def run(config: PeersConfig) -> dict:
     model = (config.model_dir or demo_model(config.cache_dir)).resolve()  # guidellm runs elsewhere
-    load = config.load
-    workload = shared_prefix(
-        num_groups=load.prefix_count, prompts_per_group=max(1, load.requests // load.prefix_count),
-        system_prompt_len=load.prefix_tokens, question_len=load.prompt_tokens, output_len=load.output_tokens,
-        seed=load.seed,
-    )  # fmt: skip
-    prompts = as_text(workload, word_table(model))
     cluster_config = ClusterConfig.for_model(
         str(model), config.replicas, engine={"num_kv_blocks": config.num_kv_blocks}, with_router=False
     )
-    generators = ("guidellm", "kvmesh_loadgen") if config.guidellm else ("kvmesh_loadgen",)
     progress(f"starting {config.replicas} replicas ({config.num_kv_blocks} KV blocks each) ...")
-    runs: dict[str, dict] = {}
+    rows: list[dict] = []
     async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
         replicas = await replicas_of(cluster)
         bench = _Bench(
-            config, model, workload, prompts, Path(config.out).resolve().with_suffix(""), replicas,
-            cluster, http,
-        )  # fmt: skip
-        baseline = await unloaded_ttft_ms(http, replicas[0], model.name, prompts[0])
-        for contender in config.contenders:
-            runs[contender.name] = {}
-            for generator in generators:
-                await bench.run(contender, generator, runs[contender.name])
-    return _report(config, runs, baseline)
+            config,
+            model,
+            word_table(model),
+            Path(config.out).resolve().with_suffix(""),
+            replicas,
+            cluster,
+            http,
+        )
+        prompt = "".join(bench.words[: config.load.prefix_tokens + config.load.prompt_tokens])
+        baseline = await unloaded_ttft_ms(http, replicas[0], model.name, prompt)
+        for repeat in range(config.repeats):
+            cells = [
+                (c, w, rate, g)
+                for c in config.contenders for w in config.workloads for rate in config.rates
+                for g in bench.generators(w)
+            ]  # fmt: skip
+            random.Random(config.load.seed + repeat).shuffle(cells)
+            for n, (contender, workload, rate, generator) in enumerate(cells, 1):
+                progress(
+                    f"repeat {repeat + 1}/{config.repeats}, run {n}/{len(cells)}: {contender.name}, {workload} at {rate:g}/s, {generator} ..."
+                )
+                row = await bench.run(contender, workload, rate, generator, repeat)
+                rows.append(row)
+                progress(f"  {_line(row)}")
+    return _report(config, rows, baseline)
 
 
 def _line(s: dict) -> str:
     return (
         f"hit {s['hit_rate']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p90 {s['ttft_p90_ms']:.0f} ms, "
-        f"{s['errors']} errors, per replica {s['spread']}"
+        f"{s['errors']} errors, per replica {s['spread']}, added {s['added_p50_ms']:.2f} ms"
     )
 
 
-def _report(config: PeersConfig, runs: dict[str, dict], unloaded_ms: float) -> dict:
-    main_generator = "guidellm" if config.guidellm else "kvmesh_loadgen"
-    ours = runs.get("kvmesh prefix")
-    targets = []
-    if ours:
-        mine = ours[main_generator]
-        for peer in ("sglang cache_aware", "vllm cache_aware"):
-            if peer in runs:
-                theirs = runs[peer][main_generator]
-                targets.append(
-                    target(
-                        f"hit rate: kvmesh prefix / {peer}",
-                        _ratio(mine["hit_rate"], theirs["hit_rate"]),
-                        ">=",
-                        1.0,
-                    )
-                )
-                targets.append(target(f"TTFT p90: {peer} / kvmesh prefix", _ratio(theirs["ttft_p90_ms"], mine["ttft_p90_ms"]), ">=", 1.0))  # fmt: skip
-        if "sglang cache_aware" in runs:
-            gap = ours["overhead"]["added_p50_ms"] - runs["sglang cache_aware"]["overhead"]["added_p50_ms"]
-            targets.append(target("added latency: kvmesh - sglang-router (ms)", round(gap, 3), "<=", 1.0))
-    queued = {name: _ratio(r[main_generator]["ttft_p90_ms"], unloaded_ms) for name, r in runs.items()}
+def summarize_rows(rows: list[dict]) -> list[dict]:
+    """One row per (router, workload, rate, generator): medians, min and max over repeats."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["router"], r["workload"], r["rate"], r["generator"]), []).append(r)
+    summary = []
+    for (router, workload, rate, generator), runs in sorted(cells.items()):
+        row = {
+            "router": router,
+            "workload": workload,
+            "rate": rate,
+            "generator": generator,
+            "runs": len(runs),
+        }
+        for metric in _METRICS:
+            values = [r[metric] for r in runs if r.get(metric) is not None]
+            if values:
+                row[f"{metric}_median"] = round(statistics.median(values), 4)
+                row[f"{metric}_min"], row[f"{metric}_max"] = min(values), max(values)
+        row["errors"] = sum(r["errors"] for r in runs)
+        summary.append(row)
+    return summary
+
+
+def cell_targets(summary: list[dict], generator_of: dict[str, str]) -> list[dict]:
+    """Per (workload, rate): kvmesh prefix's median hit rate >= the best other's - 0.01, and its
+    median p90 TTFT <= 1.05 x the fastest other's (peers and kvmesh's own policies alike)."""
+    checks = []
+    for workload, generator in generator_of.items():
+        for rate in sorted({s["rate"] for s in summary if s["workload"] == workload}):
+            cell = [
+                s
+                for s in summary
+                if s["workload"] == workload and s["rate"] == rate and s["generator"] == generator
+            ]
+            ours = next((s for s in cell if s["router"] == "kvmesh prefix"), None)
+            others = [s for s in cell if s["router"] != "kvmesh prefix"]
+            if ours is None or not others:
+                continue
+            best = max(others, key=lambda s: s["hit_rate_median"])
+            fastest = min(others, key=lambda s: s["ttft_p90_ms_median"])
+            where = f"{workload} at {rate:g}/s ({generator})"
+            checks.append(target(
+                f"hit rate median, {where}: kvmesh prefix - {best['router']}",
+                round(ours["hit_rate_median"] - best["hit_rate_median"], 4), ">=", -0.01,
+            ))  # fmt: skip
+            checks.append(target(
+                f"TTFT p90 median, {where}: kvmesh prefix / {fastest['router']}",
+                _ratio(ours["ttft_p90_ms_median"], fastest["ttft_p90_ms_median"]), "<=", 1.05,
+            ))  # fmt: skip
+    return checks
+
+
+def _report(config: PeersConfig, rows: list[dict], unloaded_ms: float) -> dict:
+    summary = summarize_rows(rows)
+    generator_of = {
+        w: config.main_generator if w == "shared_prefix" else "kvmesh_loadgen" for w in config.workloads
+    }
     return {
         "benchmark": "peers",
         "config": {
             "replicas": config.replicas,
             "num_kv_blocks": config.num_kv_blocks,
             "load": asdict(config.load),
-            "main_generator": main_generator,
+            "rates": list(config.rates),
+            "repeats": config.repeats,
+            "workloads": list(config.workloads),
+            "main_generator": config.main_generator,
+            "generator_of": generator_of,
         },
         "unloaded_cold_ttft_ms": unloaded_ms,
-        "ttft_p90_over_unloaded": queued,
-        "runs": runs,
-        "targets": targets,
+        "rows": rows,
+        "summary": summary,
+        "targets": cell_targets(summary, generator_of),
         "environment": environment(),
     }
 
@@ -311,56 +406,113 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("inf")
 
 
+_SWEEP_TABLE = [
+    ("hit rate", "hit_rate", "{:.3f}"),
+    ("TTFT p50", "ttft_p50_ms", "{:.0f}"),
+    ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
+    ("TTFT p99", "ttft_p99_ms", "{:.0f}"),
+    ("tok/s", "output_tokens_per_s", "{:.0f}"),
+    ("requests max/mean", "requests_max_over_mean", "{:.2f}"),
+    ("prefill max/mean", "prefill_max_over_mean", "{:.2f}"),
+    ("added p50", "added_p50_ms", "{:.2f}"),
+    ("added p90", "added_p90_ms", "{:.2f}"),
+]
+
+
+def _cell(s: dict, key: str, fmt: str) -> str:
+    if f"{key}_median" not in s:
+        return "-"
+    median, low, high = (fmt.format(s[f"{key}_{part}"]) for part in ("median", "min", "max"))
+    return median if s["runs"] == 1 else f"{median} [{low}-{high}]"
+
+
 def write_tables(result: dict, out: str) -> str:
-    """Markdown tables (one per load generator) and a plot beside the JSON."""
+    """Markdown tables (one per workload and load generator: medians [min-max] over repeats;
+    TTFT and added latency in ms) and plots beside the JSON."""
     sections = []
-    for generator in ("guidellm", "kvmesh_loadgen"):
-        rows = [
-            (name, {**r[generator], **r["overhead"]}) for name, r in result["runs"].items() if generator in r
-        ]
-        if not rows:
-            continue
-        sections.append(f"**{generator}**\n\n{markdown_table(rows, _TABLE)}")
-        plot_policies(Path(out).with_name(f"{Path(out).stem}_{generator}.png"), rows, f"peers: {generator}")
+    for workload in result["config"]["workloads"]:
+        for generator in ("guidellm", "kvmesh_loadgen"):
+            rows = [s for s in result["summary"] if s["workload"] == workload and s["generator"] == generator]
+            if not rows:
+                continue
+            head = "| router | rate/s | " + " | ".join(h for h, _, _ in _SWEEP_TABLE) + " |"
+            lines = [head, "|---|---:|" + "---:|" * len(_SWEEP_TABLE)]
+            for s in sorted(rows, key=lambda s: (s["rate"], s["router"])):
+                lines.append(
+                    f"| {s['router']} | {s['rate']:g} | "
+                    + " | ".join(_cell(s, k, f) for _, k, f in _SWEEP_TABLE)
+                    + " |"
+                )
+            sections.append(
+                f"**{workload}, {generator}** ({rows[0]['runs']} runs per cell)\n\n" + "\n".join(lines)
+            )
+            plot_sweep_bands(
+                Path(out).with_name(f"{Path(out).stem}_{workload}_{generator}.png"),
+                rows,
+                f"{workload} ({generator})",
+            )
     text = "\n\n".join(sections) + "\n"
     Path(out).with_suffix(".md").write_text(text)
     return text
 
 
+def plot_sweep_bands(path: Path, summary: list[dict], title: str) -> None:
+    """Hit rate and p90 TTFT vs rate, one line per router (medians), min-max bands."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for router in sorted({s["router"] for s in summary}):
+        points = sorted((s for s in summary if s["router"] == router), key=lambda s: s["rate"])
+        rates = [s["rate"] for s in points]
+        for ax, key in zip(axes, ("hit_rate", "ttft_p90_ms"), strict=True):
+            (line,) = ax.plot(rates, [s[f"{key}_median"] for s in points], marker="o", label=router)
+            ax.fill_between(rates, [s[f"{key}_min"] for s in points], [s[f"{key}_max"] for s in points],
+                            color=line.get_color(), alpha=0.15)  # fmt: skip
+    axes[0].set_ylabel("hit rate (replicas' counters)")
+    axes[1].set_ylabel("TTFT p90 (ms)")
+    for ax in axes:
+        ax.set_xlabel("requests / s (multi-turn: conversations at once)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_docs(result: dict, tables: str, out: str, docs: Path) -> None:
-    """The results as the ``bench peers`` section of ``docs`` (plot copied to docs/img/)."""
+    """The results as the ``bench peers`` section of ``docs`` (plots copied to docs/img/)."""
     c, load = result["config"], result["config"]["load"]
-    plot = Path(out).with_name(f"{Path(out).stem}_{c['main_generator']}.png")
-    image = docs.parent / "img" / "peers.png"
-    image.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(plot, image)
+    images = []
+    for workload, generator in c["generator_of"].items():
+        plot = Path(out).with_name(f"{Path(out).stem}_{workload}_{generator}.png")
+        if plot.is_file():
+            image = docs.parent / "img" / f"peers_{workload}.png"
+            image.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plot, image)
+            images.append(f"![peers {workload}](img/{image.name})")
     checks = "\n".join(
         f"| {t['target']} | {t['value']} | {t['bound']} | {'yes' if t['met'] else '**no**'} |"
         for t in result["targets"]
     )
-    queued = ", ".join(f"{name} {ratio}x" for name, ratio in result["ttft_p90_over_unloaded"].items())
     setup = (
         f"{c['replicas']} CPU replicas of the demo's tiny Qwen3, {c['num_kv_blocks']} KV blocks each (room for a few "
         "of the shared prefixes, not all). Each router in turn fronts them over OpenAI HTTP, from cold caches, under "
-        f"the same seeded load: {load['prefix_count']} shared prefixes of {load['prefix_tokens']} tokens + "
-        f"{load['prompt_tokens']} unique tokens, {load['output_tokens']} out, Poisson {load['rate']}/s, "
-        f"{load['requests']} requests; driven by guidellm (synthetic_text, local tokenizer, offline) and by kvmesh's "
-        "own HTTP load generator (the same shape, as text). The hit rate is what the replicas counted (their "
-        "/metrics), not what clients were told. Added latency: the same cached 1-token request through the router "
-        "and straight to a replica, interleaved, medians."
-    )
-    load_note = (
-        f"A lone cold request takes {result['unloaded_cold_ttft_ms']} ms; {c['main_generator']}'s TTFT p90 over "
-        f"that (how much the load queues): {queued}."
+        f"the same seeded loads, rates {', '.join(f'{r:g}' for r in c['rates'])}/s, {c['repeats']} repeats (each with "
+        "its own seed and a shuffled run order). Shared prefix: "
+        f"{load['prefix_count']} prefixes of {load['prefix_tokens']} tokens + {load['prompt_tokens']} unique tokens, "
+        f"{load['output_tokens']} out, Poisson, {load['requests']} requests, from guidellm and kvmesh's own generator. "
+        f"Multi-turn: {CHAT_TURNS}-turn conversations (8 system prompts of {load['prefix_tokens']} tokens, "
+        f"{load['prompt_tokens']}-token messages, {load['output_tokens']}-token answers resent as given), closed loop, "
+        "'rate' conversations at once. The hit rate is what the replicas counted (their /metrics). Added latency: "
+        "the same cached 1-token request through the router and straight to a replica, interleaved, in every run. "
+        f"A lone cold request takes {result['unloaded_cold_ttft_ms']} ms. Cells: median [min-max] over repeats."
     )
     body = "\n\n".join(
         [
             "## Side by side with real peers: sglang-router and vllm-router (`kvmesh bench peers --docs docs/experiments.md`)",
             setup,
-            load_note,
             "| target | value | bound | met |\n|---|---:|---|---|\n" + checks,
             tables.rstrip(),
-            "![peers](img/peers.png)",
+            *images,
         ]
     )
     write_section(docs, PEERS_SECTION, body)
@@ -372,6 +524,8 @@ def main(config: PeersConfig) -> int:
     write_result(config.out, result)
     tables = write_tables(result, config.out)
     print(tables)
+    for t in result["targets"]:
+        print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} ({t['bound']})")
     if config.docs:
         write_docs(result, tables, config.out, config.docs)
         print(f"updated {config.docs}")

@@ -208,10 +208,22 @@ def _peers(benches) -> None:
     peers.add_argument("--prefix-count", type=int, default=8, help="distinct shared prefixes")
     peers.add_argument("--prompt-tokens", type=int, default=64, help="unique tokens after the prefix")
     peers.add_argument("--output-tokens", type=int, default=16)
-    peers.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    peers.add_argument(
+        "--rates", default="2,6",
+        help="comma-separated Poisson rates per second (multi-turn: conversations at once)",
+    )  # fmt: skip
+    peers.add_argument(
+        "--repeats", type=_repeats, default=3, help="runs per cell, each its own seed and order"
+    )
+    peers.add_argument(
+        "--workloads", default="shared_prefix,multi_turn", help="comma-separated: shared_prefix, multi_turn"
+    )
     peers.add_argument("--requests", type=int, default=240, help="per run")
     peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
-    peers.add_argument("--routers", help="comma-separated 'router policy' list (default: every contender)")
+    peers.add_argument(
+        "--routers", help="comma-separated 'router policy' list (default: kvmesh prefix and consistent_hash, "
+        "sglang and vllm cache_aware)",
+    )  # fmt: skip
     peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
     peers.add_argument("--docs", help="also update this document's bench-peers section (docs/experiments.md)")
     peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
@@ -223,17 +235,25 @@ def _run_peers(args: argparse.Namespace) -> int:
 
     require_extra("experiments", "httpx", "matplotlib")
 
-    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad, check_peers
+    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, SWEEP_CONTENDERS, GuidellmLoad, check_peers
     from kvmesh.cluster.logs import setup_logging
 
     known = {c.name: c for c in CONTENDERS}
-    names = [n.strip() for n in (args.routers or ",".join(known)).split(",") if n.strip()]
+    default = ",".join(c.name for c in SWEEP_CONTENDERS)
+    names = [n.strip() for n in (args.routers or default).split(",") if n.strip()]
     if not names or any(n not in known for n in names):
         raise UsageError(f"--routers: pick from {', '.join(known)}")
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    if not workloads or any(w not in ("shared_prefix", "multi_turn") for w in workloads):
+        raise UsageError("--workloads: comma-separated shared_prefix, multi_turn")
+    try:
+        rates = tuple(float(r) for r in args.rates.split(","))
+    except ValueError:
+        raise UsageError(f"--rates: comma-separated numbers, got {args.rates!r}") from None
     sizes = (args.replicas, args.num_kv_blocks, args.prefix_tokens, args.prefix_count, args.prompt_tokens,
              args.output_tokens, args.requests)  # fmt: skip
-    if min(sizes) <= 0 or args.rate <= 0 or args.max_seconds <= 0:
-        raise UsageError("sizes, --rate and --max-seconds must be positive")
+    if min(sizes) <= 0 or min(rates) <= 0 or args.max_seconds <= 0:
+        raise UsageError("sizes, --rates and --max-seconds must be positive")
     contenders = tuple(known[n] for n in names)
     venv = Path(args.peers_venv).resolve()
     if not args.no_guidellm or any(c.router != "kvmesh" for c in contenders):
@@ -242,13 +262,13 @@ def _run_peers(args: argparse.Namespace) -> int:
 
     setup_logging(False)
     load = GuidellmLoad(
-        args.prefix_tokens, args.prefix_count, args.prompt_tokens, args.output_tokens, args.rate, args.requests,
+        args.prefix_tokens, args.prefix_count, args.prompt_tokens, args.output_tokens, rates[0], args.requests,
         args.max_seconds,
     )  # fmt: skip
     config = PeersConfig(
         out=args.out, venv=venv, cache_dir=Path(args.cache_dir), replicas=args.replicas,
-        num_kv_blocks=args.num_kv_blocks, load=load, contenders=contenders,
-        guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
+        num_kv_blocks=args.num_kv_blocks, load=load, rates=rates, repeats=args.repeats, workloads=workloads,
+        contenders=contenders, guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
     )  # fmt: skip
     return main(config)
 
