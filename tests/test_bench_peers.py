@@ -56,7 +56,7 @@ def test_bad_flags_are_one_line_errors(args, needle):
 
 
 def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
-    """Two real `kvmesh router` processes over 2 replicas, two repeats of two workloads at one
+    """Two real `kvmesh router` processes over 2 replicas, two repeats of three workloads at one
     rate, kvmesh's HTTP load generator: every run's hit rate comes from the replicas' counters
     and agrees with what the clients were told; the summary has medians and min/max."""
     load = GuidellmLoad(128, 2, 16, 4, rate=20.0, requests=12, max_seconds=60)
@@ -70,7 +70,7 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     assert peers.main(config) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert len(rows) == 2 * 2 * 2  # routers x workloads x repeats
+    assert len(rows) == 2 * 3 * 2  # routers x workloads x repeats
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 12, r
         assert sum(r["requests_per_replica"].values()) == 12  # counted by the replicas
@@ -78,19 +78,20 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         assert r["routed_p50_ms"] > 0 and "added_p90_ms" in r
     for repeat in (0, 1):  # each repeat runs every cell once
         assert sorted((r["router"], r["workload"]) for r in rows if r["repeat"] == repeat) == sorted(
-            (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn")
+            (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn", "mooncake")
         )
     summary = {(s["router"], s["workload"]): s for s in result["summary"]}
-    assert len(summary) == 4 and all(s["runs"] == 2 and s["rate"] == 20.0 for s in summary.values())
+    assert len(summary) == 6 and all(s["runs"] == 2 and s["rate"] == 20.0 for s in summary.values())
     for s in summary.values():
         assert s["hit_rate_min"] <= s["hit_rate_median"] <= s["hit_rate_max"]
     # a shared prefix 6 ways (shared_prefix) or a conversation's own history (multi_turn): prefix reuses it
     assert summary[("kvmesh prefix", "shared_prefix")]["hit_rate_median"] > 0.5
     assert summary[("kvmesh prefix", "multi_turn")]["hit_rate_median"] > 0.5
+    assert 0 < summary[("kvmesh prefix", "mooncake")]["hit_rate_median"] < 1  # the trace's own sharing
     assert {t["target"].split(":")[0] for t in result["targets"]} == {
         f"{m} median, {w} at 20/s (kvmesh_loadgen)"
         for m in ("hit rate", "TTFT p90")
-        for w in ("shared_prefix", "multi_turn")
+        for w in ("shared_prefix", "multi_turn", "mooncake")
     }
     assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0

@@ -345,3 +345,16 @@ def test_simulate_cli_routers_lag_and_heartbeats(tmp_path):
             and message in failed.stderr
             and len(failed.stderr.strip().splitlines()) == 1
         )
+
+
+def test_mooncake_shrunk_keeps_the_traces_sharing():
+    """8-token blocks for small machines: the same requests share the same blocks, 64x smaller."""
+    full, small = wl.mooncake(limit=200), wl.mooncake(limit=200, block_tokens=8)
+    for a, b in zip(full, small, strict=True):
+        assert [k for k, _ in a.segments] == [k for k, _ in b.segments]
+        assert b.prompt_len == sum(n for _, n in b.segments) <= a.prompt_len // 64 + 8
+    assert wl.infinite_cache_hit_rate(small, 8) == pytest.approx(
+        wl.infinite_cache_hit_rate(full, 512), abs=0.05
+    )
+    with pytest.raises(ValueError, match="block_tokens"):
+        next(wl.iter_mooncake(block_tokens=0))

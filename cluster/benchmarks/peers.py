@@ -44,7 +44,13 @@ from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.cluster.experiments.loadgen import run_http_conversations, run_http_load
 from kvmesh.cluster.experiments.report import PEERS_SECTION, pyplot, summarize, write_section
 from kvmesh.cluster.experiments.text_workload import as_text, segment_text, word_table
-from kvmesh.cluster.experiments.workloads import conversations, multi_turn, shared_prefix
+from kvmesh.cluster.experiments.workloads import (
+    WorkloadRequest,
+    conversations,
+    iter_mooncake,
+    multi_turn,
+    shared_prefix,
+)
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.cluster.stats import percentile
 from kvmesh.serving.metrics import read_samples
@@ -166,8 +172,9 @@ DEFAULT_LOAD = GuidellmLoad(
 )
 
 
-WORKLOADS = ("shared_prefix", "multi_turn")
+WORKLOADS = ("shared_prefix", "multi_turn", "mooncake")
 CHAT_TURNS = 6
+MOONCAKE_BLOCK_TOKENS = 4  # the trace's 512-token blocks, shrunk to fit CPU replicas' KV pools
 _METRICS = (  # summarized per (router, workload, rate, generator): median, min and max over repeats
     "hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s",
     "requests_max_over_mean", "prefill_max_over_mean", "added_p50_ms", "added_p90_ms",
@@ -259,6 +266,12 @@ class _Bench:
                 url, requests, as_text(requests, self.words), label, self.model.name,
                 concurrency=256, rate=load.rate, seed=load.seed,
             )  # fmt: skip
+        elif workload == "mooncake":
+            requests = mooncake_at(load)
+            records = await run_http_load(
+                url, requests, as_text(requests, self.words), label, self.model.name,
+                concurrency=256, seed=load.seed, use_arrival_times=True,
+            )  # fmt: skip
         else:  # rate r: r conversations at once, each sending its next turn when answered
             chats = conversations(
                 multi_turn(
@@ -273,6 +286,23 @@ class _Bench:
             )  # fmt: skip
         summary = summarize(records)
         return {k: summary[k] for k in _LOADGEN_KEYS} | {"client_hit_rate": summary["hit_rate"]}
+
+
+def mooncake_at(load: GuidellmLoad) -> list[WorkloadRequest]:
+    """The Mooncake synthetic trace's last ``load.requests`` requests, scaled to this machine:
+    blocks of 4 tokens (prompts share exactly what the trace's share), answers capped at the
+    load's output, and its timestamps stretched or squeezed to ``load.rate`` on average
+    (its bursts kept). The tail, because the trace's sharing builds up over time: its first
+    240 requests could reuse 6% of their prompts with an infinite cache, its last 240 63%."""
+    rows = list(iter_mooncake(block_tokens=MOONCAKE_BLOCK_TOKENS))[-load.requests :]
+    start = rows[0].arrival_s
+    scale = len(rows) / load.rate / ((rows[-1].arrival_s - start) or 1.0)
+    return [
+        dataclasses.replace(
+            r, arrival_s=(r.arrival_s - start) * scale, max_tokens=min(r.max_tokens, load.output_tokens)
+        )
+        for r in rows
+    ]
 
 
 def _max_over_mean(values: list[int]) -> float:
@@ -502,7 +532,9 @@ def write_docs(result: dict, tables: str, out: str, docs: Path) -> None:
         f"{load['output_tokens']} out, Poisson, {load['requests']} requests, from guidellm and kvmesh's own generator. "
         f"Multi-turn: {CHAT_TURNS}-turn conversations (8 system prompts of {load['prefix_tokens']} tokens, "
         f"{load['prompt_tokens']}-token messages, {load['output_tokens']}-token answers resent as given), closed loop, "
-        "'rate' conversations at once. The hit rate is what the replicas counted (their /metrics). Added latency: "
+        "'rate' conversations at once. Mooncake: the synthetic trace's last "
+        f"{load['requests']} requests with {MOONCAKE_BLOCK_TOKENS}-token blocks, answers capped at "
+        f"{load['output_tokens']} tokens, its timestamps rescaled to the rate (bursts kept). The hit rate is what the replicas counted (their /metrics). Added latency: "
         "the same cached 1-token request through the router and straight to a replica, interleaved, in every run. "
         f"A lone cold request takes {result['unloaded_cold_ttft_ms']} ms. Cells: median [min-max] over repeats."
     )

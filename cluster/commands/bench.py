@@ -216,8 +216,9 @@ def _peers(benches) -> None:
         "--repeats", type=_repeats, default=3, help="runs per cell, each its own seed and order"
     )
     peers.add_argument(
-        "--workloads", default="shared_prefix,multi_turn", help="comma-separated: shared_prefix, multi_turn"
-    )
+        "--workloads", default="shared_prefix,multi_turn,mooncake",
+        help="comma-separated: shared_prefix, multi_turn, mooncake (the trace scaled to this machine)",
+    )  # fmt: skip
     peers.add_argument("--requests", type=int, default=240, help="per run")
     peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
     peers.add_argument(
@@ -244,8 +245,8 @@ def _run_peers(args: argparse.Namespace) -> int:
     if not names or any(n not in known for n in names):
         raise UsageError(f"--routers: pick from {', '.join(known)}")
     workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
-    if not workloads or any(w not in ("shared_prefix", "multi_turn") for w in workloads):
-        raise UsageError("--workloads: comma-separated shared_prefix, multi_turn")
+    if not workloads or any(w not in ("shared_prefix", "multi_turn", "mooncake") for w in workloads):
+        raise UsageError("--workloads: comma-separated shared_prefix, multi_turn, mooncake")
     try:
         rates = tuple(float(r) for r in args.rates.split(","))
     except ValueError:

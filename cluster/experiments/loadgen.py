@@ -197,9 +197,10 @@ async def run_http_load(
     timeout_s: float = 300.0,
     seed: int = 0,
     progress: bool = False,
+    use_arrival_times: bool = False,
 ) -> list[RequestRecord]:
     """Send ``prompts[i]`` (the text of ``requests[i]``) to any OpenAI-compatible server, streamed
-    (``model`` is required by some routers, e.g. sglang-router)."""
+    (``model`` is required by some routers, e.g. sglang-router); see ``_drive`` for timing."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -207,7 +208,7 @@ async def run_http_load(
         return await _drive(
             requests,
             lambda i, req, t0: _http_one(http, i, req, prompts[i], label, t0, timeout_s, model),
-            concurrency, rate, False, seed, label, progress,
+            concurrency, rate, use_arrival_times, seed, label, progress,
         )  # fmt: skip
 
 

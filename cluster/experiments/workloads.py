@@ -187,6 +187,7 @@ def iter_mooncake(
     limit: int | None = None,
     copies: int = 1,
     vocab: int = DEFAULT_VOCAB,
+    block_tokens: int = MOONCAKE_BLOCK,
 ) -> Iterator[WorkloadRequest]:
     """Replay a Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids`` of 512-token blocks): each hash id becomes one fixed 512-token segment (the
@@ -194,12 +195,17 @@ def iter_mooncake(
     ``speedup`` divides the timestamps. Read line by line as consumed (a stream in time
     order needs the trace in time order, as Mooncake's are). ``copies`` > 1 plays the trace again after itself that many times, each
     copy with its own hash ids (new content, the same sharing pattern): a longer run from
-    a short trace. ``limit`` caps the requests of all copies together."""
+    a short trace. ``limit`` caps the requests of all copies together. ``block_tokens`` < 512
+    shrinks every block (and the input lengths with them) to fit a small machine: the
+    sharing stays the trace's."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace {str(path)!r} does not exist")
-    if speedup <= 0 or copies <= 0:
-        raise ValueError(f"speedup and copies must be positive, got {speedup} and {copies}")
+    if speedup <= 0 or copies <= 0 or not 0 < block_tokens <= MOONCAKE_BLOCK:
+        raise ValueError(
+            f"speedup and copies must be positive and block_tokens in [1, {MOONCAKE_BLOCK}], "
+            f"got {speedup}, {copies} and {block_tokens}"
+        )
     span_ms, id_space = _trace_extent(path) if copies > 1 else (0.0, 0)
     made = 0
     for copy in range(copies):
@@ -209,8 +215,9 @@ def iter_mooncake(
             ids, length = [h + copy * id_space for h in row["hash_ids"]], row["input_length"]
             if not ids or length <= 0 or length > len(ids) * MOONCAKE_BLOCK:
                 raise ValueError(f"{path.name}:{n + 1}: input_length {length} does not fit {len(ids)} blocks")
-            segments = [(_key("mooncake", h), MOONCAKE_BLOCK) for h in ids[:-1]]
-            segments.append((_key("mooncake", ids[-1]), length - MOONCAKE_BLOCK * (len(ids) - 1)))
+            last = length - MOONCAKE_BLOCK * (len(ids) - 1)  # the last block's share of the input
+            segments = [(_key("mooncake", h), block_tokens) for h in ids[:-1]]
+            segments.append((_key("mooncake", ids[-1]), max(1, last * block_tokens // MOONCAKE_BLOCK)))
             arrival_ms = row["timestamp"] + copy * span_ms
             yield WorkloadRequest(
                 tuple(segments), max(1, row["output_length"]), arrival_ms / 1000 / speedup,
