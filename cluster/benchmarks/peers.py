@@ -102,16 +102,22 @@ def served(before: dict, after: dict) -> dict:
     cached = sum(d["cached"] for d in delta.values())
     per_replica = {rid: int(d["ok"]) for rid, d in sorted(delta.items())}
     uncached = [d["prompt"] - d["cached"] for _, d in sorted(delta.items())]
-    mean_uncached = sum(uncached) / len(uncached) if uncached else 0.0
     return {
         "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "cached_tokens": int(cached),
         "prompt_tokens": int(prompt),
         "requests_per_replica": per_replica,
         "uncached_prefill_per_replica": [int(u) for u in uncached],
-        "prefill_max_over_mean": round(max(uncached) / mean_uncached, 3) if mean_uncached else 0.0,
+        "prefill_max_over_mean": max_over_mean(uncached),
+        "requests_max_over_mean": max_over_mean(list(per_replica.values())),
         "spread": "/".join(str(n) for n in per_replica.values()),
     }
+
+
+def max_over_mean(values: list[float]) -> float:
+    """How lopsided a spread over replicas is (1.0: even; 0.0 when nothing was spread)."""
+    mean = sum(values) / len(values) if values else 0.0
+    return round(max(values) / mean, 3) if mean else 0.0
 
 
 async def reset_caches(cluster: LocalCluster, http: httpx.AsyncClient, replicas: list[Replica]) -> None:
@@ -243,10 +249,8 @@ class _Bench:
                 workload, generator, load, router.url, contender.name, self.scratch / f"{stem}.json"
             )
             truth = served(before, await counters(self.http, self.replicas))
-        row = {"router": contender.name, "workload": workload, "rate": rate, "repeat": repeat,
-               "generator": generator, **client, **truth, **overhead}  # fmt: skip
-        row["requests_max_over_mean"] = _max_over_mean(list(truth["requests_per_replica"].values()))
-        return row
+        return {"router": contender.name, "workload": workload, "rate": rate, "repeat": repeat,
+                "generator": generator, **client, **truth, **overhead}  # fmt: skip
 
     async def drive(
         self, workload: str, generator: str, load: GuidellmLoad, url: str, label: str, report: Path
@@ -303,11 +307,6 @@ def mooncake_at(load: GuidellmLoad) -> list[WorkloadRequest]:
         )
         for r in rows
     ]
-
-
-def _max_over_mean(values: list[int]) -> float:
-    mean = statistics.mean(values) if values else 0
-    return round(max(values) / mean, 3) if mean else 0.0
 
 
 async def run(config: PeersConfig) -> dict:
