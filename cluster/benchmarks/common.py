@@ -1,4 +1,5 @@
-"""What every benchmark shares: median timing, targets as ratios, environment, JSON output."""
+"""What every benchmark shares: median timing, targets as ratios, summaries over repeats,
+environment, JSON output."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -51,3 +52,21 @@ def write_result(out: str, result: dict) -> None:
     for t in result.get("targets", []):
         print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (target {t['bound']})")
     print(f"\nwrote {out}")
+
+
+def over_repeats(rows: Sequence[dict], by: Sequence[str], metrics: Sequence[str]) -> list[dict]:
+    """One row per distinct value of the ``by`` fields: how many runs it had and each
+    metric's median, min and max over them (a metric no run has is left out)."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault(tuple(r[k] for k in by), []).append(r)
+    summary = []
+    for key, runs in sorted(cells.items()):
+        row = dict(zip(by, key, strict=True)) | {"runs": len(runs)}
+        for metric in metrics:
+            values = [r[metric] for r in runs if r.get(metric) is not None]
+            if values:
+                row[f"{metric}_median"] = round(statistics.median(values), 4)
+                row[f"{metric}_min"], row[f"{metric}_max"] = min(values), max(values)
+        summary.append(row)
+    return summary

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.cluster.benchmarks.common import environment, over_repeats, progress, target, write_result
 from kvmesh.cluster.benchmarks.peer_routers import (
     SWEEP_CONTENDERS,
     Contender,
@@ -353,27 +353,15 @@ def _line(s: dict) -> str:
     )
 
 
+_CELL = ("router", "workload", "rate", "generator")  # what a summary row is about
+
+
 def summarize_rows(rows: list[dict]) -> list[dict]:
-    """One row per (router, workload, rate, generator): medians, min and max over repeats."""
-    cells: dict[tuple, list[dict]] = {}
-    for r in rows:
-        cells.setdefault((r["router"], r["workload"], r["rate"], r["generator"]), []).append(r)
-    summary = []
-    for (router, workload, rate, generator), runs in sorted(cells.items()):
-        row = {
-            "router": router,
-            "workload": workload,
-            "rate": rate,
-            "generator": generator,
-            "runs": len(runs),
-        }
-        for metric in _METRICS:
-            values = [r[metric] for r in runs if r.get(metric) is not None]
-            if values:
-                row[f"{metric}_median"] = round(statistics.median(values), 4)
-                row[f"{metric}_min"], row[f"{metric}_max"] = min(values), max(values)
-        row["errors"] = sum(r["errors"] for r in runs)
-        summary.append(row)
+    """One row per (router, workload, rate, generator): medians, min and max over repeats,
+    and the errors of all its runs."""
+    summary = over_repeats(rows, _CELL, _METRICS)
+    for row in summary:
+        row["errors"] = sum(r["errors"] for r in rows if all(r[k] == row[k] for k in _CELL))
     return summary
 
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.cluster.benchmarks.common import environment, over_repeats, progress, target, write_result
 from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess, kvmesh_router_command
 from kvmesh.cluster.benchmarks.peers import counters, replicas_of, reset_caches, served
 from kvmesh.cluster.config import ClusterConfig
@@ -122,19 +121,6 @@ async def race_window(http: httpx.AsyncClient, routers: list[RouterProcess]) -> 
     }
 
 
-def _summary(rows: list[dict]) -> list[dict]:
-    out = []
-    for routers, shared in sorted({(r["routers"], r["shared_load"]) for r in rows}):
-        mine = [r for r in rows if r["routers"] == routers and r["shared_load"] == shared]
-        out.append({
-            "routers": routers, "shared_load": shared, "runs": len(mine),
-            **{f"{k}_median": statistics.median(r[k] for r in mine)
-               for k in ("hit_rate", "ttft_p90", "prefill_max_over_mean", "requests_max_over_mean")},
-            "hit_rate_min": min(r["hit_rate"] for r in mine), "hit_rate_max": max(r["hit_rate"] for r in mine),
-        })  # fmt: skip
-    return out
-
-
 def plot(summary: list[dict], rows: list[dict], png: Path) -> None:
     import matplotlib
 
@@ -191,7 +177,11 @@ async def run(config: RoutersConfig) -> dict:
                     f"requests {row['requests_per_replica']}, prefill max/mean {row['prefill_max_over_mean']}"
                     + (f", race window mean {row['race_window']['mean_ms']} ms" if row["race_window"] else "")
                 )
-    summary = _summary(rows)
+    summary = over_repeats(
+        rows,
+        ("routers", "shared_load"),
+        ("hit_rate", "ttft_p90", "prefill_max_over_mean", "requests_max_over_mean"),
+    )
     return {"rows": rows, "summary": summary, "targets": _targets(summary)}
 
 
