@@ -151,7 +151,7 @@ class FleetLoad:
                 await self.index.deregister_router(old)
             incarnation = await self.index.register_router(self.ttl_s)
             held = {field: amount for field, amount in self._held.items() if abs(amount) > 1e-9}
-            self._unsent = collections.Counter()
+            self._unsent, self._oldest_unsent = collections.Counter(), None  # all of it goes now
             if await self.index.reserve(incarnation, held):
                 self.incarnation = incarnation
                 log.info(
