@@ -53,10 +53,6 @@ def stream_workload(args: argparse.Namespace) -> tuple[str, Callable[[], Iterato
         knobs = {k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None}
         if args.rate is not None and args.rate <= 0:
             raise ValueError("--rate must be positive")
-        try:
-            wl.make_stream(name, seed=args.seed, **knobs)
-        except TypeError as exc:
-            raise ValueError(f"workload {name}: {exc}") from None
 
         def base() -> Iterator[wl.WorkloadRequest]:
             stream = wl.make_stream(name, seed=args.seed, **knobs)
@@ -67,8 +63,12 @@ def stream_workload(args: argparse.Namespace) -> tuple[str, Callable[[], Iterato
     def make() -> Iterator[wl.WorkloadRequest]:
         return itertools.islice(base(), args.requests)
 
+    try:
+        first = make()  # a generated workload's knobs are checked here (its maker is called)
+    except TypeError as exc:
+        raise ValueError(f"workload {name}: {exc}") from None
     total, last = 0, -math.inf  # one pass now: its length, and any error before a long run starts
-    for request in make():
+    for request in first:
         if request.arrival_s < last:
             raise ValueError(
                 f"the {name} workload is not in arrival order (request {total}): sort it by time"
