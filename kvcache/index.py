@@ -30,8 +30,8 @@ _LIBRARY = resources.files("kvmesh.kvcache").joinpath("index.lua").read_text()
 _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
 
 
-# What a call to the index raises when Redis is away, slow or refuses: callers degrade on these.
 T = TypeVar("T")
+# What a call to the index raises when Redis is away, slow or refuses: callers degrade on these.
 INDEX_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -171,8 +172,6 @@ def _findings(cells: dict) -> list[str]:
 
 
 def main(out_dir: str, quick: bool) -> int:
-    import json
-
     started = time.monotonic()
     out = Path(out_dir)
     (out / "img").mkdir(parents=True, exist_ok=True)
