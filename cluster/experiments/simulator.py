@@ -316,11 +316,16 @@ class Simulation:
         )  # fmt: skip
 
     def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
-        """Replica ``r``'s load changed as ``routers`` see it: move it in their load orders."""
+        """Replica ``r``'s load changed as ``routers`` see it: move it in their load orders.
+        The load part of the cost depends on the counts a router sees and its policy's
+        weights only, so routers sharing both (shared load) price it once."""
+        costs: dict[tuple[int, type], float] = {}
         for router in routers:
             if router.order is not None:
-                cost = router.policy.cost(_NO_BLOCKS, self._state(router, r, 0, 0.0))
-                router.order.update(r, cost, router.own[r].recent.order_key())
+                seen = (id(self._seen(router, r)), type(router.policy))
+                if seen not in costs:
+                    costs[seen] = router.policy.cost(_NO_BLOCKS, self._state(router, r, 0, 0.0))
+                router.order.update(r, costs[seen], router.own[r].recent.order_key())
 
     def _affected(self, router: RouterView) -> Sequence[RouterView]:
         """The routers that see a change to ``router``'s counts."""
