@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from kvmesh.cluster.experiments.workloads import WorkloadRequest
+from kvmesh.cluster.experiments.workloads import Segment, WorkloadRequest
 from kvmesh.protos import pb, pb_grpc
 
 
@@ -215,7 +215,7 @@ async def run_http_load(
 async def run_http_conversations(
     base_url: str,
     conversations: Sequence[Sequence[WorkloadRequest]],
-    text: Callable[[tuple[int, int]], str],
+    text: Callable[[Segment], str],
     label: str,
     model: str,
     concurrency: int = 16,
