@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cluster.benchmarks import peers
-from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLoad, summarize_guidellm
+from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLate, GuidellmLoad, summarize_guidellm
 from kvmesh.cluster.experiments.report import marked_section, write_section
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -27,6 +27,19 @@ def test_guidellm_report_is_summarized_from_its_real_fields():
     assert s["ttft_p90_ms"] == pytest.approx(117.0, abs=0.1)
     assert s["client_hit_rate"] == pytest.approx(2048 / 3840, abs=1e-4)
     assert s["output_tokens_per_s"] > 0 and s["req_per_s"] > 0
+
+
+def test_a_guidellm_run_that_ignored_its_arrival_rate_is_refused():
+    """guidellm 0.8.1 sometimes sends every Poisson arrival at once and only warns: such a
+    report must not become a row (a merely late dispatcher, shorter than the run, is kept)."""
+    report = json.loads(SAMPLE.read_text())
+    bench = report["benchmarks"][0]
+    warning = {"code": "root_late", "message": "p95 root dispatch delay was 1796113117.2s", "threshold": 0.2}
+    bench["warnings"] = [warning | {"observed": bench["duration"] / 2}]
+    assert summarize_guidellm(report)["requests"] == 20
+    bench["warnings"] = [warning | {"observed": 1796113117.2}]
+    with pytest.raises(GuidellmLate, match="root dispatch delay"):
+        summarize_guidellm(report)
 
 
 def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
@@ -92,7 +105,8 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         f"{m} median, {w} at 20/s (kvmesh_loadgen)"
         for m in ("hit rate", "TTFT p90")
         for w in ("shared_prefix", "multi_turn", "mooncake")
-    }
+    } | {"cells where kvmesh prefix is strictly better on both (share)"}
+    assert result["guidellm_bursts_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
     assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
     docs = (tmp_path / "docs" / "e.md").read_text()
