@@ -25,6 +25,35 @@ FLAT = CostModel(
 )
 
 
+def test_real_cluster_targets_compare_prefix_with_every_other_policy():
+    """consistent_hash counts too: a prefix policy that loses to it on hits or on p90 TTFT
+    (by more than the bounds) misses the suite's real-cluster targets."""
+    from kvmesh.cluster.experiments.suite import real_targets
+
+    def real(ch_hit: float, ch_p90: float) -> dict:
+        pol = {
+            "prefix": {"hit_rate": 0.80, "ttft_p90_ms": 100.0},
+            "round_robin": {"hit_rate": 0.50, "ttft_p90_ms": 140.0},
+            "least_loaded": {"hit_rate": 0.48, "ttft_p90_ms": 130.0},
+            "consistent_hash": {"hit_rate": ch_hit, "ttft_p90_ms": ch_p90},
+        }
+        return {"policies": pol}
+
+    def checks(results: dict) -> dict:
+        return {c["target"].split(" (")[0]: c for c in real_targets(results)}
+
+    ok = checks(real(0.805, 98.0))  # within 0.01 and 5%
+    assert [c["met"] for c in ok.values()] == [True, True]
+    assert "consistent_hash" in next(iter(ok.values()))["target"]
+    lost = checks(real(0.824, 90.0))
+    hit, p90 = (
+        lost["real cluster: prefix hit rate - best other"],
+        lost["real cluster: prefix p90 TTFT / fastest other"],
+    )
+    assert not hit["met"] and hit["value"] == pytest.approx(-0.024)
+    assert not p90["met"] and p90["value"] == pytest.approx(1.111, abs=1e-3)
+
+
 def test_shared_prefix_structure_and_determinism():
     reqs = wl.shared_prefix(
         num_groups=3, prompts_per_group=4, system_prompt_len=40, question_len=8, output_len=5

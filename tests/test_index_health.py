@@ -97,7 +97,7 @@ def route(blocks: int) -> RouteRequest:
     [
         ([ReplicaState("a", matched_blocks=4), ReplicaState("b")], "prefix_hit"),
         ([ReplicaState("a"), ReplicaState("b")], "load_fallback"),
-        ([ReplicaState("a", matched_blocks=4, inflight_requests=9), ReplicaState("b")], "hot_spot_guard"),
+        ([ReplicaState("a", matched_blocks=4, inflight_requests=12), ReplicaState("b")], "hot_spot_guard"),
         ([ReplicaState("a", matched_blocks=1, num_waiting=5), ReplicaState("b")], "load_over_prefix"),
     ],
 )

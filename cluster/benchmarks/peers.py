@@ -174,7 +174,7 @@ DEFAULT_LOAD = GuidellmLoad(
     prompt_tokens=64,
     output_tokens=16,
     rate=6.0,
-    requests=240,
+    requests=120,  # the default grid (4 routers x 3 workloads x 2 rates x 3 repeats) fits an hour
     max_seconds=120,
 )
 
@@ -314,7 +314,7 @@ def mooncake_at(load: GuidellmLoad) -> list[WorkloadRequest]:
     blocks of 4 tokens (prompts share exactly what the trace's share), answers capped at the
     load's output, and its timestamps stretched or squeezed to ``load.rate`` on average
     (its bursts kept). The tail, because the trace's sharing builds up over time: its first
-    240 requests could reuse 6% of their prompts with an infinite cache, its last 240 63%."""
+    120 requests could reuse 5% of their prompts with an infinite cache, its last 120 66%."""
     rows = list(iter_mooncake(block_tokens=MOONCAKE_BLOCK_TOKENS))[-load.requests :]
     start = rows[0].arrival_s
     scale = len(rows) / load.rate / ((rows[-1].arrival_s - start) or 1.0)

@@ -219,7 +219,7 @@ def _peers(benches) -> None:
         "--workloads", default="shared_prefix,multi_turn,mooncake",
         help="comma-separated: shared_prefix, multi_turn, mooncake (the trace scaled to this machine)",
     )  # fmt: skip
-    peers.add_argument("--requests", type=int, default=240, help="per run")
+    peers.add_argument("--requests", type=int, default=120, help="per run")
     peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
     peers.add_argument(
         "--routers", help="comma-separated 'router policy' list (default: kvmesh prefix and consistent_hash, "

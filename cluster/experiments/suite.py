@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.cluster.benchmarks.common import target
+from kvmesh.cluster.benchmarks.common import over_repeats, target
 from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel
 from kvmesh.cluster.experiments.report import PEERS_SECTION, marked_section, plot_sweep
@@ -86,8 +88,21 @@ def run_simulations(scale: Scale, cost: CostModel = H100_LLAMA3_8B, log=print) -
     return results
 
 
+REAL_POLICIES = ("prefix", "round_robin", "least_loaded", "consistent_hash")
+REAL_SEEDS = (11, 12, 13)  # one repeat each; the prefix policy was tuned on other seeds (6, 7)
+_REAL_METRICS = (
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "output_tokens_per_s",
+    "load_imbalance_max_over_mean",
+)
+
+
 async def run_real_cluster(scale: Scale, cache_dir: Path, log=print) -> dict:
-    """The same comparison on real replicas (CPU, tiny model): does the ordering hold?"""
+    """The same comparison on real replicas (CPU, tiny model): does the ordering hold? One
+    run per (policy, seed), in a shuffled order per seed; each policy's row is the median
+    over seeds (``runs`` keeps every run)."""
     from kvmesh.cluster.config import ClusterConfig
     from kvmesh.cluster.demo_model import demo_model
     from kvmesh.cluster.experiments.loadgen import run_load
@@ -95,38 +110,49 @@ async def run_real_cluster(scale: Scale, cache_dir: Path, log=print) -> dict:
     from kvmesh.cluster.launcher import LocalCluster
 
     model = demo_model(cache_dir)
-    requests = wl.shared_prefix(
-        num_groups=scale.n(12, 4), prompts_per_group=8, system_prompt_len=512, question_len=32, output_len=16
-    )
-    requests = wl.poisson_arrivals(requests, 20.0, seed=6)
     config = ClusterConfig.for_model(
         str(model), 4, engine={"num_kv_blocks": 512}, router={"port": 0, "http_port": -1}
     )
-    out = {"hit_rate_ceiling": round(wl.infinite_cache_hit_rate(requests, 16), 4), "policies": {}}
+    runs, ceilings = [], []
     async with LocalCluster(config) as cluster:
-        for policy in ("prefix", "round_robin", "least_loaded", "consistent_hash"):
-            await cluster.reset_prefix_caches()
-            records = await run_load(
-                cluster.router_address, requests, policy=policy, concurrency=16, use_arrival_times=True
-            )
-            out["policies"][policy] = summarize(records)
-            log(f"    real {policy:<16} hit {out['policies'][policy]['hit_rate']:.3f}")
-    return out
+        for seed in REAL_SEEDS[: scale.n(len(REAL_SEEDS), 1)]:
+            requests = wl.shared_prefix(
+                num_groups=scale.n(12, 4), prompts_per_group=8, system_prompt_len=512, question_len=32,
+                output_len=16, seed=seed,
+            )  # fmt: skip
+            requests = wl.poisson_arrivals(requests, 20.0, seed=seed)
+            ceilings.append(wl.infinite_cache_hit_rate(requests, 16))
+            for policy in random.Random(seed).sample(REAL_POLICIES, len(REAL_POLICIES)):
+                await cluster.reset_prefix_caches()
+                records = await run_load(
+                    cluster.router_address, requests, policy=policy, concurrency=16, use_arrival_times=True
+                )
+                runs.append({"policy": policy, "seed": seed, **summarize(records)})
+                log(f"    real {policy:<16} seed {seed} hit {runs[-1]['hit_rate']:.3f}")
+    medians = over_repeats(runs, ("policy",), _REAL_METRICS)
+    return {
+        "hit_rate_ceiling": round(statistics.median(ceilings), 4),
+        "seeds": sorted({r["seed"] for r in runs}),
+        "policies": {m["policy"]: {k: m[f"{k}_median"] for k in _REAL_METRICS} for m in medians},
+        "runs": runs,
+    }
 
 
 # ---------------------------------------------------------------------- targets and document
 
 
-def targets(results: dict) -> list[dict]:
-    def t(name: str, value: float, op: str, bound: float, detail: str) -> dict:
-        return {**target(name, value, op, bound, detail), "value": round(value, 3)}
+def rounded_target(name: str, value: float, op: str, bound: float, detail: str) -> dict:
+    """A target whose value is rounded for the document."""
+    return {**target(name, value, op, bound, detail), "value": round(value, 3)}
 
+
+def targets(results: dict) -> list[dict]:
     out = []
     for w in ("W2", *(f"W3@{r}" for r in results["W3"])):
         data = results["W2"] if w == "W2" else results["W3"][w.split("@")[1]]
         p, rr = data["policies"]["prefix"], data["policies"]["round_robin"]
         out.append(
-            t(
+            rounded_target(
                 f"{w}: round_robin p90 TTFT / prefix p90 TTFT",
                 rr["ttft_p90"] / max(p["ttft_p90"], 1e-9),
                 ">=",
@@ -135,7 +161,7 @@ def targets(results: dict) -> list[dict]:
             )
         )
         out.append(
-            t(
+            rounded_target(
                 f"{w}: prefix hit rate / round_robin hit rate",
                 p["hit_rate"] / max(rr["hit_rate"], 1e-9),
                 ">=",
@@ -146,7 +172,7 @@ def targets(results: dict) -> list[dict]:
     w4 = results["W4"]["policies"]
     p, ll = w4["prefix"], w4["least_loaded"]
     out.append(
-        t(
+        rounded_target(
             "W4: prefix p90 TTFT / least_loaded p90 TTFT",
             p["ttft_p90"] / max(ll["ttft_p90"], 1e-9),
             "<=",
@@ -155,7 +181,7 @@ def targets(results: dict) -> list[dict]:
         )
     )
     out.append(
-        t(
+        rounded_target(
             "W4: least_loaded tok/s / prefix tok/s",
             ll["throughput_tok_s"] / max(p["throughput_tok_s"], 1e-9),
             "<=",
@@ -164,7 +190,7 @@ def targets(results: dict) -> list[dict]:
         )
     )
     out.append(
-        t(
+        rounded_target(
             "W5: prefix max/mean load",
             results["W5"]["policies"]["prefix"]["load_imbalance_max_over_mean"],
             "<=",
@@ -176,10 +202,16 @@ def targets(results: dict) -> list[dict]:
         pol = data["policies"]
         best_other = max(v["hit_rate"] for k, v in pol.items() if k != "prefix")
         out.append(
-            t(f"W1 {key}: prefix max/mean load", pol["prefix"]["load_imbalance_max_over_mean"], "<=", 1.5, "")
+            rounded_target(
+                f"W1 {key}: prefix max/mean load",
+                pol["prefix"]["load_imbalance_max_over_mean"],
+                "<=",
+                1.5,
+                "",
+            )
         )
         out.append(
-            t(
+            rounded_target(
                 f"W1 {key}: prefix hit rate - best other",
                 pol["prefix"]["hit_rate"] - best_other,
                 ">=",
@@ -187,33 +219,39 @@ def targets(results: dict) -> list[dict]:
                 f"{pol['prefix']['hit_rate']:.3f} vs {best_other:.3f}",
             )
         )
-    real = results.get("real")
-    if real:  # the simulator's ordering: prefix above every load-only policy, on hits and on TTFT
-        pol = real["policies"]
-        load_only = ("round_robin", "least_loaded")
-        best_hit = max(pol[k]["hit_rate"] for k in load_only)
-        best_p90 = min(pol[k]["ttft_p90_ms"] for k in load_only)
-        order = " > ".join(sorted(pol, key=lambda k: -pol[k]["hit_rate"]))
-        out.append(
-            t(
-                "real cluster: prefix hit rate - best load-only",
-                pol["prefix"]["hit_rate"] - best_hit,
-                ">=",
-                0.0,
-                order,
-            )
-        )
-        detail = f"{pol['prefix']['ttft_p90_ms']} vs {best_p90} ms"
-        out.append(
-            t(
-                "real cluster: prefix p90 TTFT / best load-only",
-                pol["prefix"]["ttft_p90_ms"] / best_p90,
-                "<=",
-                1.0,
-                detail,
-            )
-        )
+    if results.get("real"):
+        out += real_targets(results["real"])
     return out
+
+
+def real_targets(real: dict) -> list[dict]:
+    """``prefix`` against every other policy on the real cluster, consistent_hash included
+    (medians over seeds): hit rate >= the best other's - 0.01, p90 TTFT <= 1.05 x the fastest's."""
+    checks = []
+    pol = real["policies"]
+    others = [k for k in pol if k != "prefix"]
+    best = max(others, key=lambda k: pol[k]["hit_rate"])
+    fastest = min(others, key=lambda k: pol[k]["ttft_p90_ms"])
+    order = " > ".join(sorted(pol, key=lambda k: -pol[k]["hit_rate"]))
+    checks.append(
+        rounded_target(
+            f"real cluster: prefix hit rate - best other ({best})",
+            pol["prefix"]["hit_rate"] - pol[best]["hit_rate"],
+            ">=",
+            -0.01,
+            order,
+        )
+    )
+    checks.append(
+        rounded_target(
+            f"real cluster: prefix p90 TTFT / fastest other ({fastest})",
+            pol["prefix"]["ttft_p90_ms"] / pol[fastest]["ttft_p90_ms"],
+            "<=",
+            1.05,
+            f"{pol['prefix']['ttft_p90_ms']} vs {pol[fastest]['ttft_p90_ms']} ms",
+        )
+    )
+    return checks
 
 
 def notes(results: dict) -> list[str]:
@@ -236,7 +274,7 @@ def notes(results: dict) -> list[str]:
         "time of one request and the ratio is ~1; the 5x target is met once round-robin's recomputed prefixes "
         "saturate the replicas (40 requests/s).",
         "- **consistent_hash** is the strongest competitor on hit rate: it never moves a prefix, so it ties or "
-        "edges out `prefix` when caches are under pressure (W1 on 8 replicas) or idle (the small real cluster), "
+        "edges out `prefix` when caches are under pressure (W1 on 8 replicas), "
         f"but it ignores load: max/mean load up to {ch_w1:.2f} on W1 (prefix: {prefix_w1:.2f}) and longer TTFT "
         "tails under load (W1, W2).",
         "- **session** falls back to least_loaded when requests carry no affinity key (W1-W5 have none).",
@@ -342,7 +380,8 @@ def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
         lines += [
             "## Real cluster, scaled down (4 CPU replicas, tiny model, 512-token shared prefixes, 20 req/s)",
             "",
-            f"Ceiling hit rate {results['real']['hit_rate_ceiling']}.",
+            f"Medians over seeds {', '.join(map(str, results['real']['seeds']))} (one run each, shuffled order; "
+            f"the prefix policy was tuned on other seeds). Ceiling hit rate {results['real']['hit_rate_ceiling']}.",
             "",
             _table(results["real"], cols),
             "",
