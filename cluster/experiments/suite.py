@@ -262,6 +262,16 @@ def notes(results: dict) -> list[str]:
         d["policies"]["consistent_hash"]["load_imbalance_max_over_mean"] for d in results["W1"].values()
     )
     prefix_w1 = max(d["policies"]["prefix"]["load_imbalance_max_over_mean"] for d in results["W1"].values())
+    margins = {
+        key: d["policies"]["prefix"]["hit_rate"] - d["policies"]["consistent_hash"]["hit_rate"]
+        for key, d in results["W1"].items()
+    }
+    ch_ahead = [key for key, m in margins.items() if m <= 0]
+    where = (
+        f"ties or edges out `prefix` on hit rate in W1 {', '.join(ch_ahead)}"
+        if ch_ahead
+        else f"trails `prefix` on hit rate in every W1 cell only by {min(margins.values()):.3f}-{max(margins.values()):.3f}"
+    )
     return [
         "## Reading the results",
         "",
@@ -273,8 +283,7 @@ def notes(results: dict) -> list[str]:
         "- **W3 TTFT at low rates.** Below ~30 requests/s nothing queues under any policy, so TTFT is the prefill "
         "time of one request and the ratio is ~1; the 5x target is met once round-robin's recomputed prefixes "
         "saturate the replicas (40 requests/s).",
-        "- **consistent_hash** is the strongest competitor on hit rate: it never moves a prefix, so it ties or "
-        "edges out `prefix` when caches are under pressure (W1 on 8 replicas), "
+        f"- **consistent_hash** is the strongest competitor on hit rate: it never moves a prefix, so it {where}, "
         f"but it ignores load: max/mean load up to {ch_w1:.2f} on W1 (prefix: {prefix_w1:.2f}) and longer TTFT "
         "tails under load (W1, W2).",
         "- **session** falls back to least_loaded when requests carry no affinity key (W1-W5 have none).",
