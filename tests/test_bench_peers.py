@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cluster.benchmarks import peers
-from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, GuidellmLate, GuidellmLoad, summarize_guidellm
+from kvmesh.cluster.benchmarks.peer_routers import (
+    CONTENDERS,
+    GuidellmLate,
+    GuidellmLoad,
+    PortTaken,
+    RouterProcess,
+    RunAgain,
+    summarize_guidellm,
+)
+from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.cluster.experiments.report import marked_section, write_section
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -40,6 +49,40 @@ def test_a_guidellm_run_that_ignored_its_arrival_rate_is_refused():
     bench["warnings"] = [warning | {"observed": 1796113117.2}]
     with pytest.raises(GuidellmLate, match="root dispatch delay"):
         summarize_guidellm(report)
+
+
+async def test_a_router_that_lost_its_port_is_told_apart_and_its_run_repeated(tmp_path):
+    """A router whose picked port was taken before it bound it raises PortTaken (any other
+    exit stays an error), and the sweep runs that cell again, counting the discarded run."""
+    lost = [
+        sys.executable,
+        "-c",
+        "import sys; print('Error: Address already in use (os error 98)'); sys.exit(1)",
+    ]
+    broken = [sys.executable, "-c", "import sys; print('bad flag'); sys.exit(2)"]
+    with pytest.raises(PortTaken):
+        await RouterProcess(CONTENDERS[0], lost, free_port(), tmp_path / "lost.log").start(timeout_s=20)
+    with pytest.raises(RuntimeError, match="bad flag") as error:
+        await RouterProcess(CONTENDERS[0], broken, free_port(), tmp_path / "broken.log").start(timeout_s=20)
+    assert not isinstance(error.value, RunAgain)
+
+    bench = peers._Bench(peers.PeersConfig(str(tmp_path / "o.json"), tmp_path, tmp_path), *[None] * 6)
+    outcomes = iter([PortTaken("taken"), GuidellmLate("burst"), {"router": "r"}])
+
+    async def run(*_):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    bench.run = run  # fault injection: the first two runs did not measure the cell
+    assert await bench.run_honest(CONTENDERS[0], "shared_prefix", 2.0, "guidellm", 0) == {
+        "router": "r",
+        "runs_discarded": 2,
+    }
+    outcomes = iter([PortTaken("taken")] * peers.RUN_TRIES)
+    with pytest.raises(RuntimeError, match="did not measure it"):
+        await bench.run_honest(CONTENDERS[0], "shared_prefix", 2.0, "guidellm", 0)
 
 
 def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
@@ -106,7 +149,7 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         for m in ("hit rate", "TTFT p90")
         for w in ("shared_prefix", "multi_turn", "mooncake")
     } | {"cells where kvmesh prefix is strictly better on both (share)"}
-    assert result["guidellm_bursts_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
+    assert result["runs_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
     assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
     docs = (tmp_path / "docs" / "e.md").read_text()

@@ -54,6 +54,26 @@ def test_real_cluster_targets_compare_prefix_with_every_other_policy():
     assert not p90["met"] and p90["value"] == pytest.approx(1.111, abs=1e-3)
 
 
+@pytest.mark.servers
+async def test_real_cluster_runs_every_policy_and_reports_medians(ray_cluster, qwen3_dir, tmp_path):
+    """The suite's real-cluster part, quick scale, on real replicas: every policy runs once per
+    seed, the hit rates are the replicas' own, and a policy that follows prefixes beats
+    round robin on shared 512-token prefixes."""
+    from kvmesh.cluster.experiments.suite import REAL_POLICIES, Scale, real_targets, run_real_cluster
+
+    real = await run_real_cluster(Scale(True), tmp_path, log=lambda _: None, model=qwen3_dir)
+    assert sorted(r["policy"] for r in real["runs"]) == sorted(REAL_POLICIES) and len(real["seeds"]) == 1
+    for run in real["runs"]:
+        assert run["errors"] == 0 and run["requests"] == 32
+        assert (
+            real["policies"][run["policy"]]["hit_rate"] == run["hit_rate"]
+        )  # one seed: the median is the run
+    pol = real["policies"]
+    assert pol["prefix"]["hit_rate"] > pol["round_robin"]["hit_rate"] + 0.1
+    assert pol["prefix"]["hit_rate"] <= real["hit_rate_ceiling"] + 1e-3
+    assert len(real_targets(real)) == 2
+
+
 def test_shared_prefix_structure_and_determinism():
     reqs = wl.shared_prefix(
         num_groups=3, prompts_per_group=4, system_prompt_len=40, question_len=8, output_len=5

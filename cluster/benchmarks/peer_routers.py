@@ -83,6 +83,16 @@ def router_command(
     raise ValueError(f"unknown router {contender.router!r}")
 
 
+class RunAgain(RuntimeError):
+    """A run that did not measure what it was meant to, through no fault of the router under
+    test: the sweep runs that cell again from cold caches."""
+
+
+class PortTaken(RunAgain):
+    """A free port picked for a router was taken before the router bound it (the kernel hands
+    the same ephemeral range to outgoing connections, and 4 replicas make many)."""
+
+
 class RouterProcess:
     """One router in its own session; ready when its readiness URL answers 200."""
 
@@ -105,7 +115,9 @@ class RouterProcess:
         async with httpx.AsyncClient(timeout=2) as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.contender.name} exited: {self.log_tail()}")
+                    tail = self.log_tail()
+                    lost_port = "address already in use" in tail.lower()
+                    raise (PortTaken if lost_port else RuntimeError)(f"{self.contender.name} exited: {tail}")
                 try:
                     if (await http.get(self.ready_url)).status_code == 200:
                         return self
@@ -184,7 +196,7 @@ def run_guidellm(
     return summarize_guidellm(json.loads(out.read_text()))
 
 
-class GuidellmLate(RuntimeError):
+class GuidellmLate(RunAgain):
     """guidellm did not send the load it was asked for: its own ``root_late`` warning says the
     arrivals went out later than the whole run lasted. Seen with guidellm 0.8.1's Poisson
     profile in about one run in eight: every target time comes out near the epoch, so all

@@ -33,9 +33,9 @@ from kvmesh.cluster.benchmarks.common import environment, over_repeats, progress
 from kvmesh.cluster.benchmarks.peer_routers import (
     SWEEP_CONTENDERS,
     Contender,
-    GuidellmLate,
     GuidellmLoad,
     RouterProcess,
+    RunAgain,
     router_command,
     run_guidellm,
 )
@@ -181,7 +181,7 @@ DEFAULT_LOAD = GuidellmLoad(
 
 WORKLOADS = ("shared_prefix", "multi_turn", "mooncake")
 CHAT_TURNS = 6
-GUIDELLM_TRIES = 3  # runs of one cell before a guidellm that keeps bursting fails the sweep
+RUN_TRIES = 3  # runs of one cell before a cause that keeps coming back fails the sweep
 MOONCAKE_BLOCK_TOKENS = 4  # the trace's 512-token blocks, shrunk to fit CPU replicas' KV pools
 _METRICS = (  # summarized per (router, workload, rate, generator): median, min and max over repeats
     "hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s",
@@ -257,17 +257,18 @@ class _Bench:
     async def run_honest(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
     ) -> dict:
-        """``run``, again from cold caches when guidellm did not send the load it was asked for
-        (at most ``GUIDELLM_TRIES`` times; the row counts the runs thrown away)."""
-        for discarded in range(GUIDELLM_TRIES):
+        """``run``, again from cold caches (at most ``RUN_TRIES`` times) when it did not measure
+        what it was meant to: guidellm sent a burst, or a router's port was taken (the row
+        counts the runs thrown away)."""
+        for discarded in range(RUN_TRIES):
             try:
                 return await self.run(contender, workload, rate, generator, repeat) | {
                     "runs_discarded": discarded
                 }
-            except GuidellmLate as late:
-                progress(f"  guidellm ignored the arrival rate ({late}); running again")
-                burst = late
-        raise RuntimeError(f"guidellm sent a burst {GUIDELLM_TRIES} times running: {burst}")
+            except RunAgain as why:
+                progress(f"  {type(why).__name__}: {str(why)[-300:]}; running again")
+                last = why
+        raise RuntimeError(f"{RUN_TRIES} runs of one cell in a row did not measure it: {last}")
 
     async def drive(
         self, workload: str, generator: str, load: GuidellmLoad, url: str, label: str, report: Path
@@ -438,7 +439,7 @@ def _report(config: PeersConfig, rows: list[dict], unloaded_ms: float) -> dict:
             "generator_of": generator_of,
         },
         "unloaded_cold_ttft_ms": unloaded_ms,
-        "guidellm_bursts_discarded": sum(r["runs_discarded"] for r in rows),
+        "runs_discarded": sum(r["runs_discarded"] for r in rows),
         "rows": rows,
         "summary": summary,
         "targets": cell_targets(summary, generator_of),

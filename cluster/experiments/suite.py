@@ -99,17 +99,17 @@ _REAL_METRICS = (
 )
 
 
-async def run_real_cluster(scale: Scale, cache_dir: Path, log=print) -> dict:
-    """The same comparison on real replicas (CPU, tiny model): does the ordering hold? One
-    run per (policy, seed), in a shuffled order per seed; each policy's row is the median
-    over seeds (``runs`` keeps every run)."""
+async def run_real_cluster(scale: Scale, cache_dir: Path, log=print, model: Path | None = None) -> dict:
+    """The same comparison on real replicas (CPU, tiny model; the demo's unless ``model``):
+    does the ordering hold? One run per (policy, seed), in a shuffled order per seed; each
+    policy's row is the median over seeds (``runs`` keeps every run)."""
     from kvmesh.cluster.config import ClusterConfig
     from kvmesh.cluster.demo_model import demo_model
     from kvmesh.cluster.experiments.loadgen import run_load
     from kvmesh.cluster.experiments.report import summarize
     from kvmesh.cluster.launcher import LocalCluster
 
-    model = demo_model(cache_dir)
+    model = model or demo_model(cache_dir)
     config = ClusterConfig.for_model(
         str(model), 4, engine={"num_kv_blocks": 512}, router={"port": 0, "http_port": -1}
     )
