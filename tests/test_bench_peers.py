@@ -127,6 +127,8 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert len(rows) == 2 * 3 * 2  # routers x workloads x repeats
+    kept = out.with_suffix("") / "rows.jsonl"  # written as each run lands
+    assert [json.loads(line) for line in kept.read_text().splitlines()] == rows
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 12, r
         assert sum(r["requests_per_replica"].values()) == 12  # counted by the replicas
@@ -148,7 +150,7 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         f"{m} median, {w} at 20/s (kvmesh_loadgen)"
         for m in ("hit rate", "TTFT p90")
         for w in ("shared_prefix", "multi_turn", "mooncake")
-    } | {"cells where kvmesh prefix is strictly better on both (share)"}
+    } | {"cells (of 3) where kvmesh prefix is strictly better on both"}
     assert result["runs_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
     assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
