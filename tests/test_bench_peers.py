@@ -85,6 +85,14 @@ async def test_a_router_that_lost_its_port_is_told_apart_and_its_run_repeated(tm
         await bench.run_honest(CONTENDERS[0], "shared_prefix", 2.0, "guidellm", 0)
 
 
+def test_a_target_with_an_unknown_comparison_is_refused_not_misread():
+    from kvmesh.cluster.benchmarks.common import target
+
+    assert target("t", 0.667, ">=", 0.5)["met"] and not target("t", 0.667, "<=", 0.5)["met"]
+    with pytest.raises(ValueError, match="'>'"):
+        target("t", 0.667, ">", 0.5)  # it used to be checked as <=
+
+
 def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
     load = GuidellmLoad(256, 4, 32, 8, rate=3.0, requests=40, max_seconds=60, seed=7)
     cmd = load.command(Path("/venv"), "http://127.0.0.1:9", "m", "/models/m", tmp_path / "o.json")

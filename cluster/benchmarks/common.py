@@ -24,6 +24,8 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def target(name: str, value: float, op: str, bound: float, detail: str | None = None) -> dict:
     """A performance target, checked against a value measured in the same run."""
+    if op not in (">=", "<="):
+        raise ValueError(f"a target's bound is '>=' or '<=', not {op!r}")
     met = value >= bound if op == ">=" else value <= bound
     result = {"target": name, "value": value, "bound": f"{op} {bound}", "met": met}
     if detail is not None:
