@@ -166,8 +166,13 @@ def _findings(cells: dict) -> list[str]:
         f"hit rate moves by {min(hit_moves):+.3f} to {max(hit_moves):+.3f} and p90 TTFT by "
         f"{min(p90_moves):.2f}x to {max(p90_moves):.2f}x. On their own counts, routers pile onto "
         f"replicas they each think idle: p90 TTFT is {min(own_p90):.1f}x to {max(own_p90):.1f}x the "
-        f"shared one, and the hit rate moves by {min(own_hit):+.3f} to {max(own_hit):+.3f} (a higher hit rate "
-        "on its own counts comes with the worse queues: it stuck to prefix holders that were busy).",
+        f"shared one, and the hit rate moves by {min(own_hit):+.3f} to {max(own_hit):+.3f}"
+        + (
+            " (a higher hit rate on its own counts comes with the worse queues: it stuck to prefix holders "
+            "that were busy)."
+            if max(own_hit) > 0
+            else "."
+        ),
     ]
 
 
