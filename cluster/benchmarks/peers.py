@@ -44,7 +44,7 @@ from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.cluster.experiments.loadgen import run_http_conversations, run_http_load
-from kvmesh.cluster.experiments.report import PEERS_SECTION, pyplot, summarize, write_section
+from kvmesh.cluster.experiments.report import PEERS_SECTION, markdown_table, pyplot, summarize, write_section
 from kvmesh.cluster.experiments.text_workload import as_text, segment_text, word_table
 from kvmesh.cluster.experiments.workloads import (
     WorkloadRequest,
@@ -485,16 +485,14 @@ def write_tables(result: dict, out: str) -> str:
             rows = [s for s in result["summary"] if s["workload"] == workload and s["generator"] == generator]
             if not rows:
                 continue
-            head = "| router | rate/s | " + " | ".join(h for h, _, _ in _SWEEP_TABLE) + " |"
-            lines = [head, "|---|---:|" + "---:|" * len(_SWEEP_TABLE)]
-            for s in sorted(rows, key=lambda s: (s["rate"], s["router"])):
-                lines.append(
-                    f"| {s['router']} | {s['rate']:g} | "
-                    + " | ".join(_cell(s, k, f) for _, k, f in _SWEEP_TABLE)
-                    + " |"
-                )
+            cells = [
+                (s["router"], {"rate": f"{s['rate']:g}"} | {k: _cell(s, k, f) for _, k, f in _SWEEP_TABLE})
+                for s in sorted(rows, key=lambda s: (s["rate"], s["router"]))
+            ]
+            columns = [("rate/s", "rate", "{}"), *((h, k, "{}") for h, k, _ in _SWEEP_TABLE)]
             sections.append(
-                f"**{workload}, {generator}** ({rows[0]['runs']} runs per cell)\n\n" + "\n".join(lines)
+                f"**{workload}, {generator}** ({rows[0]['runs']} runs per cell)\n\n"
+                + markdown_table(cells, columns, first="router")
             )
             plot_sweep_bands(
                 Path(out).with_name(f"{Path(out).stem}_{workload}_{generator}.png"),

@@ -124,10 +124,10 @@ def write_section(path: Path, name: str, body: str) -> None:
 
 
 def markdown_table(
-    rows: Sequence[tuple[str, dict]], columns: Sequence[tuple[str, str, str]] = _COLUMNS
+    rows: Sequence[tuple[str, dict]], columns: Sequence[tuple[str, str, str]] = _COLUMNS, first: str = "run"
 ) -> str:
-    """``columns``: (heading, summary key, format) triples."""
-    head = "| run | " + " | ".join(c for c, _, _ in columns) + " |"
+    """``columns``: (heading, summary key, format) triples; ``first``: the row names' heading."""
+    head = f"| {first} | " + " | ".join(c for c, _, _ in columns) + " |"
     sep = "|---|" + "---:|" * len(columns)
     body = [
         f"| {name} | "
