@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 
+def _value(value: object) -> str:
+    """A field's value as one token: quoted (JSON) when it has spaces, quotes or control
+    characters, so no value (a client's id, an error's text) can end the line or forge a field."""
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' "='):
+        return text
+    return json.dumps(text)
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        extras = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD)
+        extras = " ".join(f"{k}={_value(v)}" for k, v in vars(record).items() if k not in _STANDARD)
         line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower():<7} {record.name} {record.getMessage()}"
         if extras:
             line += " " + extras

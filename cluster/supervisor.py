@@ -1,10 +1,15 @@
-"""Keeps N replica actors alive: starts them, notices deaths, retires and replaces them.
+"""Keeps N replica actors alive: starts them, notices deaths and broken engines, retires and
+replaces them.
 
 Replicas are named, detached Ray actors, so they outlive the process that supervises them: a
 controller that restarts (a ``helm upgrade``, a crash) re-attaches to the replicas still
 running with the same settings instead of reloading every model, and replaces only the dead
-ones or those whose settings changed. A start that fails is retried with exponential
-backoff; each slot's state is written to the index, where ``kvmesh status`` shows it.
+ones or those whose settings changed. Every check asks each replica for its health (an
+engine that is broken or stalled answers "unhealthy"), all at once; replacements run in
+parallel in the background, each start bounded by ``start_timeout_s``. A start that fails
+is retried with exponential backoff; each slot's state is written to the index, where
+``kvmesh status`` shows it. An unexpected error in one check is counted and logged, and
+the watch goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayError
 
 from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
 from kvmesh.replica.actor import replica_actor_class
@@ -55,6 +60,7 @@ class Slot:
     actor: ray.actor.ActorHandle | None = None
     address: str = ""
     state: str = "starting"  # starting | ready | waiting (a failed start, retried at retry_at)
+    # (a slot being started is "starting", and no check touches it until that ends)
     failures: int = 0  # failed starts in a row
     retry_at: float = 0.0
     error: str = ""
@@ -88,7 +94,9 @@ class Supervisor:
         self.slots = {f"replica-{i}": Slot(f"replica-{i}") for i in range(replicas)}
         self.restarts = 0
         self.reattached = 0
+        self.watch_errors = 0  # checks that failed unexpectedly (the watch went on)
         self._loops = BackgroundLoops()
+        self._starts: set[asyncio.Task] = set()  # replacements and retries under way
 
     @property
     def actors(self) -> dict[str, ray.actor.ActorHandle]:
@@ -186,23 +194,47 @@ class Supervisor:
     async def _watch(self) -> None:
         while self._loops.running:
             await asyncio.sleep(self.check_s)
-            now = time.monotonic()
-            for slot in list(self.slots.values()):
-                if slot.state == "ready":
-                    try:
-                        await asyncio.wait_for(
-                            slot.actor.address.remote(), timeout=max(2.0, self.check_s * 5)
-                        )
-                    except (RayActorError, TimeoutError) as exc:
-                        await self._replace(slot, exc)
-                elif slot.state == "waiting" and now >= slot.retry_at:
-                    await self._restart(slot)
+            try:
+                await self._check()
+            except Exception:  # a bug or a Ray hiccup: counted, logged, and the next check runs
+                self.watch_errors += 1
+                log.exception("supervisor check failed; watching on")
+
+    async def _check(self) -> None:
+        now = time.monotonic()
+        ready = [s for s in self.slots.values() if s.state == "ready"]
+        verdicts = await asyncio.gather(*(self._why_unfit(s) for s in ready))
+        for slot, why in zip(ready, verdicts, strict=True):
+            if why is not None:
+                self._start_in_background(slot, self._replace(slot, why))
+        for slot in self.slots.values():
+            if slot.state == "waiting" and now >= slot.retry_at:
+                self._start_in_background(slot, self._restart(slot))
+        await self._publish()
+
+    async def _why_unfit(self, slot: Slot) -> str | None:
+        """None while the replica answers healthy, else why it must be replaced."""
+        try:
+            health = await asyncio.wait_for(slot.actor.health.remote(), timeout=max(2.0, self.check_s * 5))
+        except (RayError, TimeoutError) as exc:
+            return f"died ({type(exc).__name__})"
+        if health.get("status") == "unhealthy":
+            return f"unhealthy ({health.get('reason', 'no reason given')})"
+        return None
+
+    def _start_in_background(self, slot: Slot, start) -> None:
+        slot.state = "starting"  # no other check touches it until this ends
+
+        async def start_then_publish() -> None:
+            await start
             await self._publish()
 
-    async def _replace(self, slot: Slot, why: Exception) -> None:
-        log.warning(
-            "replica died, replacing it", extra={"replica_id": slot.replica_id, "error": type(why).__name__}
-        )
+        task = asyncio.create_task(start_then_publish(), name=f"kvmesh-start-{slot.replica_id}")
+        self._starts.add(task)
+        task.add_done_callback(self._starts.discard)
+
+    async def _replace(self, slot: Slot, why: str) -> None:
+        log.warning("replica is being replaced", extra={"replica_id": slot.replica_id, "why": why})
         with contextlib.suppress(*INDEX_ERRORS):  # Redis may be away too: its TTL retires it then
             await self.index.retire(slot.replica_id)
         self._kill(slot.actor)
@@ -212,7 +244,7 @@ class Supervisor:
     async def _restart(self, slot: Slot) -> None:
         try:
             await self._launch(slot)
-        except START_ERRORS as exc:
+        except Exception as exc:  # any failed start (not only START_ERRORS) waits and is retried
             self._kill(slot.actor)
             slot.failures += 1
             slot.error = str(start_error(slot.replica_id, exc))
@@ -235,6 +267,9 @@ class Supervisor:
         """Stop watching; then stop the replicas, unless they are to outlive this process
         (the chart's controller: a new controller re-attaches to them)."""
         await self._loops.stop()
+        for task in list(self._starts):
+            task.cancel()
+        await asyncio.gather(*self._starts, return_exceptions=True)
         if keep_replicas:
             return
         actors = list(self.actors.values())

@@ -37,6 +37,10 @@ class ReplicaActor:
     def address(self) -> str:
         return self.server.address
 
+    def health(self) -> dict:
+        """The replica's health (its engine's, while not draining): the supervisor's check."""
+        return self.server.health()
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -53,6 +57,17 @@ class ReplicaActor:
             engine.step = delayed_step
 
         await self.server.engine.call(slow_down)
+
+    async def inject_forward_failure(self) -> None:
+        """Fault injection: every forward from now on raises, as on a device that stays unusable."""
+
+        def fail(*args):
+            raise RuntimeError("injected device failure")
+
+        def break_forward(engine) -> None:
+            engine.runner._forward_layout = fail
+
+        await self.server.engine.call(break_forward)
 
 
 def replica_actor_class(use_gpu: bool, num_cpus: float = 1):

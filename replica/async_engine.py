@@ -6,6 +6,12 @@ callers send it typed commands through one queue and get their deltas through pe
 asyncio queues. Closing or cancelling a stream aborts its request, which frees its KV
 blocks at once. KV events and a stats snapshot are published after every step for the
 index publisher and the metrics.
+
+A request that fails alone in a step gets ``RequestFailedError``; a step that fails for
+every request gets its requests ``EngineDeadError`` (the caller may retry elsewhere). An
+engine that cannot step any more (``LLMEngine.broken``) fails what it holds and refuses new
+work, and ``health()`` says so, as it does for a step loop that stopped making progress:
+the replica then leaves the index and its supervisor replaces it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -71,9 +78,20 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full: refused at once instead of queueing without bound."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed in the engine by itself; the requests beside it went on."""
+
+
+# A step loop with work that has not finished a loop turn for this long is stalled.
+DEFAULT_STALL_S = 60.0
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, stall_s: float = DEFAULT_STALL_S):
         self.engine = engine
+        self.stall_s = stall_s
+        self._turn_at = time.monotonic()  # when the step loop last finished a turn or woke up
+        self._idle = True  # waiting for a command, with nothing to step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._events_lock = threading.Lock()
@@ -161,6 +179,18 @@ class AsyncLLMEngine:
         """The snapshot taken after the last step (safe to read from any thread)."""
         return self._stats
 
+    def health(self) -> str | None:
+        """None while the engine serves, else why it does not: it is broken, its thread
+        ended, or its step loop has had work and not finished a turn for ``stall_s``."""
+        if self.engine.broken:
+            return f"engine broken: {self.engine.broken}"
+        if not self._thread.is_alive():
+            return "engine thread ended" if not self._stopped.is_set() else "engine is shut down"
+        stuck = time.monotonic() - self._turn_at
+        if not self._idle and stuck > self.stall_s:
+            return f"engine step loop stalled: no turn finished for {stuck:.0f} s with work waiting"
+        return None
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._commands.put(_Stop())
@@ -170,15 +200,22 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            block = not self.engine.has_unfinished_requests()
+            self._idle = not self.engine.has_unfinished_requests()  # waits for a command: not stalled
             try:
-                self._apply_commands(block)
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug or device failure: fail loudly, keep serving new requests
+                self._apply_commands(block=self._idle)
+                self._idle, self._turn_at = False, time.monotonic()
+                outputs = [] if self.engine.broken else self.engine.step()
+            except Exception as exc:  # a bug outside the forward: the step's requests cannot go on
                 log.exception("engine step failed")
-                self._fail_all(exc)
+                self.engine.note_failed_step(exc)
+                self._fail_all(f"engine step failed: {exc}")
                 continue
+            finally:
+                self._turn_at = time.monotonic()
             self._publish(outputs)
+            if self.engine.broken and self.engine.requests:
+                log.error("engine broken: failing its requests", extra={"error": self.engine.broken})
+                self._fail_all(f"engine broken: {self.engine.broken}")
 
     def _apply_commands(self, block: bool) -> None:
         while True:
@@ -212,11 +249,13 @@ class AsyncLLMEngine:
             return  # the caller went away before the engine saw it
         limit = self.engine.config.max_queued_requests
         try:
+            if self.engine.broken:
+                raise EngineDeadError(f"engine broken: {self.engine.broken}")
             if len(self.engine.scheduler.waiting) >= limit:
                 raise EngineOverloadedError(f"replica queue is full ({limit} waiting requests)")
             request = self.engine.prepare_request(command.prompt, command.params, command.request_id)
             self.engine.submit(request)
-        except (ValueError, EngineOverloadedError) as exc:  # refused: the caller gets the reason
+        except (ValueError, EngineOverloadedError, EngineDeadError) as exc:  # refused: the caller gets why
             self._deliver(command.request_id, exc)
         except Exception as exc:  # a bug: this request fails loudly, the engine keeps serving
             log.exception("admitting a request failed", extra={"request_id": command.request_id})
@@ -224,7 +263,7 @@ class AsyncLLMEngine:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._deliver(out.request_id, out)
+            self._deliver(out.request_id, _failure(out) if out.error else out)
         events = self.engine.drain_kv_events()
         if events:
             with self._events_lock:
@@ -239,11 +278,16 @@ class AsyncLLMEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
-            self._deliver(request_id, EngineDeadError(f"engine step failed: {exc}"))
+            self._deliver(request_id, EngineDeadError(message))
         self.engine.step()  # flush the abort outputs nobody will read
+
+
+def _failure(out: RequestOutput) -> Exception:
+    """A failed request's error: the engine's fault may be retried elsewhere, its own not."""
+    return EngineDeadError(out.error) if out.engine_fault else RequestFailedError(out.error)
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.serving.api_config import APIConfig
+from kvmesh.serving.connections import ConnectionLimits
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
@@ -103,13 +105,22 @@ class ReplicaConfig:
     drain_timeout_s: float = option(
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
     )
+    engine_stall_s: float = option(
+        60.0,
+        flag="engine-stall-timeout",
+        help="seconds a step loop with work may go without finishing a step before the replica is unhealthy",
+    )
     tls: TLSConfig = option(factory=TLSConfig, help="TLS for the replica's gRPC (mTLS with client auth)")
+    connections: ConnectionLimits = option(
+        factory=ConnectionLimits, help="what a slow, stuck or vanished client may hold"
+    )
     otlp_endpoint: str | None = option(
         None,
         help="OpenTelemetry collector (OTLP/gRPC, e.g. http://otel-collector:4317) for traces; needs kvmesh[otel]",
     )
     engine: EngineConfig = option(factory=EngineConfig, help="the engine's settings")
     api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
+    inputs: InputLimits = option(factory=InputLimits, help="bounds on what one request may ask for")
 
     def __post_init__(self) -> None:
         self.engine.validate()
@@ -125,6 +136,8 @@ class ReplicaConfig:
             raise ValueError(
                 f"heartbeat_s must be positive and below ttl_s, got {self.heartbeat_s} and {self.ttl_s}"
             )
+        if self.engine_stall_s <= 0:
+            raise ValueError(f"engine_stall_s must be positive, got {self.engine_stall_s}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
 

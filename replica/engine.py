@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import uuid
 from collections.abc import Sequence as SequenceABC
@@ -26,11 +27,15 @@ from kvmesh.replica.detokenizer import IncrementalDetokenizer
 from kvmesh.replica.model_runner import ModelRunner
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
 from kvmesh.replica.request import Request, RequestOutput, Status
-from kvmesh.replica.sampler import TokenLogprob
+from kvmesh.replica.sampler import Pick, RequestFailed, TokenLogprob
 from kvmesh.replica.scheduler import Scheduler
-from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.sampling import SamplingParams, check_vocabulary
 
+log = logging.getLogger(__name__)
 Prompt = str | SequenceABC[int]
+# Steps in a row whose forward failed for each request alone: then the engine is broken (a
+# device that stays unusable, as CUDA is after a device-side assert), not a request.
+BROKEN_AFTER_FAILED_STEPS = 3
 
 
 @dataclass
@@ -50,6 +55,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    num_failed_requests: int  # ended by their own failure in a step, or by a failed step
     prompt_tokens: int  # admitted prompt tokens, all requests so far
     generation_tokens: int  # sampled tokens, all requests so far
     kv: KVCacheStats
@@ -89,6 +95,10 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self.num_steps = 0  # steps that computed something
+        self.num_failed_requests = 0
+        self.failed_steps = 0  # steps in a row whose forward failed for every request
+        self.broken: str | None = None  # why this engine can no longer step, once it cannot
 
     # ------------------------------------------------------------------ requests
 
@@ -125,11 +135,7 @@ class LLMEngine:
             raise ValueError(
                 "the engine runs one sequence per request: submit n requests (the front end does)"
             )
-        bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(
-                f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_vocabulary(params, self.vocab_size)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -175,20 +181,77 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        """One scheduled batch computed. A request that fails in it (its sampling, its
+        detokenizing, or a forward that fails with it alone) ends with finish reason
+        "error"; the others go on as if it had not been there."""
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        picks = self.runner.run(scheduled)
-        self.scheduler.step_done(scheduled)
+        picks = self._run(scheduled)
+        for request, pick in zip(scheduled, picks, strict=True):
+            if isinstance(pick, RequestFailed):  # nothing it computed in this step is kept
+                outputs.append(self._fail(request, pick))
+        self.scheduler.step_done([r for r in scheduled if r.status is Status.RUNNING])
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         for request, pick in zip(scheduled, picks, strict=True):
-            if pick is not None:
-                outputs.append(request.output(self._append_token(request, *pick)))
-                if request.status is Status.FINISHED:
-                    del self.requests[request.request_id]
+            if pick is None or isinstance(pick, RequestFailed):
+                continue
+            try:
+                text = self._append_token(request, *pick)
+            except Exception as exc:  # its detokenizer or stop check: its own failure
+                outputs.append(self._fail(request, RequestFailed(f"output failed: {exc}")))
+                continue
+            outputs.append(request.output(text))
+            if request.status is Status.FINISHED:
+                del self.requests[request.request_id]
+        self.num_steps += 1
         return outputs
+
+    def _run(self, scheduled: list[Request]) -> list[Pick | RequestFailed | None]:
+        """The step's picks. A forward that fails for the batch runs again for each request
+        alone, so only a request that fails by itself fails (rewriting the same KV slots
+        with the same values); when every one fails, the fault is the engine's."""
+        try:
+            picks = self.runner.run(scheduled)
+        except Exception as exc:
+            log.warning(
+                "engine step failed, running its requests one by one",
+                extra={"error": str(exc), "requests": len(scheduled)},
+            )
+            picks = [self._run_alone(r) for r in scheduled]
+            if all(isinstance(p, RequestFailed) for p in picks):
+                self.note_failed_step(exc)
+                return [RequestFailed(f"engine step failed: {exc}", engine_fault=True) for _ in scheduled]
+        self.failed_steps = 0
+        return picks
+
+    def _run_alone(self, request: Request) -> Pick | RequestFailed | None:
+        try:
+            return self.runner.run([request])[0]
+        except Exception as exc:
+            return RequestFailed(f"step failed: {exc}")
+
+    def note_failed_step(self, exc: Exception) -> None:
+        """A step failed for every request: the engine is broken after a device error, or
+        after ``BROKEN_AFTER_FAILED_STEPS`` such steps in a row."""
+        self.failed_steps += 1
+        device_error = isinstance(exc, getattr(torch, "AcceleratorError", ()))
+        if device_error or self.failed_steps >= BROKEN_AFTER_FAILED_STEPS:
+            self.broken = f"{'device error' if device_error else f'{self.failed_steps} steps failed'}: {exc}"
+
+    def _fail(self, request: Request, failure: RequestFailed) -> RequestOutput:
+        """End a failed request now: its blocks are freed, nothing it computed is reused."""
+        self.requests.pop(request.request_id, None)
+        request.error, request.engine_fault = str(failure), failure.engine_fault
+        self.scheduler.finish(request, "error")
+        self.num_failed_requests += 1
+        if not failure.engine_fault:
+            log.warning(
+                "request failed alone", extra={"request_id": request.request_id, "error": str(failure)}
+            )
+        return request.output()
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> str:
         """Append a sampled token, apply every stop rule; returns the text it releases."""
@@ -257,6 +320,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
+            num_failed_requests=self.num_failed_requests,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             kv=self.block_manager.stats(),

@@ -8,21 +8,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from kvmesh.protos import pb
-from kvmesh.replica.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
+from kvmesh.replica.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from kvmesh.replica.metrics import ReplicaMetrics
 from kvmesh.replica.request import PrefixFacts, RequestOutput
 from kvmesh.replica.sampler import TokenLogprob
 from kvmesh.serving import tracing
-from kvmesh.serving.admission import admit
-from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unavailable
+from kvmesh.serving.admission import InflightLimit, Ticket, admit
+from kvmesh.serving.errors import InvalidRequest, Overloaded, RequestFailed, ServingError, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.prompt import prompt_ids
-from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.request_ids import OwnedRequests, new_request_id
+from kvmesh.serving.sampling import MAX_N, SamplingParams
 from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
 
@@ -45,36 +51,52 @@ class EngineBackend:
         model: ModelInfo,
         tokenizer: PromptTokenizer | None,
         defaults: GenerationDefaults | None = None,
+        inputs: InputLimits | None = None,
     ):
         self.engine = engine
+        self.inputs = inputs or InputLimits()
         self.replica_id = replica_id
         self.model = model
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
         self.metrics = ReplicaMetrics(model.api_name, model.max_model_len, engine.stats)
-        self._choice_ids: dict[str, list[str]] = {}  # request id -> its choices' engine ids (n > 1)
+        config = engine.engine.config
+        # What the engine can hold: running plus queued; beyond it, refused before any work.
+        self.inflight = InflightLimit(config.max_num_seqs + config.max_queued_requests, "replica")
+        self.owned = OwnedRequests()  # the engine's request ids, by caller connection and caller id
         self.incarnation: Callable[[], int] = lambda: 0  # the replica's index incarnation (set by its server)
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        self.inputs.check(request)
         return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request (all its choices); False if none is streaming by that id."""
-        found = [self.engine.abort(i) for i in self._choice_ids.get(request_id, [request_id])]
+    def admit(self, count: int = 1, policy: str = "") -> Ticket:
+        """Slots for a request before anything is built for it (a batch: one per prompt)."""
+        return self.inflight.take(count)
+
+    def abort(self, request_id: str, owner: str = "") -> bool:
+        """Abort what ``owner`` sent as ``request_id`` (all its choices); False if none streams."""
+        owned = self.owned.of(owner, request_id)
+        found = [self.engine.abort(i) for own in owned for i in [own, *_engine_ids(own, MAX_N)]]
         return any(found)
 
     async def generate(
-        self, request: pb.GenerateRequest, trace: object = None
+        self, request: pb.GenerateRequest, trace: object = None, owner: str = ""
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one request; closing the stream (client gone, deadline) aborts it in the engine.
+        """Stream one admitted request (``admit``); closing the stream (client gone, deadline)
+        aborts it in the engine. Its engine requests go under ids of the replica's own; the
+        caller's id is echoed in the responses, and ``owner`` (the caller's connection) may
+        abort it by that id.
 
         ``trace``: the caller's trace context; the request's span, with its queue and prefill, goes under it."""
         started = time.perf_counter()
+        own_id = new_request_id()
         if not request.request_id:
-            request.request_id = uuid.uuid4().hex  # the handler's own message: ids its engine requests
+            request.request_id = own_id  # the handler's own message: echoed in the responses
+        self.owned.add(owner, request.request_id, own_id)
         outcome, first = "cancelled", True  # unless it ends otherwise
         span = tracing.start(
             "kvmesh.replica.request", trace, replica_id=self.replica_id, request_id=request.request_id
@@ -83,7 +105,7 @@ class EngineBackend:
             ids = await self.prompt_ids(request)
             _, params = admit(request, len(ids), self.model, self.defaults)
             with _engine_errors():
-                async for response in self._choices(ids, params, request, span):
+                async for response in self._choices(ids, params, request, own_id, span):
                     if first:
                         first = False
                         self.metrics.ttft.observe(time.perf_counter() - started)
@@ -93,23 +115,22 @@ class EngineBackend:
             outcome = exc.grpc_code.name.lower()
             raise
         finally:
+            self.owned.discard(owner, request.request_id, own_id)
             self.metrics.requests.labels(outcome).inc()
             self.metrics.e2e.observe(time.perf_counter() - started)
             tracing.end(span, outcome=outcome)
 
     async def _choices(
-        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest, span: object
+        self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest, own_id: str, span: object
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The n choices' responses, interleaved. Choice 0 runs first; the others start once
         it has produced (its prefill is then in the prefix cache, so they reuse it)."""
         single = dataclasses.replace(params, n=1)
-        request_id = request.request_id
+        engine_ids = _engine_ids(own_id, params.n)
         if params.n == 1:
-            async for response in self._choice(ids, single, request, request_id, 0, span):
+            async for response in self._choice(ids, single, request, own_id, 0, span):
                 yield response
             return
-        engine_ids = [f"{request_id}/{i}" for i in range(params.n)]
-        self._choice_ids[request_id] = engine_ids
 
         def choice(i: int) -> AsyncIterator[pb.GenerateResponse]:
             seeded = (
@@ -118,14 +139,11 @@ class EngineBackend:
             return self._choice(ids, seeded, request, engine_ids[i], i, span)
 
         first = choice(0)
-        try:
-            async with contextlib.aclosing(first):
-                yield await anext(first)
-                async with contextlib.aclosing(merge([first, *map(choice, range(1, params.n))])) as rest:
-                    async for _, response in rest:
-                        yield response
-        finally:
-            self._choice_ids.pop(request_id, None)
+        async with contextlib.aclosing(first):
+            yield await anext(first)
+            async with contextlib.aclosing(merge([first, *map(choice, range(1, params.n))])) as rest:
+                async for _, response in rest:
+                    yield response
 
     async def _choice(
         self,
@@ -172,6 +190,11 @@ class EngineBackend:
                     if index == 0:
                         _trace_phases(span, out, request)
                     yield pb.GenerateResponse(request_id=request_id, complete=complete)
+
+
+def _engine_ids(own_id: str, n: int) -> list[str]:
+    """The engine ids of a request's choices: its own id alone, or ``id/0`` .. ``id/n-1``."""
+    return [own_id] if n == 1 else [f"{own_id}/{i}" for i in range(n)]
 
 
 def index_truth(complete: pb.Complete, facts: PrefixFacts, request: pb.GenerateRequest) -> None:
@@ -227,3 +250,5 @@ def _engine_errors():
         raise Overloaded(str(exc)) from None
     except EngineDeadError as exc:
         raise Unavailable(str(exc)) from None
+    except RequestFailedError as exc:
+        raise RequestFailed(str(exc)) from None

@@ -2,12 +2,14 @@
 
 ``Generate`` streams ``Chunk``s and ends with a ``Complete`` carrying usage (cached tokens
 included). Validation errors become INVALID_ARGUMENT before any chunk; a client that goes
-away (cancellation, deadline) aborts its request in the engine, freeing its blocks.
+away (cancellation, deadline), or stops reading for the write timeout, aborts its request in
+the engine, freeing its blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -15,6 +17,7 @@ from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.engine_backend import EngineBackend
 from kvmesh.serving import tracing
+from kvmesh.serving.connections import ClientStalled, end_call, write_within
 from kvmesh.serving.errors import ServingError
 
 
@@ -25,26 +28,37 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         index_state: Callable[[], tuple[int, bool]],
         effective_config: str = "{}",
         resync: Callable[[str], Awaitable[int]] | None = None,
+        write_timeout_s: float = 30.0,
     ):
         self.backend = backend
+        self.write_timeout_s = write_timeout_s  # a client that does not read for this long is cut off
         self.effective_config = effective_config  # JSON, secrets left out
         self.engine = backend.engine
         self.replica_id = backend.replica_id
         self.index_state = index_state  # () -> (incarnation, dirty)
         self.resync = resync  # (reason) -> hashes published
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        status: tuple[grpc.StatusCode, str] | None = None
         try:
-            trace = tracing.extract(dict(context.invocation_metadata() or ())) if tracing.enabled() else None
-            async for response in self.backend.generate(request, trace):
-                yield response
+            with self.backend.admit(1):
+                trace = (
+                    tracing.extract(dict(context.invocation_metadata() or ())) if tracing.enabled() else None
+                )
+                stream = self.backend.generate(request, trace, context.peer())
+                async with contextlib.aclosing(stream):
+                    async for response in stream:
+                        await write_within(context, response, self.write_timeout_s)
         except ServingError as exc:
-            await context.abort(exc.grpc_code, str(exc))
+            status = (exc.grpc_code, str(exc))
+        except ClientStalled as exc:  # its blocks are free now; the status waits on the client
+            status = (grpc.StatusCode.DEADLINE_EXCEEDED, f"request aborted: {exc}")
+        if status is not None:
+            end_call(context, *status)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.backend.abort(request.request_id))
+        """Abort what this connection sent under ``request_id``."""
+        return pb.AbortResponse(found=self.backend.abort(request.request_id, context.peer()))
 
     async def ResetPrefixCache(
         self, request, context: grpc.aio.ServicerContext

@@ -18,7 +18,7 @@ from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
 from kvmesh.replica.request import Request
-from kvmesh.replica.sampler import TokenLogprob, sample
+from kvmesh.replica.sampler import Pick, RequestFailed, sample
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +157,10 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def run(self, requests: list[Request]) -> list[tuple[int, TokenLogprob | None] | None]:
+    def run(self, requests: list[Request]) -> list[Pick | RequestFailed | None]:
         """Compute this step's tokens: for each request that reached its end, the sampled token
-        (and its log-probability, if asked). Prompt log-probabilities, where asked, are
-        recorded on the request as its prefill chunks go by."""
+        (and its log-probability, if asked), or its own failure. Prompt log-probabilities, where
+        asked, are recorded on the request as its prefill chunks go by."""
         chunks = [
             r.token_ids[r.num_computed_tokens : r.num_computed_tokens + r.num_scheduled_tokens]
             for r in requests
@@ -174,19 +174,22 @@ class ModelRunner:
             for r, c, n in zip(requests, chunks, need, strict=True)
         ]
         logits = self._forward_layout(chunks, starts, [r.block_table for r in requests], rows)
+        failed: dict[int, RequestFailed] = {}
         sample_rows, offset = [], 0
-        for r, start, chunk_rows, n in zip(requests, starts, rows, need, strict=True):
+        for i, (r, start, chunk_rows, n) in enumerate(zip(requests, starts, rows, need, strict=True)):
             if r.wants_prompt_logprobs:
-                r.record_prompt_logprobs(logits[offset : offset + len(chunk_rows)].log_softmax(dim=-1), start)
+                try:
+                    r.record_prompt_logprobs(
+                        logits[offset : offset + len(chunk_rows)].log_softmax(dim=-1), start
+                    )
+                except Exception as exc:  # this request's own stage: the batch goes on
+                    failed[i] = RequestFailed(f"prompt logprobs failed: {exc}")
             offset += len(chunk_rows)
-            if n:
+            if n and i not in failed:
                 sample_rows.append(offset - 1)
-        sampling = [r for r, n in zip(requests, need, strict=True) if n]
-        if not sampling:
-            return [None] * len(requests)
-        tokens, scored = sample(logits[sample_rows], sampling)
-        picks = iter(zip(tokens, scored, strict=True))
-        return [next(picks) if n else None for n in need]
+        sampling = [i for i, n in enumerate(need) if n and i not in failed]
+        picks = dict(zip(sampling, sample(logits[sample_rows], [requests[i] for i in sampling]), strict=True))
+        return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 
     def _forward_layout(
         self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], rows: list[list[int]]

@@ -21,6 +21,7 @@ from kvmesh.replica.grpc_service import ReplicaService
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing
+from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
@@ -55,7 +56,9 @@ class ReplicaServer:
         self.address = ""
         self.http_address = ""
         self.draining = False
+        self.unhealthy: str | None = None  # why the engine cannot serve, while it cannot
         self.started_at = time.time()
+        self._loops = BackgroundLoops()
 
     async def start(self) -> str:
         """Load the model, serve gRPC, join the index; returns the gRPC address."""
@@ -71,7 +74,7 @@ class ReplicaServer:
         engine = await asyncio.to_thread(
             LLMEngine, c.model_dir, model_id=c.model_id, tokenizer_dir=tokenizer_dir, **options
         )
-        self.engine = AsyncLLMEngine(engine)
+        self.engine = AsyncLLMEngine(engine, stall_s=c.engine_stall_s)
         model = ModelInfo(
             engine.model_id, engine.block_size, engine.max_model_len, engine.vocab_size, engine.hash_seed,
             c.api.served_model_name,
@@ -82,13 +85,17 @@ class ReplicaServer:
             model,
             c.api.load_tokenizer(c.model_dir),
             c.api.load_defaults(c.model_dir),
+            c.inputs,
         )
         backend.incarnation = lambda: self.index_state()[0]
         self.backend = backend
-        service = ReplicaService(backend, self.index_state, json.dumps(effective_config(c)), self.resync)
+        write_timeout_s = c.connections.stream_write_timeout_s
+        config_json = json.dumps(effective_config(c))
+        service = ReplicaService(backend, self.index_state, config_json, self.resync, write_timeout_s)
         self.grpc = await start_grpc_server(
-            [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")], c.host, c.port, tls=c.tls
-        )
+            [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")],
+            c.host, c.port, tls=c.tls, connections=c.connections,
+        )  # fmt: skip
         host = advertised_host(c)
         self.address = f"{host}:{self.grpc.port}"
         info = {
@@ -97,7 +104,7 @@ class ReplicaServer:
         }  # fmt: skip
         if c.serves_http:
             app = build_app(backend, self.health, title="kvmesh replica")
-            self.http = await start_http_server(app, c.host, c.http_port, c.tls)
+            self.http = await start_http_server(app, c.host, c.http_port, c.tls, write_timeout_s)
             self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"
             info["http_address"] = self.http_address
         index = connect_index(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
@@ -108,12 +115,33 @@ class ReplicaServer:
         if c.pod_metrics_port > 0:
             self.pod_metrics = PodMetrics(c.replica_id, backend.render_metrics, c.host, c.pod_metrics_port)
             await self.pod_metrics.start()
+        self._loops.start(self._follow_engine(), "kvmesh-engine-health")
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
 
     def health(self) -> dict:
-        """HTTP /health: ok while serving; 503 once draining (routers then stop sending)."""
-        return {"status": "draining" if self.draining else "ok", "replica_id": self.config.replica_id}
+        """HTTP /health (and the supervisor's check): ok while the engine serves; 503 once
+        draining (routers then stop sending) or while the engine cannot serve."""
+        status = "draining" if self.draining else "unhealthy" if self.unhealthy else "ok"
+        body = {"status": status, "replica_id": self.config.replica_id}
+        if self.unhealthy:
+            body["reason"] = self.unhealthy
+        return body
+
+    async def _follow_engine(self) -> None:
+        """The engine's health, checked every heartbeat, decides what the replica shows: a
+        replica whose engine is broken or stalled is NOT_SERVING and leaves the index."""
+        while self._loops.running:
+            await asyncio.sleep(self.config.heartbeat_s)
+            reason = self.engine.health()
+            if reason == self.unhealthy:
+                continue
+            self.unhealthy = reason
+            await self.grpc.set_serving(reason is None)
+            if reason is None:
+                self.publisher.rejoin()
+            else:
+                await self.publisher.withdraw(reason)
 
     async def resync(self, reason: str) -> int:
         if self.publisher is None:
@@ -130,6 +158,7 @@ class ReplicaServer:
         stop the engine."""
         grace = self.config.drain_timeout_s if grace is None else grace
         self.draining = True
+        await self._loops.stop()
         if self.pod_metrics:
             await self.pod_metrics.stop()
         if self.publisher:

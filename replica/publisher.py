@@ -6,7 +6,8 @@
 - In between, publishes the engine's KV events in order, in one call per batch (a batch is
   whatever the engine produced since the last publish, usually one step).
 - Heartbeats its load with a TTL, sweeps stale entries a little at a time, and
-  deregisters on a graceful stop.
+  deregisters on a graceful stop, or while its engine cannot serve (``withdraw``: routers
+  stop choosing it at their next refresh; ``rejoin`` syncs it back).
 The engine never waits for any of this: when Redis is away the replica keeps serving and
 is only marked dirty.
 """
@@ -51,6 +52,7 @@ class IndexPublisher:
         self.flush_s, self.retry_s, self.sweep_s = flush_s, retry_s, sweep_s
         self.incarnation: int | None = None
         self.dirty = True  # the index may not equal the cache: sync before publishing
+        self.withdrawn: str | None = None  # why this replica is out of the index on purpose
         self.syncs = 0
         self.synced_hashes = 0  # hashes the last sync published
         self._buffer: list[KVEvent] = []
@@ -72,6 +74,22 @@ class IndexPublisher:
                 await self.index.deregister(self.replica_id, self.incarnation)
         self.incarnation = None
 
+    async def withdraw(self, reason: str) -> None:
+        """Leave the index and stay out (the engine cannot serve) until ``rejoin``."""
+        if self.withdrawn is None:
+            log.error("replica leaves the index: its engine cannot serve", extra={"reason": reason})
+        self.withdrawn, self.dirty = reason, True
+        incarnation, self.incarnation = self.incarnation, None
+        if incarnation is not None:
+            with contextlib.suppress(*INDEX_ERRORS):
+                await self.index.deregister(self.replica_id, incarnation)
+
+    def rejoin(self) -> None:
+        """Serve again: the events loop registers a new incarnation with the whole cache."""
+        if self.withdrawn is not None:
+            log.warning("replica rejoins the index", extra={"was": self.withdrawn})
+        self.withdrawn, self._last_sync_attempt = None, 0.0
+
     # ------------------------------------------------------------------ sync
 
     async def _try_sync(self) -> None:
@@ -87,6 +105,9 @@ class IndexPublisher:
         hashes = await self.engine.snapshot_cached_hashes()  # later events are relative to it
         self._buffer.clear()
         incarnation = await self.index.register(self.replica_id, self.address, self.ttl_s, self._record())
+        if self.withdrawn is not None:  # the engine failed while this sync was on its way
+            await self.index.deregister(self.replica_id, incarnation)
+            return
         self.incarnation = incarnation
         if await self.index.publish_all(self.replica_id, incarnation, hashes):
             self.dirty = False
@@ -122,6 +143,9 @@ class IndexPublisher:
             if any(isinstance(e, AllBlocksCleared) for e in self._buffer):
                 self._buffer.clear()
                 self._mark_dirty("cache reset")
+            if self.withdrawn is not None:
+                self._buffer.clear()  # a rejoin publishes the whole cache
+                continue
             if self.dirty:
                 if time.monotonic() - self._last_sync_attempt >= self.retry_s:
                     await self._try_sync()

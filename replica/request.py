@@ -53,7 +53,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
@@ -61,6 +61,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 2.., once, when asked
     times: RequestTimes | None = None  # on the last output
     prefix: PrefixFacts | None = None  # on the last output, once admitted
+    error: str | None = None  # why it ended, when it failed ("error")
+    engine_fault: bool = False  # the failure was the engine's (a failed step), not this request's
 
 
 class Request(Sequence):
@@ -82,6 +84,8 @@ class Request(Sequence):
         self.detokenizer = detokenizer
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set when it failed
+        self.engine_fault = False
         self.cached_prompt_tokens: int | None = None  # prefix hit at first admission
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
@@ -147,4 +151,6 @@ class Request(Sequence):
             prompt_logprobs=prompt_logprobs,
             times=times,
             prefix=self.prefix_facts if finished else None,
+            error=self.error,
+            engine_fault=self.engine_fault,
         )

@@ -8,6 +8,10 @@
    ``min_p``, top-k and top-p, and drawn from their own ``torch.Generator`` (a request with
    a seed gets the same tokens whatever else shares its batch).
 Only rows that need a stage pay for it.
+
+A request whose own stage fails (its adjustments raise, or they leave no token to pick, as
+``min_tokens`` does when every token is a stop id) gets a ``RequestFailed`` in its row
+instead of a token: it ends alone and every other row is picked as it would have been.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from kvmesh.serving.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvmesh.replica.request import Request
+
+
+class RequestFailed(Exception):
+    """A request that failed in a step: it ends alone, the rest of the batch goes on.
+    ``engine_fault``: the step failed for every request, so the engine is at fault, not it."""
+
+    def __init__(self, message: str, engine_fault: bool = False):
+        super().__init__(message)
+        self.engine_fault = engine_fault
 
 
 @dataclass(frozen=True)
@@ -67,29 +80,57 @@ def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` ([rows, vocab], float32), and its log-probability
-    where the request asked for it."""
+Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | RequestFailed]:
+    """One pick per row of ``logits`` ([rows, vocab], float32), or the row's own failure."""
+    failed: dict[int, RequestFailed] = {}
     wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1) if wants else None
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if adjusted:
         logits = logits.clone()
         for i in adjusted:
-            adjust_logits(logits[i], requests[i])
+            _isolated(failed, i, adjust_logits, logits[i], requests[i])
+        _fail_rows_without_tokens(logits, [i for i in adjusted if i not in failed], failed)
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in failed]
     if rows:
         probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
         for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=requests[i].generator)[0]
+            drawn = _isolated(failed, i, torch.multinomial, probs[j], 1, generator=requests[i].generator)
+            if drawn is not None:
+                tokens[i] = drawn[0]
     token_list = tokens.tolist()
     scored: list[TokenLogprob | None] = [None] * len(requests)
     if raw is not None:
         for j, i in enumerate(wants):
-            k = requests[i].params.logprobs
-            scored[i] = logprobs_of(raw[j : j + 1], [token_list[i]], k)[0]
-    return token_list, scored
+            if i not in failed:
+                k = requests[i].params.logprobs
+                found = _isolated(failed, i, logprobs_of, raw[j : j + 1], [token_list[i]], k)
+                scored[i] = found[0] if found else None
+    return [failed.get(i) or (token_list[i], scored[i]) for i in range(len(requests))]
+
+
+def _isolated(failed: dict[int, RequestFailed], row: int, fn, *args, **kwargs):
+    """``fn(*args)``, or None with the row's failure recorded when it raises."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # this request's stage failed: the batch goes on without it
+        failed[row] = RequestFailed(f"sampling failed: {exc}")
+        return None
+
+
+def _fail_rows_without_tokens(logits: torch.Tensor, rows: list[int], failed: dict) -> None:
+    """Rows whose adjustments ruled out every token have nothing to pick (a multinomial over
+    them fails, and on CUDA that is a device-side assert that poisons the context)."""
+    if not rows:
+        return
+    has_token = torch.isfinite(logits[rows]).any(dim=-1).tolist()
+    for i, ok in zip(rows, has_token, strict=True):
+        if not ok:
+            failed[i] = RequestFailed("no token is left to sample: min_tokens rules out every token id")
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -9,6 +9,8 @@ from pathlib import Path
 from kvmesh.router.index_health import IndexHealthConfig
 from kvmesh.router.policies import POLICIES
 from kvmesh.serving.api_config import APIConfig
+from kvmesh.serving.connections import ConnectionLimits
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
@@ -38,6 +40,7 @@ class RouterLimits:
     max_tokens: int | None = option(
         None, flag="max-tokens-limit", help="ceiling on max_tokens (default: max model length - 1)"
     )
+    inputs: InputLimits = option(factory=InputLimits, help="bounds on what one request may ask for")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_inflight", "max_prompt_tokens", "max_tokens")
@@ -74,6 +77,9 @@ class RouterConfig:
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
     )
     tls: TLSConfig = option(factory=TLSConfig, help="TLS for serving and toward the replicas")
+    connections: ConnectionLimits = option(
+        factory=ConnectionLimits, help="what a slow, stuck or vanished client may hold"
+    )
     auth_token: str | None = option(
         None, secret=True, flag="api-key", env="auth-token",
         help="bearer token clients must send (shows in ps: prefer --api-key-file or KVMESH_AUTH_TOKEN)",

@@ -1,6 +1,7 @@
 """The routing path shared by the gRPC and HTTP front ends: admit -> decide -> relay.
 
-admit: refuse while draining or beyond the in-flight limit; decide (``decision.py``):
+admit (``admit``, by the front ends, before anything is built for a request): refuse while
+draining or beyond the in-flight limit, a batch counted as its number of prompts; decide (``decision.py``):
 tokenize, hash, ONE index lookup, rank; relay (``relay.py``): stream from the first choice,
 fail over once, account for the work and the prediction.
 """
@@ -24,9 +25,12 @@ from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import Relay
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
+from kvmesh.serving.admission import InflightLimit, Ticket
 from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
 from kvmesh.serving.generation_config import GenerationDefaults
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.request_ids import OwnedRequests
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 
@@ -61,7 +65,28 @@ class RouterCore:
         )  # fmt: skip
         self.relay = Relay(registry, self.overlay, self.metrics, model.block_size, self.watch)
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
-        self.active = 0  # requests streaming through this router now
+        self.inflight = InflightLimit(self.limits.max_inflight, "router")
+        self.owned = OwnedRequests()  # the router's request ids, by client connection and client id
+
+    @property
+    def active(self) -> int:
+        """Requests (and routes that tokenize or render) in flight through this router now."""
+        return self.inflight.active
+
+    def admit(self, count: int = 1, policy: str = "") -> Ticket:
+        """Slots for a request before anything is built for it (a batch: one per prompt);
+        UNAVAILABLE while draining, RESOURCE_EXHAUSTED beyond ``max_inflight``."""
+        if self.draining:
+            raise Unavailable("router is shutting down; retry on another router")
+        try:
+            return self.inflight.take(count)
+        except Overloaded:
+            self.metrics.requests.labels(self.decider.known_policy(policy), "overloaded").inc()
+            raise
+
+    @property
+    def inputs(self) -> InputLimits:
+        return self.limits.inputs
 
     @property
     def default_policy(self) -> str:
@@ -77,51 +102,56 @@ class RouterCore:
         return await self.decider.decide(request)
 
     async def generate(
-        self, request: pb.GenerateRequest, trace: object = None, timeout: float | None = None
+        self,
+        request: pb.GenerateRequest,
+        trace: object = None,
+        timeout: float | None = None,
+        owner: str = "",
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Route and stream. Raises ServingError before the first response; after it, too.
+        """Route and stream an admitted request (``admit``). Raises ServingError before the
+        first response; after it, too. Responses carry the client's request id (or the one
+        the router made for it); upstream, the request goes under an id of the router's own.
 
         ``trace``: the caller's trace context (``tracing.extract``), if any.
         ``timeout``: seconds the caller still waits (its deadline); the replica gets the same.
+        ``owner``: the caller's connection, the only one that may ``abort`` it by its own id.
         """
-        self._admit(request)
-        self.active += 1
         root = tracing.start("kvmesh.router.request", trace, request_id=request.request_id or None)
         outcome = "error"
         try:
             started = time.perf_counter()
             decision = await self.decider.decide(request, root)
+            client_id = request.request_id or decision.request_id
+            self.owned.add(owner, client_id, decision.request_id)
             try:
                 async for response in self.relay.stream(decision, started, timeout, root):
+                    response.request_id = client_id
                     yield response
                 outcome = "ok"
             except asyncio.CancelledError:
                 outcome = "cancelled"
                 raise
             finally:
+                self.owned.discard(owner, client_id, decision.request_id)
                 self.metrics.requests.labels(decision.policy, outcome).inc()
                 self.metrics.latency.observe(time.perf_counter() - started)
         finally:
-            self.active -= 1
             tracing.end(root, outcome=outcome)
-
-    def _admit(self, request: pb.GenerateRequest) -> None:
-        if self.draining:
-            raise Unavailable("router is shutting down; retry on another router")
-        if self.active >= self.limits.max_inflight:
-            self.metrics.requests.labels(request.policy or self.default_policy, "overloaded").inc()
-            raise Overloaded(f"router at its in-flight limit ({self.limits.max_inflight} requests)")
 
     async def stop(self) -> None:
         await self.watch.stop()
 
-    async def abort(self, request_id: str) -> bool:
-        replica_id = self.relay.inflight.get(request_id)
-        entry = self.registry.entries.get(replica_id) if replica_id else None
-        if entry is None:
-            return False
-        try:
-            reply = await entry.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            raise upstream_error(exc.code(), exc.details()) from None
-        return reply.found
+    async def abort(self, request_id: str, owner: str = "") -> bool:
+        """Abort what ``owner`` sent as ``request_id`` (every such request still streaming)."""
+        found = False
+        for own_id in self.owned.of(owner, request_id):
+            replica_id = self.relay.inflight.get(own_id)
+            entry = self.registry.entries.get(replica_id) if replica_id else None
+            if entry is None:
+                continue
+            try:
+                reply = await entry.stub.Abort(pb.AbortRequest(request_id=own_id), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                raise upstream_error(exc.code(), exc.details()) from None
+            found = found or reply.found
+        return found

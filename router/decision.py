@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.index_truth import Prediction
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policies import Policy, RouteRequest, make_policy
+from kvmesh.router.policies import POLICIES, Policy, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
@@ -25,6 +24,7 @@ from kvmesh.serving.errors import InvalidRequest, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.prompt import prompt_ids
+from kvmesh.serving.request_ids import new_request_id
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ DECODE_ESTIMATE_CAP_TOKENS = 1024
 class Decision:
     """Where a request goes and why (for the relay, metrics and experiments)."""
 
-    request_id: str
+    request_id: str  # the router's own (the client's id is only echoed back)
     token_ids: list[int]
     block_hashes: list[int]
     sampling: pb.SamplingParams  # every default filled in: what the replica runs
@@ -104,12 +104,18 @@ class Decider:
         self.default_policy = self.policy(default_policy).name
         self._index_warned = False
 
+    def known_policy(self, name: str) -> str:
+        """A policy name fit for a metric label: a known one, else "unknown" (a client's
+        made-up name never becomes a series of its own)."""
+        return name if name in POLICIES else "unknown" if name else self.default_policy
+
     def policy(self, name: str) -> Policy:
         if name not in self.policies:
             self.policies[name] = make_policy(name, block_size=self.model.block_size)
         return self.policies[name]
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        self.limits.inputs.check(request)
         return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
 
     async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], pb.SamplingParams, str]:
@@ -176,9 +182,8 @@ class Decider:
         states = self.registry.states(matched, fleet)
         if not states:
             raise Unavailable("no live replica")
-        request_id = request.request_id or uuid.uuid4().hex
         decision = Decision(
-            request_id, ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
+            new_request_id(), ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
         )
         decision.index_read = view is not None
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)

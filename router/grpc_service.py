@@ -15,12 +15,18 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.metrics import heartbeat_age
 from kvmesh.serving import tracing
+from kvmesh.serving.connections import ClientStalled, end_call, write_within
 from kvmesh.serving.errors import ServingError
 
 
+class _CutOff(Exception):
+    """The drain ran out of time while this stream was running."""
+
+
 class RouterService(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore | None, effective_config: str = "{}"):
+    def __init__(self, core: RouterCore | None, effective_config: str = "{}", write_timeout_s: float = 30.0):
         self.core = core  # set by the router process once the model's block size is known
+        self.write_timeout_s = write_timeout_s  # a client that does not read for this long is cut off
         self.effective_config = effective_config  # JSON, secrets left out
         self._streams: set[asyncio.Task] = set()  # Generate calls in flight
         self._cut_off = False
@@ -55,37 +61,41 @@ class RouterService(pb_grpc.RouterServicer):
             )
         return self.core
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         core = await self._ready(context)
         task = asyncio.current_task()
         self._streams.add(task)
-        cut_off = False
+        status: tuple[grpc.StatusCode, str] | None = None
         try:
-            async with contextlib.aclosing(
-                core.generate(request, _trace(context), context.time_remaining())
-            ) as stream:
-                async for response in stream:
-                    yield response
-                    if self._cut_off:
-                        cut_off = True
-                        break
+            with core.admit(1, request.policy):
+                stream = core.generate(request, _trace(context), context.time_remaining(), context.peer())
+                async with contextlib.aclosing(stream):
+                    async for response in stream:
+                        await write_within(context, response, self.write_timeout_s)
+                        if self._cut_off:
+                            raise _CutOff
         except ServingError as exc:
-            await context.abort(exc.grpc_code, str(exc))
-        except asyncio.CancelledError:
+            status = (exc.grpc_code, str(exc))
+        except ClientStalled as exc:  # its slot and blocks are free now; the status waits on the client
+            status = (grpc.StatusCode.DEADLINE_EXCEEDED, f"request aborted: {exc}")
+        except (_CutOff, asyncio.CancelledError):
             if not self._cut_off:
                 raise  # the client went away
-            cut_off = True
+            status = (
+                grpc.StatusCode.UNAVAILABLE,
+                "router shut down before the request finished (drain timeout)",
+            )
         finally:
             self._streams.discard(task)
-        if cut_off:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "router shut down before the request finished (drain timeout)"
-            )
+        if status is not None:
+            end_call(context, *status)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        """Abort what this connection sent under ``request_id`` (another client's requests
+        with the same id are not this client's to abort)."""
         core = await self._ready(context)
         try:
-            return pb.AbortResponse(found=await core.abort(request.request_id))
+            return pb.AbortResponse(found=await core.abort(request.request_id, context.peer()))
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 

@@ -49,7 +49,9 @@ class RouterServer:
         self.registry = ReplicaRegistry(
             self.index, refresh_s=config.refresh_s, tls=config.tls, fleet=self.fleet
         )
-        self.service = RouterService(None, json.dumps(effective_config(config)))
+        self.service = RouterService(
+            None, json.dumps(effective_config(config)), config.connections.stream_write_timeout_s
+        )
         self.core: RouterCore | None = None
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
@@ -81,6 +83,7 @@ class RouterServer:
             tls=self.config.tls,
             interceptors=interceptors,
             max_message_bytes=self.config.max_message_bytes,
+            connections=self.config.connections,
         )
         if self.model is None:
             self.model = await self._learn_block_size()
@@ -110,7 +113,10 @@ class RouterServer:
                 auth_token=token,
                 max_body_bytes=self.config.max_message_bytes,
             )
-            self.http = await start_http_server(app, self.config.host, self.config.http_port, self.config.tls)
+            self.http = await start_http_server(
+                app, self.config.host, self.config.http_port, self.config.tls,
+                self.config.connections.stream_write_timeout_s,
+            )  # fmt: skip
         log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
 
     async def _store_settings(self) -> None:

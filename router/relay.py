@@ -27,10 +27,10 @@ from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
 
 log = logging.getLogger(__name__)
-# Codes that say the replica (not the request) failed: it is cooled down, and the request may move.
-REPLICA_FAILURE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-)
+# The code that says the replica (not the request) failed: it is cooled down, and the request
+# may move. INTERNAL and UNKNOWN are the request's own failure on a replica that goes on
+# serving: moving it would fail it again elsewhere and cool down every replica it touched.
+REPLICA_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRYABLE_CODES = REPLICA_FAILURE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 

@@ -31,6 +31,11 @@ class Overloaded(ServingError):
     http_status = 429
 
 
+class RequestFailed(ServingError):
+    """This request failed where it ran and ended alone: the requests beside it went on, and
+    its replica stays in service (the router neither retries it nor cools the replica down)."""
+
+
 class DeadlineExceeded(ServingError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
@@ -42,5 +47,7 @@ def upstream_error(code: grpc.StatusCode, details: str) -> ServingError:
         grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
         grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+        grpc.StatusCode.INTERNAL: RequestFailed,
+        grpc.StatusCode.UNKNOWN: RequestFailed,
     }.get(code, Unavailable)
     return cls(f"replica error ({code.name}): {details}")

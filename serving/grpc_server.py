@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.tls import TLSConfig
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -62,9 +63,11 @@ async def start_grpc_server(
     tls: TLSConfig | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    connections: ConnectionLimits | None = None,
 ) -> GrpcServer:
     """Serve ``(add_XServicer_to_server, servicer, full service name)`` triples on host:port
-    (0: any), over TLS when ``tls`` has a certificate. Larger messages: RESOURCE_EXHAUSTED."""
+    (0: any), over TLS when ``tls`` has a certificate. Larger messages: RESOURCE_EXHAUSTED.
+    ``connections``: streams per connection and the keepalive policy."""
     if port:
         check_free(host, port, "gRPC")  # a clear message, before grpc logs its own
     server = grpc.aio.server(
@@ -73,6 +76,7 @@ async def start_grpc_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # else a second server on a taken port silently shares it
+            *(connections or ConnectionLimits()).grpc_options(),
         ],
     )
     names = []

@@ -1,4 +1,5 @@
-"""Running an ASGI app (the OpenAI front end) with uvicorn inside an existing event loop."""
+"""Running an ASGI app (the OpenAI front end) with uvicorn inside an existing event loop,
+behind a guard that cuts off clients that stop reading."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from kvmesh.serving.connections import ClientStalled
 from kvmesh.serving.grpc_server import ListenError, check_free
 from kvmesh.serving.tls import TLSConfig
 
@@ -31,12 +33,15 @@ class HttpServer:
             await self.task
 
 
-async def start_http_server(app, host: str, port: int, tls: TLSConfig | None = None) -> HttpServer:
+async def start_http_server(
+    app, host: str, port: int, tls: TLSConfig | None = None, write_timeout_s: float = 30.0
+) -> HttpServer:
     """Serve ``app`` on ``host:port`` (0: any free port; HTTPS when ``tls`` has a cert, with
-    client certificates required under ``tls.client_auth``)."""
+    client certificates required under ``tls.client_auth``). A client that does not take a
+    part of a response for ``write_timeout_s`` is disconnected (``StalledClientGuard``)."""
     mtls = bool(tls and tls.cert and tls.client_auth)
     config = uvicorn.Config(
-        app,
+        StalledClientGuard(app, write_timeout_s),
         host=host,
         port=port,
         log_level="warning",
@@ -68,3 +73,42 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
+
+
+class StalledClientGuard:
+    """Disconnects a client that does not take a part of its response within the write
+    timeout. Its response is then cancelled like any other whose client went away (the
+    request is aborted, its slot and KV blocks freed) instead of waiting on the client for
+    as long as the client likes; a client that stops reading fills the transport's buffers,
+    after which every write waits."""
+
+    def __init__(self, app, timeout_s: float):
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_within(message) -> None:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await send(message)
+            except TimeoutError:
+                _close_connection(send)
+                raise ClientStalled(
+                    f"the client did not read the response for {self.timeout_s:g} s"
+                ) from None
+
+        try:
+            await self.app(scope, receive, send_within)
+        except ClientStalled:
+            await asyncio.sleep(0)  # the server learns of the closed connection: no error logged
+
+
+def _close_connection(send) -> None:
+    """Drop the connection under uvicorn's ``send`` at once, unsent bytes and all (a close
+    would wait for them); another server gets the ClientStalled and does what it does."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is not None:
+        transport.abort()

@@ -15,24 +15,30 @@ model or path, 413 for an oversized body, 429 when overloaded, 503 when nothing 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from importlib.metadata import version
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from kvmesh.protos import pb
 from kvmesh.serving import tracing
+from kvmesh.serving.admission import Ticket
 from kvmesh.serving.auth import token_matches
 from kvmesh.serving.errors import InvalidRequest, ServingError
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.openai_convert import Plan, chat_plan, completion_plan, set_chat, set_token_ids
+from kvmesh.serving.offload import sized
+from kvmesh.serving.openai_convert import Plan, chat_plan, completion_plan, tokenize_request
 from kvmesh.serving.openai_format import Echo, ResponseBuilder, TokenNames
 from kvmesh.serving.openai_protocol import (
     FIELD_RULES,
@@ -46,6 +52,7 @@ from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 _VERSION = version("kvmesh")
+Body = TypeVar("Body", bound=BaseModel)
 _FIELDS = frozenset(rule.name for rule in FIELD_RULES) | {"top_logprobs", "tokens"}
 # An oversized body is read (and dropped) up to this much, so the client gets its 413
 # instead of a connection reset; beyond it the connection is simply closed.
@@ -57,6 +64,9 @@ class OpenAIBackend(Protocol):
 
     model: ModelInfo
     tokenizer: PromptTokenizer | None
+    inputs: InputLimits
+
+    def admit(self, count: int = 1, policy: str = "") -> Ticket: ...
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]: ...
 
@@ -73,7 +83,12 @@ class _UnknownModel(ServingError):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "service_unavailable"
+        status,
+        "invalid_request_error"
+        if status < 500
+        else "server_error"
+        if status == 500
+        else "service_unavailable",
     )
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
@@ -98,6 +113,32 @@ def _check_model(name: str | None, model: ModelInfo) -> None:
         raise _UnknownModel(f"model {name!r} is not served here; this server serves {model.api_name!r}")
 
 
+def _validation_error(errors: list) -> InvalidRequest:
+    """A body that does not fit its model, as one 400 naming the first field at fault."""
+    first = errors[0] if errors else {}
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request")
+    return InvalidRequest(f"{'.'.join(where)}: {message}" if where else message, where[0] if where else None)
+
+
+async def _parsed(raw: Request, model: type[Body]) -> tuple[Body, int]:
+    """The request body as ``model``, and its size in bytes (which decides whether the work
+    for it runs off the event loop: parsing a large body included)."""
+    data = await raw.body()
+    try:
+        return await sized(len(data), _parse, data, model), len(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+def _parse(data: bytes, model: type[Body]) -> Body:
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8 JSON ({exc.reason})") from None
+    return model.model_validate_json(text)
+
+
 def build_app(
     backend: OpenAIBackend,
     health: Callable[[], dict],
@@ -105,7 +146,11 @@ def build_app(
     max_body_bytes: int = 4 << 20,
     title: str = "kvmesh router",
 ) -> FastAPI:
-    """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503."""
+    """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503.
+
+    Every route that does work for a request (generate, render, tokenize, detokenize) takes
+    its in-flight slots (``backend.admit``) first, a batch all its prompts at once, and
+    parses, renders and tokenizes off the event loop when the request is large."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     model = backend.model.api_name
     names = TokenNames(backend.tokenizer)
@@ -122,16 +167,11 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        return _error(
-            400, f"{'.'.join(where)}: {first.get('msg', 'invalid request')}", where[0] if where else None
-        )
+        error = _validation_error(exc.errors())
+        return _error(400, str(error), error.param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
-        if exc.status_code == 400:  # FastAPI could not parse the body (not UTF-8, say)
-            return _error(400, f"the request body is not valid UTF-8 JSON ({exc.detail})")
         return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(ServingError)
@@ -175,64 +215,73 @@ def build_app(
         }
 
     @app.post("/v1/completions/render")
-    async def render_completion(body: CompletionRequest):
+    async def render_completion(raw: Request):
+        body, size = await _parsed(raw, CompletionRequest)
         _check_model(body.model, backend.model)
-        plan = completion_plan(body, backend.tokenizer)
-        return [{"token_ids": await backend.prompt_ids(r)} for r in plan.requests]
+        prompts = len(body.prompts())
+        backend.inputs.check_batch(prompts, 1)
+        with backend.admit(prompts, body.policy or ""):
+            plan = await sized(size, completion_plan, body, backend.tokenizer)
+            return [{"token_ids": await backend.prompt_ids(r)} for r in plan.requests]
 
     @app.post("/v1/chat/completions/render")
-    async def render_chat(body: ChatRequest):
+    async def render_chat(raw: Request):
         """vLLM's render shape: vllm-router's cache_aware policy asks every worker for it."""
+        body, size = await _parsed(raw, ChatRequest)
         _check_model(body.model, backend.model)
-        return [{"token_ids": await backend.prompt_ids(chat_plan(body).requests[0])}]
+        with backend.admit(1, body.policy or ""):
+            plan = await sized(size, chat_plan, body)
+            return [{"token_ids": await backend.prompt_ids(plan.requests[0])}]
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(raw: Request):
+        body, size = await _parsed(raw, TokenizeRequest)
         _check_model(body.model, backend.model)
-        request = pb.GenerateRequest()
-        if body.messages:
-            set_chat(request.chat, body.messages, body.tools, body.chat_template_kwargs)
-            request.chat.add_generation_prompt = body.add_generation_prompt
-            request.chat.continue_final_message = body.continue_final_message
-        elif isinstance(body.prompt, str) and not body.add_special_tokens and backend.tokenizer:
-            request.token_ids.ids.extend(backend.tokenizer.encode(body.prompt, add_special_tokens=False))
-        elif isinstance(body.prompt, str):
-            request.text = body.prompt
-        elif body.prompt is not None:
-            set_token_ids(request, body.prompt, "prompt")
-        else:
-            raise InvalidRequest("set prompt or messages", param="prompt")
-        tokens = await backend.prompt_ids(request)
-        reply = {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            reply["token_strs"] = names(tokens)
-        return reply
+        with backend.admit(1):
+            request = await sized(size, tokenize_request, body, backend.tokenizer)
+            tokens = await backend.prompt_ids(request)
+            reply = {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
+            if body.return_token_strs:
+                reply["token_strs"] = await sized(size, names, tokens)
+            return reply
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(raw: Request):
+        body, size = await _parsed(raw, DetokenizeRequest)
         _check_model(body.model, backend.model)
         if backend.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer", param="tokens")
         bad = next((t for t in body.tokens if not 0 <= t < backend.model.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
-        return {"prompt": backend.tokenizer.decode(body.tokens)}
+        with backend.admit(1):
+            return {"prompt": await sized(size, backend.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def completions(raw: Request):
+        body, size = await _parsed(raw, CompletionRequest)
         body.check_supported()
         _check_model(body.model, backend.model)
-        plan = completion_plan(body, backend.tokenizer)
-        echoes = await _echoes(body, plan) if plan.echo_prompt else None
-        return await _serve(body, plan, False, echoes, tracing.extract(raw.headers))
+        prompts = len(body.prompts())
+        backend.inputs.check_batch(prompts, body.n)
+        ticket = backend.admit(prompts, body.policy or "")
+        with _released_unless_streaming(ticket):
+            plan = await sized(size, completion_plan, body, backend.tokenizer)
+            echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
+            return await _serve(raw, body, plan, False, echoes, ticket)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, raw: Request):
+    async def chat_completions(raw: Request):
+        body, size = await _parsed(raw, ChatRequest)
         body.check_supported()
         _check_model(body.model, backend.model)
-        return await _serve(body, chat_plan(body), True, None, tracing.extract(raw.headers))
+        backend.inputs.check_batch(1, body.n)
+        ticket = backend.admit(1, body.policy or "")
+        with _released_unless_streaming(ticket):
+            plan = await sized(size, chat_plan, body)
+            return await _serve(raw, body, plan, True, None, ticket)
 
-    async def _echoes(body: CompletionRequest, plan: Plan) -> list[Echo]:
+    async def _echoes(body: CompletionRequest, plan: Plan, size: int) -> list[Echo]:
         """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
         echoes = []
         for prompt, request in zip(body.prompts(), plan.requests, strict=True):
@@ -242,10 +291,13 @@ def build_app(
             elif backend.tokenizer is None:
                 raise InvalidRequest("echo of token ids needs a tokenizer; this model has none", param="echo")
             else:
-                echoes.append(Echo(backend.tokenizer.decode(prompt), ids))
+                echoes.append(Echo(await sized(size, backend.tokenizer.decode, prompt), ids))
         return echoes
 
-    async def _serve(body: CompletionRequest | ChatRequest, plan: Plan, chat: bool, echoes, trace):
+    async def _serve(
+        raw: Request, body: CompletionRequest | ChatRequest, plan: Plan, chat: bool, echoes, ticket
+    ):
+        trace = tracing.extract(raw.headers)
         streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
         first = await anext(responses)  # routing errors surface here, before any header is sent
@@ -254,16 +306,78 @@ def build_app(
         builder = ResponseBuilder(plan, chat, model, token_names, rid, int(time.time()), echoes)
         if body.stream:
             events = _sse(builder, first, responses, body.stream_options or StreamOptions())
-            return StreamingResponse(events, media_type="text/event-stream")
-        async for prompt, response in _chain(first, responses):
-            builder.add(prompt, response)
-        return builder.body()
+            return _EventStream(events, ticket)
+
+        async def whole() -> dict:
+            async for prompt, response in _chain(first, responses):
+                builder.add(prompt, response)
+            return builder.body()
+
+        return await _unless_client_leaves(raw, whole())
 
     return app
 
 
+@contextlib.contextmanager
+def _released_unless_streaming(ticket: Ticket):
+    """A request's slots go back when its handler ends, unless a stream took them over (an
+    ``_EventStream`` releases them when it ends)."""
+    try:
+        yield
+    except BaseException:
+        ticket.release()
+        raise
+    else:
+        if not ticket.streaming:
+            ticket.release()
+
+
+async def _unless_client_leaves(raw: Request, work: Coroutine) -> object:
+    """``work``'s result; or, when the client disconnects first, ``work`` cancelled (its
+    requests aborted, their blocks freed: nobody waits for the answer) and a 499."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(raw.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that holds its request's slots until it ends, and closes its event
+    generator however it ends (a failed write included), so the request's cleanup (abort
+    upstream) runs now, not when the generator is collected."""
+
+    def __init__(self, events: AsyncIterator[str], ticket: Ticket):
+        super().__init__(events, media_type="text/event-stream")
+        self.ticket = ticket
+        ticket.streaming = True  # the handler leaves the slots to this response
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
+
+    async def stream_response(self, send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
 class _BodyLimit:
-    """Refuses request bodies over ``max_bytes`` with 413, without keeping them in memory."""
+    """Refuses request bodies over ``max_bytes`` with 413 (declared or chunked alike), reading
+    no more than that: the body is read here, whole, before the app sees any of it."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -275,20 +389,28 @@ class _BodyLimit:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
             if seen > self.max_bytes:
-                raise _TooLarge
-            return message
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        delivered = False
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._too_large(scope, receive, send)
+        async def replay():
+            nonlocal delivered
+            if delivered:
+                return await receive()  # what comes after the body: the client's disconnect
+            delivered = True
+            return whole
+
+        await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send):
         """Read the rest of the body first: a server that answers and closes while the client
@@ -301,10 +423,6 @@ class _BodyLimit:
                 break
         response = _error(413, f"request body over {self.max_bytes} bytes")
         await response(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _tagged(stream: AsyncIterator[pb.GenerateResponse]):

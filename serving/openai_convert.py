@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 from kvmesh.protos import pb
 from kvmesh.serving.errors import InvalidRequest
-from kvmesh.serving.openai_protocol import ChatMessage, ChatRequest, CompletionRequest, _Sampling
+from kvmesh.serving.openai_protocol import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    _Sampling,
+)
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 _UNSIGNED = frozenset({"max_tokens", "seed", "min_tokens", "logprobs", "prompt_logprobs", "n"})
@@ -139,3 +145,21 @@ def set_chat(
         chat.tools_json = json.dumps(tools)
     if template_kwargs:
         chat.template_kwargs_json = json.dumps(template_kwargs)
+
+
+def tokenize_request(body: TokenizeRequest, tokenizer: PromptTokenizer | None) -> pb.GenerateRequest:
+    """``/tokenize``'s input as a GenerateRequest (its prompt ids come out as a generation's do)."""
+    request = pb.GenerateRequest()
+    if body.messages:
+        set_chat(request.chat, body.messages, body.tools, body.chat_template_kwargs)
+        request.chat.add_generation_prompt = body.add_generation_prompt
+        request.chat.continue_final_message = body.continue_final_message
+    elif isinstance(body.prompt, str) and not body.add_special_tokens and tokenizer:
+        request.token_ids.ids.extend(tokenizer.encode(body.prompt, add_special_tokens=False))
+    elif isinstance(body.prompt, str):
+        request.text = body.prompt
+    elif body.prompt is not None:
+        set_token_ids(request, body.prompt, "prompt")
+    else:
+        raise InvalidRequest("set prompt or messages", param="prompt")
+    return request

@@ -9,6 +9,7 @@ rendered from it (a test keeps the two equal) and the compatibility suite walks 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,14 +91,24 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule("policy", "both", "yes", "kvmesh extension: the routing policy for this request"),
 )
 
+# Unknown field names are remembered (to log each once) up to this many; names that are not
+# plain identifiers are never logged as sent: a client's text does not become a log line.
+MAX_UNKNOWN_FIELDS = 64
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _seen_unknown: set[str] = set()
 
 
 def log_unknown_fields(body: BaseModel) -> None:
-    """Fields nobody here knows are accepted (as vLLM does) and logged once per name."""
+    """Fields nobody here knows are accepted (as vLLM does) and logged once per name, for
+    the first ``MAX_UNKNOWN_FIELDS`` names seen (what a client sends is bounded in memory)."""
     for name in (body.model_extra or {}).keys() - _seen_unknown:
-        _seen_unknown.add(name)
-        log.warning("request field is not supported and was ignored", extra={"field": name})
+        if len(_seen_unknown) >= MAX_UNKNOWN_FIELDS:
+            return
+        shown = name if _PLAIN_NAME.fullmatch(name) else "(a name that is not a plain identifier)"
+        if shown in _seen_unknown:
+            continue
+        _seen_unknown.add(shown)
+        log.warning("request field is not supported and was ignored", extra={"field": shown})
 
 
 def _refuse_unless(body: BaseModel, name: str, allowed: tuple) -> None:

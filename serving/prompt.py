@@ -3,47 +3,48 @@ so both tokenize (and therefore hash) every input kind the same way."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
-import functools
 import json
-import os
 from typing import Any
 
 from kvmesh.protos import pb
 from kvmesh.serving.errors import InvalidRequest
+from kvmesh.serving.offload import sized
 from kvmesh.serving.tokenizer import PromptTokenizer
-
-_INLINE_TOKENIZE_CHARS = 8192
 
 
 async def prompt_ids(
     request: pb.GenerateRequest, tokenizer: PromptTokenizer | None, vocab_size: int
 ) -> list[int]:
-    """Token ids of text, chat messages (chat template) or ids; InvalidRequest with the reason."""
+    """Token ids of text, chat messages (chat template) or ids; InvalidRequest with the reason.
+    Off the event loop when the request is large (its whole size decides, not its text's)."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("request has no input: set text, token_ids or chat")
+    if kind != "token_ids" and tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer; send token ids")
+    ids = await sized(request.ByteSize(), _prompt_ids, request, kind, tokenizer, vocab_size)
+    if not ids:
+        raise InvalidRequest("prompt is empty")
+    return ids
+
+
+def _prompt_ids(
+    request: pb.GenerateRequest, kind: str, tokenizer: PromptTokenizer | None, vocab_size: int
+) -> list[int]:
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    elif tokenizer is None:
-        raise InvalidRequest("this model has no tokenizer; send token ids")
-    elif kind == "text":
-        ids = await _off_loop(len(request.text), tokenizer.encode, request.text) if request.text else []
-    else:
-        messages, options = chat_arguments(request.chat)
-        size = sum(len(m.content) for m in request.chat.messages)
-        try:
-            ids = await _off_loop(size, lambda: tokenizer.render_chat(messages, **options))
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-    if not ids:
-        raise InvalidRequest("prompt is empty")
-    return ids
+        return ids
+    if kind == "text":
+        return tokenizer.encode(request.text) if request.text else []
+    messages, options = chat_arguments(request.chat)
+    try:
+        return tokenizer.render_chat(messages, **options)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def chat_arguments(chat: pb.ChatMessages) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -88,18 +89,3 @@ def _json(text: str, name: str, kind: type):
     if not isinstance(value, kind):
         raise InvalidRequest(f"{name} must be a JSON {'list' if kind is list else 'object'}")
     return value
-
-
-# Long prompts tokenize here, at most one per core but one: the event loop keeps a core, so
-# a burst of long texts never holds up the other requests' decisions and relays.
-_TOKENIZE_THREADS = concurrent.futures.ThreadPoolExecutor(
-    max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvmesh-tokenize"
-)
-
-
-async def _off_loop(size: int, fn, *args):
-    """Tokenize long inputs in a thread (the tokenizer releases the GIL) so one long prompt
-    does not stall every other stream; short ones inline (cheaper)."""
-    if size <= _INLINE_TOKENIZE_CHARS:
-        return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_THREADS, functools.partial(fn, *args))

@@ -109,6 +109,15 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
 
 
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """``ValueError`` naming the field when a token id it names is outside the vocabulary
+    (an index past the logits row fails the whole batch's step, and on CUDA the device)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 _OPTIONAL_FIELDS = (
     "temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_p", "min_tokens", "logprobs", "prompt_logprobs", "n",

@@ -8,9 +8,10 @@ import httpx
 import pytest
 
 from kvmesh.protos import pb
-from kvmesh.serving.admission import admit
+from kvmesh.serving.admission import InflightLimit, admit
 from kvmesh.serving.errors import InvalidRequest, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai_app import build_app
 from kvmesh.serving.openai_convert import chat_plan, completion_plan
@@ -128,6 +129,11 @@ class _FailingBackend:
 
     model = ModelInfo("m", 16, 64, 100, 1)
     tokenizer = None
+    inputs = InputLimits()
+    inflight = InflightLimit(8, "test backend")
+
+    def admit(self, count=1, policy=""):
+        return self.inflight.take(count)
 
     async def prompt_ids(self, request):
         return list(request.token_ids.ids)

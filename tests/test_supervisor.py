@@ -1,7 +1,8 @@
 """Engines outlive their controller: replicas are named, detached actors; a new supervisor
 re-attaches to live ones with its settings (no model reload) and replaces the rest; a failed
-start is retried with backoff and shown in the index; a controller process killed and
-restarted under load costs no request."""
+start is retried with backoff and shown in the index; a replica whose engine broke is
+replaced (replacements run in parallel, and the watch survives its own errors); a
+controller process killed and restarted under load costs no request."""
 
 import asyncio
 import json
@@ -89,6 +90,56 @@ async def test_a_failed_restart_is_retried_with_backoff_and_reported(ray_cluster
     )
     state = json.loads(await index.controller_state())["replica-0"]
     assert state["state"] == "ready" and state["failures"] == 0 and sup.restarts == 1
+    await sup.stop(grace=1)
+    await index.close()
+
+
+async def test_a_broken_engine_is_replaced_in_parallel_and_the_watch_survives_errors(
+    ray_cluster, qwen3_dir, valkey_server
+):
+    index = index_for(valkey_server.url, "broken")
+    sup = Supervisor(template(qwen3_dir, valkey_server.url, "broken"), 2, False, index, check_s=0.2)
+    await sup.start()
+    old = {rid: await actor.pid.remote() for rid, actor in sup.actors.items()}
+    publish, launch = sup._publish, sup._launch
+
+    async def publish_fails_once():  # fault injection: one check hits an unexpected error
+        if not sup.watch_errors:
+            raise RuntimeError("injected: a bug in one check")
+        await publish()
+
+    spans = []
+
+    async def slow_launch(slot):  # each start takes 2 s more
+        began = asyncio.get_running_loop().time()
+        await asyncio.sleep(2.0)
+        await launch(slot)
+        spans.append((began, asyncio.get_running_loop().time()))
+
+    sup._publish, sup._launch = publish_fails_once, slow_launch
+    # Both engines break: every forward fails, as on a device that stays unusable.
+    for rid, actor in sup.actors.items():
+        await actor.inject_forward_failure.remote()
+        async with grpc.aio.insecure_channel(sup.addresses[rid]) as channel:
+            for i in range(3):  # three failed steps in a row: the engine is broken
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    request = pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=[3, 4, 5 + i]), sampling=pb.SamplingParams(max_tokens=2)
+                    )
+                    [r async for r in pb_grpc.ReplicaStub(channel).Generate(request, timeout=30)]
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    async def both_replaced():
+        return all(s.state == "ready" for s in sup.slots.values()) and sup.restarts == 2
+
+    assert await eventually(both_replaced, timeout=60)
+    assert sup.watch_errors >= 1  # the check that failed was counted, and checks went on
+    new = {rid: await actor.pid.remote() for rid, actor in sup.actors.items()}
+    assert all(new[rid] != old[rid] for rid in old)
+    (_, first_ended), (second_began, _) = sorted(spans)
+    assert second_began < first_ended  # the two starts ran at the same time, not one after the other
+    for rid in sup.actors:
+        assert (await sup.actors[rid].health.remote())["status"] == "ok"
     await sup.stop(grace=1)
     await index.close()
 

@@ -1,0 +1,72 @@
+"""What a slow, stuck or vanished client may hold on a kvmesh server, bounded: a stream that
+cannot deliver is aborted (its in-flight slot and KV blocks freed), a gRPC connection
+carries a bounded number of streams, and one that stops answering pings is closed."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.serving.options import option
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    stream_write_timeout_s: float = option(
+        30.0,
+        flag="stream-write-timeout",
+        help="seconds a response may wait on a client that does not read before its request is aborted",
+    )
+    grpc_max_streams: int = option(1024, help="concurrent streams on one gRPC connection")
+    grpc_keepalive_s: float = option(
+        30.0, flag="grpc-keepalive", help="seconds between the server's pings on a gRPC connection"
+    )
+    grpc_keepalive_timeout_s: float = option(
+        10.0,
+        flag="grpc-keepalive-timeout",
+        help="seconds a gRPC client has to answer a ping before its connection and streams are dropped",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("stream_write_timeout_s", "grpc_keepalive_s", "grpc_keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.grpc_max_streams <= 0:
+            raise ValueError(f"grpc_max_streams must be positive, got {self.grpc_max_streams}")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Server options: the stream bound, the server's own pings (also on a stream that is
+        quiet, however long), and what it accepts of a client's pings (one per 5 s at most;
+        a client that pings faster is sent away after two strikes)."""
+        return [
+            ("grpc.max_concurrent_streams", self.grpc_max_streams),
+            ("grpc.keepalive_time_ms", int(self.grpc_keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.grpc_keepalive_timeout_s * 1000)),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+
+
+class ClientStalled(Exception):
+    """The client did not take a response within the write timeout."""
+
+
+async def write_within(context: grpc.aio.ServicerContext, response: object, timeout_s: float) -> None:
+    """Write one response of a stream, or raise ClientStalled: a client that stops reading
+    fills the transport's buffers, and then a write waits for as long as it does."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await context.write(response)
+    except TimeoutError:
+        raise ClientStalled(f"the client did not read the stream for {timeout_s:g} s") from None
+
+
+def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """End a streaming call with a status, without waiting on it (``abort`` waits for the
+    status to be written, which behind a client that does not read is forever)."""
+    context.set_code(code)
+    context.set_details(details)
