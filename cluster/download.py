@@ -3,11 +3,15 @@
 The only place kvmesh touches a model hub: the chart's init containers run it, then the
 engine and the router read the folder with ``HF_HUB_OFFLINE=1``. Only what serving reads
 is fetched (config, tokenizer and chat template; plus safetensors weights unless
-``--tokenizer-only``). Files land in a temporary folder next to the destination, which is
-renamed into place only when the download is complete: a failed or interrupted download
-never leaves a half-written model where an engine would load it. A folder this command
-completed before, for the same repo and revision, is kept as it is (init containers rerun
-on every pod start).
+``--tokenizer-only``). Files land in a temporary folder of this process's own next to the
+destination, which is renamed into place only when the download is complete: a failed or
+interrupted download never leaves a half-written model where an engine would load it. A
+folder this command completed before, for the same repo and revision, is kept as it is
+(init containers rerun on every pod start).
+
+Several pods may download into one shared folder at once: one downloads (a lock beside the
+folder), the others wait and then reuse what it completed; and a completed folder is
+swapped for another revision only while no server is loading it (``serving.model_lock``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+from kvmesh.serving.model_lock import lock_file, locked
 
 CONFIG_FILES = [
     "config.json",
@@ -52,39 +59,63 @@ def download_model(
     """
     dest = Path(dest)
     wanted = {"repo": repo_id, "revision": revision or "main", "tokenizer_only": tokenizer_only}
-    done = completed(dest)
-    if done is not None and {k: done.get(k) for k in wanted} == wanted:
+    if _holds(dest, wanted):
         return dest
-    if dest.exists() and any(p.name != "lost+found" for p in dest.iterdir()) and done is None:
-        raise DownloadError(f"{dest} holds files this command did not download; give an empty folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with locked(lock_file(dest, "download"), exclusive=True):  # one download into dest at a time
+        if _holds(dest, wanted):  # another process completed it while this one waited
+            return dest
+        if dest.exists() and any(p.name != "lost+found" for p in dest.iterdir()) and completed(dest) is None:
+            raise DownloadError(f"{dest} holds files this command did not download; give an empty folder")
+        partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        try:
+            _fetch(repo_id, revision, partial, tokenizer_only)
+        except DownloadError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        (partial / MARKER).write_text(json.dumps(wanted))
+        with locked(lock_file(dest), exclusive=True):  # no server is loading dest now
+            _swap_in(partial, dest)
+    return dest
+
+
+def _holds(dest: Path, wanted: dict) -> bool:
+    done = completed(dest)
+    return done is not None and {k: done.get(k) for k in wanted} == wanted
+
+
+def _fetch(repo_id: str, revision: str | None, into: Path, tokenizer_only: bool) -> None:
     os.environ["HF_HUB_OFFLINE"] = "0"  # deploy time: this command is the one that may download
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
     patterns = CONFIG_FILES + ([] if tokenizer_only else WEIGHT_FILES)
     try:
         snapshot_download(
             repo_id,
             revision=revision,
-            local_dir=partial,
+            local_dir=into,
             allow_patterns=patterns,
             token=os.environ.get("HF_TOKEN"),
         )
-        _check(partial, tokenizer_only)
+        _check(into, tokenizer_only)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
-        shutil.rmtree(partial, ignore_errors=True)
         raise DownloadError(
-            f"downloading {repo_id} ({wanted['revision']}) failed: {_first_line(exc)}"
+            f"downloading {repo_id} ({revision or 'main'}) failed: {_first_line(exc)}"
         ) from None
-    shutil.rmtree(partial / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
-    (partial / MARKER).write_text(json.dumps(wanted))
+    shutil.rmtree(into / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
+
+
+def _swap_in(partial: Path, dest: Path) -> None:
+    """``partial`` becomes ``dest`` (two renames, under the folder's exclusive lock: no
+    server is loading it meanwhile); an older completed download there is removed after."""
+    old = None
     if dest.exists():
-        shutil.rmtree(dest)  # an older completed download (another repo or revision)
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.replace(dest, old / dest.name)
     os.replace(partial, dest)
-    return dest
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _check(folder: Path, tokenizer_only: bool) -> None:

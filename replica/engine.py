@@ -29,6 +29,7 @@ from kvmesh.replica.models.loader import decoder_spec, load_hf_config
 from kvmesh.replica.request import Request, RequestOutput, Status
 from kvmesh.replica.sampler import Pick, RequestFailed, TokenLogprob
 from kvmesh.replica.scheduler import Scheduler
+from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.sampling import SamplingParams, check_vocabulary
 
 log = logging.getLogger(__name__)
@@ -71,20 +72,8 @@ class LLMEngine:
     ):
         self.config = EngineConfig.from_kwargs(**config)
         self.model_dir = str(model_dir)
-        hf_config = load_hf_config(model_dir)
-        spec = decoder_spec(hf_config)
-        self.vocab_size = spec.vocab_size
-        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
-        if self.max_model_len > spec.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({spec.max_position_embeddings})"
-            )
-        self.model_id = model_id or Path(model_dir).resolve().name
-        self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec)
-        self.block_size = self.runner.block_size
-        self.tokenizer = _load_tokenizer(Path(tokenizer_dir or model_dir))
-        self.eos_token_ids = _eos_token_ids(Path(model_dir), hf_config, self.tokenizer)
+        with reading_model(model_dir):  # no download swaps the folder while it loads
+            self._load(model_dir, model_id, tokenizer_dir)
         self.hash_seed = namespace_seed(self.model_id, self.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, self.block_size, seed=self.hash_seed)
         self.scheduler = Scheduler(
@@ -99,6 +88,23 @@ class LLMEngine:
         self.num_failed_requests = 0
         self.failed_steps = 0  # steps in a row whose forward failed for every request
         self.broken: str | None = None  # why this engine can no longer step, once it cannot
+
+    def _load(self, model_dir: str | Path, model_id: str | None, tokenizer_dir: str | Path | None) -> None:
+        """Everything read from the model folder: config, weights, tokenizer, eos ids."""
+        hf_config = load_hf_config(model_dir)
+        spec = decoder_spec(hf_config)
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
+        if self.max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({spec.max_position_embeddings})"
+            )
+        self.model_id = model_id or Path(model_dir).resolve().name
+        self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec)
+        self.block_size = self.runner.block_size
+        self.tokenizer = _load_tokenizer(Path(tokenizer_dir or model_dir))
+        self.eos_token_ids = _eos_token_ids(Path(model_dir), hf_config, self.tokenizer)
 
     # ------------------------------------------------------------------ requests
 

@@ -23,6 +23,7 @@ from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.openai_app import build_app
 from kvmesh.serving.options import effective_config
 
@@ -35,8 +36,9 @@ class RouterServer:
             raise ValueError("the router needs the prefix index's redis_url")
         self.config = config
         self.model_id = config.model_id or Path(config.model_dir).resolve().name
-        self.tokenizer = config.api.load_tokenizer(config.model_dir)
-        self.defaults = config.api.load_defaults(config.model_dir)
+        with reading_model(config.model_dir):  # no download swaps the folder while it is read
+            self.tokenizer = config.api.load_tokenizer(config.model_dir)
+            self.defaults = config.api.load_defaults(config.model_dir)
         # With block size "auto" the model's hash namespace is known once a replica stored it.
         self.model = self._model_info(config.block_size) if config.block_size else None
         seed = self.model.hash_seed if self.model else None
@@ -58,9 +60,10 @@ class RouterServer:
 
     def _model_info(self, block_size: int) -> ModelInfo:
         c = self.config
-        return ModelInfo.from_folder(
-            c.model_dir, self.model_id, block_size, c.max_model_len, c.api.served_model_name
-        )
+        with reading_model(c.model_dir):
+            return ModelInfo.from_folder(
+                c.model_dir, self.model_id, block_size, c.max_model_len, c.api.served_model_name
+            )
 
     @property
     def address(self) -> str:

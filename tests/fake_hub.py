@@ -3,7 +3,8 @@
 a revision (``/api/models/{repo}/revision/{rev}``), its file tree
 (``/api/models/{repo}/tree/{rev}``) and each file (``/{repo}/resolve/{rev}/{path}``, HEAD
 and GET, with the commit and ETag headers the client checks). Repos can require a bearer
-token; a file can be made to fail, to test a download that breaks half way."""
+token; a file can be made to fail, to test a download that breaks half way, and every file
+can take a while (``delay_s``), to hold several downloads in flight at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,6 +44,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, Repo] = {}
         self.requests: list[str] = []
+        self.delay_s = 0.0  # before each file's content
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -92,6 +95,8 @@ class FakeHub:
             elif name in repo.broken:
                 self._send(h, 500, b"storage backend failed", body)
             else:
+                if body:
+                    time.sleep(self.delay_s)
                 content = files[name]
                 headers = {
                     "X-Repo-Commit": repo.commit(self._name(repo, m.group(2))),

@@ -1,4 +1,6 @@
-"""One request, one client never hurts the others: every count and size a client controls is
+"""One request, one client never hurts the others: a request that fails on its replica fails
+alone (not retried, no replica cooled down), and a replica whose engine broke says so and
+leaves the index; every count and size a client controls is
 bounded on the router and on each replica alike (400 / INVALID_ARGUMENT naming the field); a
 batch is admitted as its number of prompts before anything is built for it, and every route
 takes a slot; a client that stops reading or vanishes gives its slot and KV blocks back; a
@@ -15,12 +17,14 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually, local_router_config
 from reference import prompts_of_lengths
 from tcp_proxy import FreezableProxy
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica import sampler as sampler_module
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterLimits
@@ -413,3 +417,64 @@ async def test_unknown_field_names_are_bounded_and_never_logged_raw(stack, caplo
     assert len(openai_protocol._seen_unknown) <= openai_protocol.MAX_UNKNOWN_FIELDS
     fields = [r.field for r in caplog.records if hasattr(r, "field")]
     assert len(fields) <= openai_protocol.MAX_UNKNOWN_FIELDS and not any("\n" in f for f in fields)
+
+
+# ---------------------------------------------------------------- failures that stay their own
+
+
+async def test_a_request_that_fails_on_its_replica_fails_alone_through_the_router(stack, monkeypatch):
+    """Fault injection: one request's sampling raises on whichever replica runs it. It ends
+    INTERNAL, is not moved to another replica (it would fail there too), and no replica is
+    cooled down; the requests beside it finish."""
+    router, replicas = stack
+    real_adjust = sampler_module.adjust_logits
+
+    def adjust_or_raise(logits, request):
+        if request.params.logit_bias == {11: 0.25}:
+            raise RuntimeError("injected sampling fault")
+        return real_adjust(logits, request)
+
+    monkeypatch.setattr(sampler_module, "adjust_logits", adjust_or_raise)
+    failed_before = sum(r.engine.stats().num_failed_requests for r in replicas)
+    bad = ordinary(50, max_tokens=20)
+    bad.sampling.logit_bias[11] = 0.25
+    runs = [generate(router.address, pb_grpc.RouterStub, ordinary(60 + i, 30)) for i in range(4)]
+    (code, details), *results = await asyncio.gather(
+        grpc_code(router.address, pb_grpc.RouterStub, bad), *runs
+    )
+    assert code == "INTERNAL" and "injected sampling fault" in details
+    assert all(r[-1].complete.usage.completion_tokens == 30 for r in results)
+    assert sum(r.engine.stats().num_failed_requests for r in replicas) - failed_before == 1  # not retried
+    assert no_replica_cooled(router) and router.health()["status"] == "ok"
+
+
+async def test_a_replica_whose_engine_broke_says_so_and_leaves_the_index(stack, qwen3_dir, monkeypatch):
+    router, replicas = stack
+    broken = ReplicaServer(
+        ReplicaConfig(str(qwen3_dir), "hostile-broken", replicas[0].config.redis_url, heartbeat_s=0.2)
+    )
+    await broken.start()
+    try:
+        assert await eventually(lambda: _live(router, 3))
+
+        def fail(*args):
+            raise RuntimeError("injected device failure")
+
+        monkeypatch.setattr(broken.engine.engine.runner, "_forward_layout", fail)
+        for i in range(3):  # three failed steps in a row
+            code, _ = await grpc_code(broken.address, pb_grpc.ReplicaStub, ordinary(70 + i))
+            assert code == "UNAVAILABLE"
+        assert await eventually(lambda: _live(router, 2), timeout=10)  # gone from the index
+        async with httpx.AsyncClient(base_url=broken.http_address) as http:
+            health = await http.get("/health")
+        assert health.status_code == 503 and "engine broken" in health.json()["reason"]
+        async with grpc.aio.insecure_channel(broken.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            status = await check(health_pb2.HealthCheckRequest(service="kvmesh.v1.Replica"))
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        results = await asyncio.gather(
+            *(generate(router.address, pb_grpc.RouterStub, ordinary(80 + i)) for i in range(6))
+        )
+        assert all(r[-1].complete.replica_id != "hostile-broken" for r in results)
+    finally:
+        await broken.stop(grace=0.5)
