@@ -5,12 +5,19 @@ Closed-loop clients send shared-prefix requests over gRPC for ``duration`` secon
 Reported per minute: requests, errors by status code, p99 latency; and the resident memory
 of every long-lived process (this process, which hosts the router; Redis; each replica
 incarnation), which must stay flat once warm.
+
+Each failed ordinary request is classified: one that was streaming from a replica killed
+while it ran is the kill's (nothing can save it: its client has seen tokens); any other is
+a failure of kvmesh's. With ``hostile``, clients of ``hostile.py`` mix bad, oversized, slow
+and vanishing requests of every kind into the load: each must get its clean answer, and no
+ordinary request may fail because of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +34,7 @@ from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.cluster.stats import percentile
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.metrics import read_samples
 
 
@@ -67,21 +75,53 @@ async def closed_loop_client(
             log.append((start - t0, code, time.perf_counter() - start))
 
 
+def killed_while_streaming(failure: dict, kill_times: list[float]) -> bool:
+    """A failure that only a replica's death explains: its stream had started (the router
+    never moves a request its client has seen tokens of), it ended with the replica's
+    UNAVAILABLE, and a replica was killed while it ran."""
+    began, ended = failure["at_s"], failure["at_s"] + failure["after_s"]
+    return (
+        failure["code"] == "UNAVAILABLE"
+        and failure["responses"] > 0
+        and failure["details"].startswith("replica error")
+        and any(began - 0.5 <= k <= ended for k in kill_times)
+    )
+
+
+def classify_failures(failures: list[dict], kill_times: list[float]) -> dict:
+    killed = [f for f in failures if killed_while_streaming(f, kill_times)]
+    other = [f for f in failures if not killed_while_streaming(f, kill_times)]
+    return {"streaming_from_a_killed_replica": len(killed), "other": len(other), "other_examples": other[:20]}
+
+
 async def run(
-    model_dir: str, duration: float, replicas: int, clients: int, kill_every: float, seed: int
+    model_dir: str,
+    duration: float,
+    replicas: int,
+    clients: int,
+    kill_every: float,
+    seed: int,
+    hostile_clients: int = 0,
 ) -> dict:
     rng = random.Random(seed)
     requests = shared_prefix(
         num_groups=16, prompts_per_group=16, system_prompt_len=256, question_len=32, output_len=16, seed=seed
     )
+    # With hostile clients: HTTP too, and slow readers cut off within the run.
+    write_timeout = {"stream_write_timeout_s": 5.0}
+    hostile = hostile_clients > 0
+    router = {"port": 0, "http_port": 0 if hostile else -1}
     config = ClusterConfig.for_model(
-        model_dir, replicas, engine={"num_kv_blocks": 1024}, router={"port": 0, "http_port": -1},
+        model_dir, replicas, engine={"num_kv_blocks": 1024}, router=router,
         replica={"heartbeat_s": 0.5, "ttl_s": 3.0},
     )  # fmt: skip
+    if hostile:
+        config = _with_connections(config, ConnectionLimits(**write_timeout))
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     kill_times: list[float] = []
     failures: list[dict] = []
+    abuse = None
     async with LocalCluster(config) as cluster:
         cluster.supervisor.check_s = 0.5
         stop = asyncio.Event()
@@ -90,13 +130,26 @@ async def run(
             asyncio.create_task(closed_loop_client(cluster.router_address, requests, stop, t0, log, failures))
             for _ in range(clients)
         ]
+        if hostile:
+            from kvmesh.cluster.benchmarks.hostile import HostileLog, Target, hostile_client  # needs httpx
+
+            abuse = HostileLog()
+            vocab = cluster.router.core.model.vocab_size
+            aim = Target(
+                cluster.router_address, cluster.http_url, vocab, write_timeout["stream_write_timeout_s"]
+            )
+            workers += [
+                asyncio.create_task(hostile_client(aim, stop, abuse, random.Random(seed + i), pause_s=0.5))
+                for i in range(hostile_clients)
+            ]
         next_kill, next_sample = kill_every, 0.0
         while (now := time.perf_counter() - t0) < duration:
             if now >= next_sample:
                 await _sample_memory(cluster, now, memory)
                 next_sample += 10.0
+                said = f", {abuse.report()['total_sent']} hostile" if abuse else ""
                 progress(
-                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
+                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills{said}"
                 )
             if kill_every and now >= next_kill:
                 victim = rng.choice(sorted(cluster.supervisor.actors))
@@ -110,9 +163,23 @@ async def run(
         await asyncio.gather(*workers)
         await _sample_memory(cluster, time.perf_counter() - t0, memory)
         restarts = cluster.supervisor.restarts
-        truth = index_truth_report(cluster.router.core.render_metrics().decode())
-    return {"index_truth": truth, "minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
-            "requests": len(log), "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK"))}  # fmt: skip
+        metrics = cluster.router.core.render_metrics().decode()
+        truth = index_truth_report(metrics)
+        series = sum(1 for (name, _) in read_samples(metrics) if name == "kvmesh_router_requests_total")
+    result = {"index_truth": truth, "minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
+              "requests": len(log), "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK")),
+              "failed_ordinary": classify_failures(failures, kill_times), "request_series": series}  # fmt: skip
+    if abuse is not None:
+        result["hostile"] = abuse.report()
+    return result
+
+
+def _with_connections(config: ClusterConfig, connections: ConnectionLimits) -> ClusterConfig:
+    return dataclasses.replace(
+        config,
+        router=dataclasses.replace(config.router, connections=connections),
+        replica=dataclasses.replace(config.replica, connections=connections),
+    )
 
 
 def index_truth_report(metrics_text: str) -> dict:
@@ -186,17 +253,25 @@ def _memory_report(memory: dict) -> dict:
 
 
 def main(
-    out: str, duration: float, replicas: int, clients: int, kill_every: float, cache_dir: str, seed: int
+    out: str,
+    duration: float,
+    replicas: int,
+    clients: int,
+    kill_every: float,
+    cache_dir: str,
+    seed: int,
+    hostile_clients: int = 0,
 ) -> int:
     model = str(demo_model(Path(cache_dir)))
     result = {"benchmark": "soak", "duration_s": duration, "replicas": replicas, "clients": clients,
-              "kill_every_s": kill_every, "environment": environment()}  # fmt: skip
-    result.update(asyncio.run(run(model, duration, replicas, clients, kill_every, seed)))
+              "kill_every_s": kill_every, "hostile_clients": hostile_clients, "environment": environment()}  # fmt: skip
+    result.update(asyncio.run(run(model, duration, replicas, clients, kill_every, seed, hostile_clients)))
     long_lived = {
         k: v for k, v in result["memory"].items() if v["lived_s"] >= min(duration * 0.8, duration - 30)
     }
     worst = max((v["growth_pct"] for v in long_lived.values()), default=0.0)
     errors = sum(result["errors"].values())
+    failed = result["failed_ordinary"]
     result["targets"] = [
         target("memory growth after warm-up, worst long-lived process (%)", worst, "<=", 10.0),
         target(
@@ -207,15 +282,33 @@ def main(
         ),
         target("error share (%)", round(100 * errors / max(result["requests"], 1), 2), "<=", 5.0),
         target(
+            "ordinary requests failed, other than streaming from a killed replica", failed["other"], "<=", 0
+        ),
+        target(
             "index false alarms (no index fault injected)", result["index_truth"]["false_alarms"], "<=", 0
         ),
     ]
+    if hostile_clients:
+        hostile = result["hostile"]
+        result["targets"].append(
+            target("hostile requests not answered as they must be", hostile["total_surprises"], "<=", 0)
+        )
     print(f"\n{'minute':>6}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}  errors")
     for row in result["minutes"]:
         print(
             f"{row['minute']:>6}{row['requests']:>10}{row['p50_ms'] or '-':>9}{row['p99_ms'] or '-':>9}  {json.dumps(row['errors'])}"
         )
     print(f"\n{result['kills']} replicas killed, {result['restarts']} restarted by the supervisor")
+    print(
+        f"ordinary requests failed: {failed['streaming_from_a_killed_replica']} streaming from a killed replica, "
+        f"{failed['other']} otherwise"
+    )
+    if hostile_clients:
+        print(
+            f"hostile requests: {hostile['total_sent']} sent ({len(hostile['sent'])} kinds), "
+            f"{hostile['total_surprises']} not answered as they must be; "
+            f"router request series: {result['request_series']}"
+        )
     print(f"index truth: {json.dumps(result['index_truth'])}")
     for name, m in sorted(result["memory"].items()):
         print(

@@ -163,17 +163,30 @@ def _soak(benches) -> None:
     soak.add_argument("--out", default="results/bench_soak.json")
     soak.add_argument("--cache-dir", default=".cache/tiny-models")
     soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument(
+        "--hostile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more clients that mix bad, oversized, slow and vanishing requests into the load",
+    )
 
     def run(args):
-        from kvmesh.cluster.benchmarks.soak import main
         from kvmesh.cluster.logs import setup_logging
 
         if args.duration <= 0 or args.replicas <= 0 or args.clients <= 0 or args.kill_every < 0:
             raise UsageError("--duration, --replicas and --clients must be positive, --kill-every >= 0")
+        if args.hostile < 0:
+            raise UsageError("--hostile must be >= 0")
+        if args.hostile:
+            require_extra("experiments", "httpx")
+        from kvmesh.cluster.benchmarks.soak import main
+
         setup_logging(False)
         return main(
-            args.out, args.duration, args.replicas, args.clients, args.kill_every, args.cache_dir, args.seed
-        )
+            args.out, args.duration, args.replicas, args.clients, args.kill_every, args.cache_dir, args.seed,
+            args.hostile,
+        )  # fmt: skip
 
     soak.set_defaults(handler=run)
 

@@ -1,0 +1,52 @@
+"""``kvmesh bench soak --hostile``: a short run as users run it (real Ray replicas killed under
+load, hostile clients beside the ordinary ones), and the rule that tells a failure a kill
+explains from one kvmesh owes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cluster.benchmarks.soak import classify_failures
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+
+
+def failure(
+    at_s=10.0, after_s=2.0, code="UNAVAILABLE", responses=3, details="replica error (UNAVAILABLE): x"
+):
+    return {"at_s": at_s, "after_s": after_s, "code": code, "responses": responses, "details": details}
+
+
+def test_only_a_stream_from_a_replica_killed_while_it_ran_is_the_kills():
+    kills = [11.0]
+    failures = [
+        failure(),  # streaming when its replica was killed: the kill's
+        failure(responses=0),  # nothing streamed yet: the router should have moved it
+        failure(at_s=20.0),  # no kill while it ran
+        failure(code="INTERNAL", details="replica error (INTERNAL): boom"),
+        failure(details="router at its in-flight limit"),
+    ]
+    verdict = classify_failures(failures, kills)
+    assert verdict["streaming_from_a_killed_replica"] == 1 and verdict["other"] == 4
+    assert verdict["other_examples"] == failures[1:]
+
+
+@pytest.mark.servers
+@pytest.mark.slow
+def test_a_short_hostile_soak_fails_no_ordinary_request(tmp_path):
+    out = tmp_path / "soak.json"
+    run = subprocess.run(
+        [KVMESH, "bench", "soak", "--duration", "30", "--replicas", "2", "--clients", "2", "--kill-every", "12",
+         "--hostile", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["kills"] == 2 and result["requests"] > 0
+    assert result["failed_ordinary"]["other"] == 0, result["failed_ordinary"]
+    hostile = result["hostile"]
+    assert hostile["total_sent"] >= 10 and hostile["total_surprises"] == 0, hostile["examples"]
+    assert result["request_series"] <= 6  # policy x outcome: made-up names added none
