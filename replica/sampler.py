@@ -64,11 +64,20 @@ def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[T
 def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
     """One request's logits ([vocab]) after min_tokens, logit bias and penalties, in place."""
     p = request.params
+    device = logits.device
     if p.min_tokens and request.num_completion_tokens < p.min_tokens and request.stop_ids:
-        logits[torch.tensor(sorted(request.stop_ids), device=logits.device)] = float("-inf")
+        stop_ids = _constant(
+            request, "stop_ids", lambda: torch.tensor(sorted(request.stop_ids), device=device)
+        )
+        logits[stop_ids] = float("-inf")
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=logits.device)
-        logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        ids = _constant(request, "bias_ids", lambda: torch.tensor(list(p.logit_bias), device=device))
+        bias = _constant(
+            request,
+            "bias",
+            lambda: torch.tensor(list(p.logit_bias.values()), device=device, dtype=logits.dtype),
+        )
+        logits[ids] += bias
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
         values = logits[seen]
@@ -78,6 +87,15 @@ def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
         counts = torch.zeros_like(logits).index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def _constant(request: Request, name: str, build) -> torch.Tensor:
+    """A tensor that is the same at every step of a request, built at its first (not one per
+    step: a request's stop ids and bias are paid for once)."""
+    tensors = request.sampling_tensors
+    if name not in tensors:
+        tensors[name] = build()
+    return tensors[name]
 
 
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability

@@ -70,6 +70,19 @@ VALUES = {
     "check-invariants": (None, True),
     "served-model-name": ("roundtrip-served", "roundtrip-served"),
     "generation-config": ("vllm", "vllm"),
+    "max-batch-prompts": ("33", 33),
+    "max-choices": ("44", 44),
+    "max-messages": ("55", 55),
+    "max-stop": ("9", 9),
+    "max-stop-chars": ("99", 99),
+    "max-stop-token-ids": ("66", 66),
+    "max-logit-bias": ("77", 77),
+    "max-template-bytes": ("4096", 4096),
+    "stream-write-timeout": ("12.5", 12.5),
+    "grpc-max-streams": ("64", 64),
+    "grpc-keepalive": ("20.0", 20.0),
+    "grpc-keepalive-timeout": ("5.0", 5.0),
+    "engine-stall-timeout": ("90.0", 90.0),
 }
 # Flags the round trip cannot vary here, and why.
 NOT_VARIED = {
