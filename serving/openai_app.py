@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import version
 from typing import Protocol, TypeVar
 
@@ -53,6 +53,7 @@ from kvmesh.serving.tokenizer import PromptTokenizer
 
 _VERSION = version("kvmesh")
 Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
 _FIELDS = frozenset(rule.name for rule in FIELD_RULES) | {"top_logprobs", "tokens"}
 # An oversized body is read (and dropped) up to this much, so the client gets its 413
 # instead of a connection reset; beyond it the connection is simply closed.
@@ -81,15 +82,22 @@ class _UnknownModel(ServingError):
     http_status = 404
 
 
+class _ClientLeft(ServingError):
+    """The client disconnected before its answer was ready (nginx's 499: nobody reads it)."""
+
+    http_status = 499
+
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+}
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status,
-        "invalid_request_error"
-        if status < 500
-        else "server_error"
-        if status == 500
-        else "service_unavailable",
-    )
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "service_unavailable")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -300,7 +308,8 @@ def build_app(
         trace = tracing.extract(raw.headers)
         streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
-        first = await anext(responses)  # routing errors surface here, before any header is sent
+        # routing errors surface here, before any header is sent
+        first = await _unless_client_leaves(raw, anext(responses))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
         token_names = TokenNames(None) if body.return_tokens_as_token_ids else names
         builder = ResponseBuilder(plan, chat, model, token_names, rid, int(time.time()), echoes)
@@ -332,9 +341,9 @@ def _released_unless_streaming(ticket: Ticket):
             ticket.release()
 
 
-async def _unless_client_leaves(raw: Request, work: Coroutine) -> object:
+async def _unless_client_leaves(raw: Request, work: Awaitable[T]) -> T:
     """``work``'s result; or, when the client disconnects first, ``work`` cancelled (its
-    requests aborted, their blocks freed: nobody waits for the answer) and a 499."""
+    requests aborted, their blocks freed: nobody waits for the answer) and ``_ClientLeft``."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(raw.receive))
     try:
@@ -345,7 +354,7 @@ async def _unless_client_leaves(raw: Request, work: Coroutine) -> object:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        return Response(status_code=499)
+        raise _ClientLeft("the client disconnected before the answer")
     return task.result()
 
 

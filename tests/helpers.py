@@ -14,6 +14,12 @@ async def eventually(predicate, timeout: float = 10.0) -> bool:
     return False
 
 
+async def live_replicas_are(router, n: int) -> bool:
+    """Whether ``router`` sees ``n`` live replicas after reading the index now."""
+    await router.registry.refresh()
+    return len(router.registry.live()) == n
+
+
 def local_router_config(model_dir, redis_url: str, **overrides):
     """A router for tests: any free ports (HTTP on: pass http_port=-1 for none), a quick
     registry refresh, block size 16 (the CPU replicas'; "auto" would wait for a replica to

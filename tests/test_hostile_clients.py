@@ -18,7 +18,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import eventually, local_router_config
+from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 from tcp_proxy import FreezableProxy
 
@@ -63,17 +63,12 @@ async def stack(qwen3_dir):
     limits = RouterLimits(max_inflight=MAX_INFLIGHT, inputs=INPUTS)
     router = RouterServer(local_router_config(qwen3_dir, redis.url, limits=limits, connections=CONNECTIONS))
     await router.start()
-    await eventually(lambda: _live(router, 2))
+    await eventually(lambda: live_replicas_are(router, 2))
     yield router, replicas
     await router.stop(grace=0.5)
     for r in replicas:
         await r.stop(grace=0.5)
     redis.close()
-
-
-async def _live(router, n) -> bool:
-    await router.registry.refresh()
-    return len(router.registry.live()) == n
 
 
 def urls(stack) -> dict[str, str]:
@@ -458,7 +453,7 @@ async def test_a_replica_whose_engine_broke_says_so_and_leaves_the_index(stack, 
     )
     await broken.start()
     try:
-        assert await eventually(lambda: _live(router, 3))
+        assert await eventually(lambda: live_replicas_are(router, 3))
 
         def fail(*args):
             raise RuntimeError("injected device failure")
@@ -467,7 +462,7 @@ async def test_a_replica_whose_engine_broke_says_so_and_leaves_the_index(stack, 
         for i in range(3):  # three failed steps in a row
             code, _ = await grpc_code(broken.address, pb_grpc.ReplicaStub, ordinary(70 + i))
             assert code == "UNAVAILABLE"
-        assert await eventually(lambda: _live(router, 2), timeout=10)  # gone from the index
+        assert await eventually(lambda: live_replicas_are(router, 2), timeout=10)  # gone from the index
         async with httpx.AsyncClient(base_url=broken.http_address) as http:
             health = await http.get("/health")
         assert health.status_code == 503 and "engine broken" in health.json()["reason"]

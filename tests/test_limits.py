@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
-from helpers import eventually, local_router_config
+from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -39,17 +39,12 @@ async def stack(qwen3_dir):
         local_router_config(qwen3_dir, redis.url, limits=limits, max_message_bytes=64 << 10)
     )
     await router.start()
-    await eventually(lambda: _live(router, 2))
+    await eventually(lambda: live_replicas_are(router, 2))
     yield router, replicas, redis
     await router.stop(grace=0.5)
     for r in replicas:
         await r.stop(grace=0.5)
     redis.close()
-
-
-async def _live(router, n) -> bool:
-    await router.registry.refresh()
-    return len(router.registry.live()) == n
 
 
 def request(max_tokens=8, salt=0, n=30, **kw) -> pb.GenerateRequest:
@@ -155,7 +150,7 @@ async def test_router_drain_finishes_inflight_and_refuses_new_work(stack, qwen3_
     _, _, redis = stack
     second = RouterServer(local_router_config(qwen3_dir, redis.url, http_port=-1))
     await second.start()
-    await eventually(lambda: _live(second, 2))
+    await eventually(lambda: live_replicas_are(second, 2))
     inflight = asyncio.create_task(run(second.address, request(max_tokens=60, salt=11)))
     await eventually(lambda: asyncio.sleep(0, result=second.core.active == 1))
     stopping = asyncio.create_task(second.stop(grace=30))
@@ -174,12 +169,14 @@ async def test_replica_drain_leaves_the_index_first(stack, qwen3_dir):
         )
     )
     await extra.start()
-    await eventually(lambda: _live(router, 3))
+    await eventually(lambda: live_replicas_are(router, 3))
     async with grpc.aio.insecure_channel(extra.address) as channel:
         call = pb_grpc.ReplicaStub(channel).Generate(request(max_tokens=40, salt=13))
         await call.read()
         stopping = asyncio.create_task(extra.stop(grace=30))
-        assert await eventually(lambda: _live(router, 2), timeout=5)  # gone from the index at once
+        assert await eventually(
+            lambda: live_replicas_are(router, 2), timeout=5
+        )  # gone from the index at once
         rest = []
         while (r := await call.read()) is not grpc.aio.EOF:
             rest.append(r)

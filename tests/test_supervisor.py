@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
-from helpers import eventually, local_router_config
+from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.supervisor import RAY_NAMESPACE, Supervisor
@@ -168,7 +168,7 @@ async def test_controller_killed_and_restarted_under_load_loses_no_request(
     await router.start()
     index = index_for(valkey_server.url, "outlive")
     try:
-        await eventually(lambda: _live(router, 2), timeout=30)
+        await eventually(lambda: live_replicas_are(router, 2), timeout=30)
         before = {r.replica_id: r.incarnation for r in await index.live_replicas()}
         results, stop = [], asyncio.Event()
 
@@ -210,11 +210,6 @@ async def test_controller_killed_and_restarted_under_load_loses_no_request(
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry["namespace"] == RAY_NAMESPACE and entry["name"].startswith("outlive/"):
                 ray.kill(ray.get_actor(entry["name"], namespace=RAY_NAMESPACE))
-
-
-async def _live(router, n) -> bool:
-    await router.registry.refresh()
-    return len(router.registry.live()) == n
 
 
 def test_placement_and_reachability_fail_in_one_line(qwen3_dir):

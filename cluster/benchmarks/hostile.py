@@ -165,19 +165,21 @@ async def shared_request_id(t: Target) -> str | None:
     return surprises[0] if surprises else None
 
 
-def _big_stream(stream: bool) -> dict:
-    """An answer of megabytes (each token with its 20 likeliest others, 4 choices over)."""
-    prompt = [(7 * j + 3) % 900 + 3 for j in range(1000)]
+def _big_stream() -> dict:
+    """An answer of about 6 MB (each token with its 20 likeliest others, 8 choices over): more
+    than the kernel's and the server's buffers hold, so a client that does not read it makes
+    the server's writes wait."""
+    prompt = [(7 * j + 3) % 900 + 3 for j in range(1200)]
     return _completion(
-        prompt=prompt, echo=True, logprobs=20, n=4, max_tokens=600, ignore_eos=True, stream=stream
+        prompt=prompt, echo=True, logprobs=20, n=8, max_tokens=400, ignore_eos=True, stream=True
     )
 
 
 async def reader_that_stops(t: Target) -> str | None:
-    """Sends a request whose answer is megabytes and never reads it: the server must cut the
-    connection once a write waited the write timeout (the stream then ends without [DONE])."""
+    """Sends that request and never reads: the server must drop the connection once a write
+    waited the write timeout (what is buffered then ends without [DONE], and nothing hangs)."""
     host, port = t.http_url.removeprefix("http://").rsplit(":", 1)
-    payload = json.dumps(_big_stream(stream=True)).encode()
+    payload = json.dumps(_big_stream()).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n"
@@ -186,22 +188,24 @@ async def reader_that_stops(t: Target) -> str | None:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
+    tail = b""
     try:
         await loop.sock_connect(sock, (host, int(port)))
         await loop.sock_sendall(sock, head + payload)
         await asyncio.sleep(t.write_timeout_s + 10)  # reads nothing meanwhile
-        received = b""
-        while True:
+        while True:  # then reads what was buffered, to the end of the connection
             try:
                 chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 10)
-            except (ConnectionError, TimeoutError):
+            except ConnectionError:
                 break
+            except TimeoutError:
+                return "the server held the stream open past its write timeout"
             if not chunk:
                 break
-            received += chunk[-64:]
+            tail = (tail + chunk)[-64:]
     finally:
         sock.close()
-    return "the stream was not cut off: it finished" if b"[DONE]" in received else None
+    return "the stream was not cut off: it finished" if b"[DONE]" in tail else None
 
 
 async def client_that_vanishes(t: Target) -> str | None:
