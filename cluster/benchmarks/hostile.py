@@ -28,9 +28,16 @@ class Target:
     write_timeout_s: float
 
 
-# A kind sends one hostile request and returns None when it got the answer it must get, else
-# what it got instead.
-Kind = Callable[[Target], Awaitable[str | None]]
+@dataclass(frozen=True)
+class Seen:
+    """An answer that is as it must be, but one of several: counted by what it was."""
+
+    what: str
+
+
+# A kind sends one hostile request and returns None (or a Seen) when it got an answer it must
+# get, else what it got instead.
+Kind = Callable[[Target], Awaitable["str | Seen | None"]]
 
 
 async def _post(target: Target, path: str, expect: int, **kw) -> str | None:
@@ -175,9 +182,10 @@ def _big_stream() -> dict:
     )
 
 
-async def reader_that_stops(t: Target) -> str | None:
+async def reader_that_stops(t: Target) -> str | Seen | None:
     """Sends that request and never reads: the server must drop the connection once a write
-    waited the write timeout (what is buffered then ends without [DONE], and nothing hangs)."""
+    waited the write timeout (what is buffered then ends without [DONE]), unless the whole
+    answer fit in the buffers first; it must never hold the stream open."""
     host, port = t.http_url.removeprefix("http://").rsplit(":", 1)
     payload = json.dumps(_big_stream()).encode()
     head = (
@@ -205,7 +213,7 @@ async def reader_that_stops(t: Target) -> str | None:
             tail = (tail + chunk)[-64:]
     finally:
         sock.close()
-    return "the stream was not cut off: it finished" if b"[DONE]" in tail else None
+    return Seen("fit in the buffers, finished" if b"[DONE]" in tail else "cut off")
 
 
 async def client_that_vanishes(t: Target) -> str | None:
@@ -248,12 +256,14 @@ class HostileLog:
 
     sent: Counter = field(default_factory=Counter)
     surprises: Counter = field(default_factory=Counter)
+    seen: Counter = field(default_factory=Counter)  # "kind: what" for the kinds with several answers
     examples: list[dict] = field(default_factory=list)  # the first few surprises, in full
 
     def report(self) -> dict:
         return {
             "sent": dict(self.sent),
             "surprises": dict(self.surprises),
+            "seen": dict(self.seen),
             "total_sent": sum(self.sent.values()),
             "total_surprises": sum(self.surprises.values()),
             "examples": self.examples,
@@ -275,8 +285,29 @@ async def hostile_client(
             except Exception as exc:  # a client-side failure is a surprise too: say which
                 surprise = f"{type(exc).__name__}: {exc}"
             log.sent[name] += 1
-            if surprise is not None:
+            if isinstance(surprise, Seen):
+                log.seen[f"{name}: {surprise.what}"] += 1
+            elif surprise is not None:
                 log.surprises[name] += 1
                 if len(log.examples) < 20:
                     log.examples.append({"kind": name, "got": surprise})
             await asyncio.sleep(pause_s)
+
+
+def run_hostile(target: Target, clients: int, seconds: float, seed: int) -> dict:
+    """``clients`` hostile clients for ``seconds`` (and what they have under way then), in
+    this process: the soak runs it in a process of its own, so the megabytes these clients
+    build and read are not counted in the router's memory. Returns the log's report."""
+
+    async def main() -> dict:
+        log, stop = HostileLog(), asyncio.Event()
+        clients_ = [
+            asyncio.create_task(hostile_client(target, stop, log, random.Random(seed + i), pause_s=0.5))
+            for i in range(clients)
+        ]
+        await asyncio.sleep(seconds)
+        stop.set()
+        await asyncio.gather(*clients_)
+        return log.report()
+
+    return asyncio.run(main())

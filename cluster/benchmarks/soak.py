@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -121,7 +124,6 @@ async def run(
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     kill_times: list[float] = []
     failures: list[dict] = []
-    abuse = None
     async with LocalCluster(config) as cluster:
         cluster.supervisor.check_s = 0.5
         stop = asyncio.Event()
@@ -130,26 +132,16 @@ async def run(
             asyncio.create_task(closed_loop_client(cluster.router_address, requests, stop, t0, log, failures))
             for _ in range(clients)
         ]
-        if hostile:
-            from kvmesh.cluster.benchmarks.hostile import HostileLog, Target, hostile_client  # needs httpx
-
-            abuse = HostileLog()
-            vocab = cluster.router.core.model.vocab_size
-            aim = Target(
-                cluster.router_address, cluster.http_url, vocab, write_timeout["stream_write_timeout_s"]
-            )
-            workers += [
-                asyncio.create_task(hostile_client(aim, stop, abuse, random.Random(seed + i), pause_s=0.5))
-                for i in range(hostile_clients)
-            ]
+        abuse = _start_hostile(
+            cluster, hostile_clients, duration, seed, write_timeout["stream_write_timeout_s"]
+        )
         next_kill, next_sample = kill_every, 0.0
         while (now := time.perf_counter() - t0) < duration:
             if now >= next_sample:
                 await _sample_memory(cluster, now, memory)
                 next_sample += 10.0
-                said = f", {abuse.report()['total_sent']} hostile" if abuse else ""
                 progress(
-                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills{said}"
+                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
                 )
             if kill_every and now >= next_kill:
                 victim = rng.choice(sorted(cluster.supervisor.actors))
@@ -161,6 +153,7 @@ async def run(
             await asyncio.sleep(0.2)
         stop.set()
         await asyncio.gather(*workers)
+        hostile_report = await abuse if abuse is not None else None  # its last requests, still served
         await _sample_memory(cluster, time.perf_counter() - t0, memory)
         restarts = cluster.supervisor.restarts
         metrics = cluster.router.core.render_metrics().decode()
@@ -169,9 +162,24 @@ async def run(
     result = {"index_truth": truth, "minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
               "requests": len(log), "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK")),
               "failed_ordinary": classify_failures(failures, kill_times), "request_series": series}  # fmt: skip
-    if abuse is not None:
-        result["hostile"] = abuse.report()
+    if hostile_report is not None:
+        result["hostile"] = hostile_report
     return result
+
+
+def _start_hostile(cluster: LocalCluster, clients: int, duration: float, seed: int, write_timeout_s: float):
+    """The hostile clients, in a process of their own (None without any)."""
+    if not clients:
+        return None
+    from kvmesh.cluster.benchmarks.hostile import Target, run_hostile  # needs httpx
+
+    aim = Target(
+        cluster.router_address, cluster.http_url, cluster.router.core.model.vocab_size, write_timeout_s
+    )
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    running = asyncio.get_running_loop().run_in_executor(pool, run_hostile, aim, clients, duration, seed)
+    running.add_done_callback(lambda _: pool.shutdown(wait=False))
+    return running
 
 
 def _with_connections(config: ClusterConfig, connections: ConnectionLimits) -> ClusterConfig:
@@ -242,13 +250,15 @@ def _per_minute(log: list) -> list[dict]:
 
 
 def _memory_report(memory: dict) -> dict:
-    """Per process: RSS after warm-up (first sample past 60 s, or the first), at the end, growth."""
+    """Per process: RSS after warm-up (past 60 s) and at the end, each the median of a
+    minute of samples (a transient peak, a megabyte body being parsed, is not growth), the
+    growth between them, and every sample."""
     out = {}
     for name, samples in memory.items():
-        warm = next((mb for t, mb in samples if t >= 60), samples[0][1])
-        end = samples[-1][1]
+        warmed = [mb for t, mb in samples if t >= 60] or [mb for _, mb in samples]
+        warm, end = statistics.median(warmed[:6]), statistics.median(warmed[-6:])
         out[name] = {"warm_mb": warm, "end_mb": end, "growth_pct": round(100 * (end - warm) / warm, 1), "samples": len(samples),
-                     "lived_s": round(samples[-1][0] - samples[0][0], 1)}  # fmt: skip
+                     "lived_s": round(samples[-1][0] - samples[0][0], 1), "rss_mb": samples}  # fmt: skip
     return out
 
 
