@@ -153,7 +153,11 @@ class Decider:
         except INDEX_ERRORS as exc:
             self.metrics.index_errors.inc()
             if not self._index_warned:
-                log.warning("prefix index lookup failed: routing by load only", extra={"error": str(exc)})
+                slow = isinstance(exc, TimeoutError)
+                error = str(exc) or (
+                    f"no answer in {self.lookup_timeout_s} s" if slow else type(exc).__name__
+                )
+                log.warning("prefix index lookup failed: routing by load only", extra={"error": error})
                 self._index_warned = True
             return None
         self._index_warned = False

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def lock_file(folder: str | Path, purpose: str = "") -> Path:
@@ -20,13 +23,20 @@ def lock_file(folder: str | Path, purpose: str = "") -> Path:
 @contextlib.contextmanager
 def locked(path: Path, exclusive: bool) -> Iterator[None]:
     """Hold ``path`` (an flock: NFS clients carry it across machines) until the block ends;
-    a shared hold on a lock file that does not exist holds nothing."""
+    a shared hold on a lock file that does not exist holds nothing, and on a file system
+    that cannot lock, the block runs unlocked (as it did before there were locks), said once."""
     if not exclusive and not path.exists():
         yield
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP: a volume without locks
+            log.warning(
+                "cannot lock the model folder; going on without",
+                extra={"lock": str(path), "error": exc.strerror},
+            )
         yield
     finally:
         os.close(fd)

@@ -166,3 +166,16 @@ def test_a_new_revision_waits_for_a_server_loading_the_folder(hub, tmp_path, qwe
         assert (dest / "config.json").read_bytes() == (qwen3_dir / "config.json").read_bytes()
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     assert (dest / "config.json").read_bytes() == (llama_dir / "config.json").read_bytes()
+
+
+def test_a_volume_that_cannot_lock_runs_unlocked(tmp_path, monkeypatch, caplog):
+    from kvmesh.serving import model_lock
+
+    def no_locks(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(model_lock.fcntl, "flock", no_locks)
+    folder = tmp_path / "tiny"
+    with model_lock.locked(model_lock.lock_file(folder, "download"), exclusive=True):
+        ran = True
+    assert ran and "cannot lock the model folder" in caplog.text

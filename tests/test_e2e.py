@@ -83,13 +83,17 @@ async def test_shared_prefix_lands_together_under_prefix_and_spreads_under_round
 
 async def test_a_burst_sharing_one_new_prefix_is_not_piled_on_one_replica(cluster):
     shared = prompts_of_lengths([300], salt=4)[0]
-    results = await asyncio.gather(
-        *(call(cluster, greedy(shared + [i, i + 1], max_tokens=24)) for i in range(30))
-    )
-    placed = collections.Counter(complete(r).replica_id for r in results)
-    assert sum(placed.values()) == 30
-    cap = PrefixAware().cap_of(29, 3)  # the guard's cap for the last of 30 on 3 replicas: 18 of 30
-    assert max(placed.values()) <= cap, placed
+    router = cluster.router
+    assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 3))
+    burst = asyncio.gather(*(call(cluster, greedy(shared + [i, i + 1], max_tokens=24)) for i in range(30)))
+    live = 3
+    while not burst.done():  # on 2 busy cores a heartbeat can be late past the 1.5 s TTL
+        live = min(live, len(router.registry.live()))
+        await asyncio.sleep(0.01)
+    placed = collections.Counter(complete(r).replica_id for r in await burst)
+    assert sum(placed.values()) == 30 and len(placed) >= 2
+    cap = PrefixAware().cap_of(29, live)  # the guard's cap for the last of 30: 18 of 30 on 3 replicas
+    assert max(placed.values()) <= cap, (placed, live)
 
 
 async def test_client_cancellation_frees_blocks_on_the_replica(cluster):
