@@ -84,8 +84,13 @@ def grpc_targets(stack) -> dict[str, tuple[str, type]]:
     }
 
 
+# A connection of its own per client, as separate clients have (channels in one process share
+# one connection by default, and CONNECTIONS allows 4 streams on one).
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
 async def generate(address: str, stub_class, request: pb.GenerateRequest, timeout: float = 60, **kw) -> list:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(address, OWN_CONNECTION) as channel:
         return [r async for r in stub_class(channel).Generate(request, timeout=timeout, **kw)]
 
 
@@ -370,8 +375,10 @@ async def test_request_ids_are_echoed_and_never_shared_between_clients(stack, wh
     address, stub_class = grpc_targets(stack)[where]
     mine, theirs = ordinary(30, max_tokens=300), ordinary(31, max_tokens=300)
     mine.request_id = theirs.request_id = "same-id"
-    own = [("grpc.use_local_subchannel_pool", 1)]  # two clients: two connections (one process shares one)
-    async with grpc.aio.insecure_channel(address, own) as a, grpc.aio.insecure_channel(address, own) as b:
+    async with (
+        grpc.aio.insecure_channel(address, OWN_CONNECTION) as a,
+        grpc.aio.insecure_channel(address, OWN_CONNECTION) as b,
+    ):
         call_a = stub_class(a).Generate(mine, timeout=60)
         call_b = stub_class(b).Generate(theirs, timeout=60)
         assert (await call_a.read()).request_id == "same-id" and (await call_b.read()).request_id == "same-id"
