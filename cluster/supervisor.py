@@ -59,8 +59,9 @@ class Slot:
     replica_id: str
     actor: ray.actor.ActorHandle | None = None
     address: str = ""
-    state: str = "starting"  # starting | ready | waiting (a failed start, retried at retry_at)
-    # (a slot being started is "starting", and no check touches it until that ends)
+    # starting (no check touches it until the start ends) | ready | waiting (a failed start,
+    # retried at retry_at)
+    state: str = "starting"
     failures: int = 0  # failed starts in a row
     retry_at: float = 0.0
     error: str = ""

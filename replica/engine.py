@@ -84,7 +84,6 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self.num_steps = 0  # steps that computed something
         self.num_failed_requests = 0
         self.failed_steps = 0  # steps in a row whose forward failed for every request
         self.broken: str | None = None  # why this engine can no longer step, once it cannot
@@ -212,7 +211,6 @@ class LLMEngine:
             outputs.append(request.output(text))
             if request.status is Status.FINISHED:
                 del self.requests[request.request_id]
-        self.num_steps += 1
         return outputs
 
     def _run(self, scheduled: list[Request]) -> list[Pick | RequestFailed | None]:

@@ -128,7 +128,7 @@ class EngineBackend:
         single = dataclasses.replace(params, n=1)
         engine_ids = _engine_ids(own_id, params.n)
         if params.n == 1:
-            async for response in self._choice(ids, single, request, own_id, 0, span):
+            async for response in self._choice(ids, single, request, engine_ids[0], 0, span):
                 yield response
             return
 

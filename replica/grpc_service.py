@@ -8,7 +8,6 @@ the engine, freeing its blocks.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -17,7 +16,7 @@ from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.engine_backend import EngineBackend
 from kvmesh.serving import tracing
-from kvmesh.serving.connections import ClientStalled, end_call, write_within
+from kvmesh.serving.connections import ClientStalled, end_call, send_all
 from kvmesh.serving.errors import ServingError
 
 
@@ -39,22 +38,15 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         self.resync = resync  # (reason) -> hashes published
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        status: tuple[grpc.StatusCode, str] | None = None
         try:
             with self.backend.admit(1):
                 trace = (
                     tracing.extract(dict(context.invocation_metadata() or ())) if tracing.enabled() else None
                 )
                 stream = self.backend.generate(request, trace, context.peer())
-                async with contextlib.aclosing(stream):
-                    async for response in stream:
-                        await write_within(context, response, self.write_timeout_s)
-        except ServingError as exc:
-            status = (exc.grpc_code, str(exc))
-        except ClientStalled as exc:  # its blocks are free now; the status waits on the client
-            status = (grpc.StatusCode.DEADLINE_EXCEEDED, f"request aborted: {exc}")
-        if status is not None:
-            end_call(context, *status)
+                await send_all(context, stream, self.write_timeout_s)
+        except (ServingError, ClientStalled) as exc:  # a stalled one's blocks are free already
+            end_call(context, exc.grpc_code, str(exc))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Abort what this connection sent under ``request_id``."""

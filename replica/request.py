@@ -96,7 +96,7 @@ class Request(Sequence):
         self.logprobs: list[TokenLogprob] = []  # of completion tokens, when asked
         self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1.., when asked
         self.prompt_logprobs_sent = False
-        self.sampling_tensors: dict[str, torch.Tensor] = {}  # its stop ids and bias, built once
+        self.sampling_tensors: dict[str, object] = {}  # its stop ids and bias as tensors, built once
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -71,11 +71,13 @@ def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
         )
         logits[stop_ids] = float("-inf")
     if p.logit_bias:
-        ids = _constant(request, "bias_ids", lambda: torch.tensor(list(p.logit_bias), device=device))
-        bias = _constant(
+        ids, bias = _constant(
             request,
-            "bias",
-            lambda: torch.tensor(list(p.logit_bias.values()), device=device, dtype=logits.dtype),
+            "logit_bias",
+            lambda: (
+                torch.tensor(list(p.logit_bias), device=device),
+                torch.tensor(list(p.logit_bias.values()), device=device, dtype=logits.dtype),
+            ),
         )
         logits[ids] += bias
     if p.repetition_penalty != 1.0:
@@ -89,8 +91,8 @@ def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return logits
 
 
-def _constant(request: Request, name: str, build) -> torch.Tensor:
-    """A tensor that is the same at every step of a request, built at its first (not one per
+def _constant(request: Request, name: str, build):
+    """Tensors that are the same at every step of a request, built at its first (not once per
     step: a request's stop ids and bias are paid for once)."""
     tensors = request.sampling_tensors
     if name not in tensors:

@@ -6,7 +6,6 @@ It serves from the moment the router listens; until the router has its core (blo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 
@@ -15,7 +14,7 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.metrics import heartbeat_age
 from kvmesh.serving import tracing
-from kvmesh.serving.connections import ClientStalled, end_call, write_within
+from kvmesh.serving.connections import ClientStalled, end_call, send_all
 from kvmesh.serving.errors import ServingError
 
 
@@ -65,30 +64,26 @@ class RouterService(pb_grpc.RouterServicer):
         core = await self._ready(context)
         task = asyncio.current_task()
         self._streams.add(task)
-        status: tuple[grpc.StatusCode, str] | None = None
         try:
             with core.admit(1, request.policy):
                 stream = core.generate(request, _trace(context), context.time_remaining(), context.peer())
-                async with contextlib.aclosing(stream):
-                    async for response in stream:
-                        await write_within(context, response, self.write_timeout_s)
-                        if self._cut_off:
-                            raise _CutOff
-        except ServingError as exc:
-            status = (exc.grpc_code, str(exc))
-        except ClientStalled as exc:  # its slot and blocks are free now; the status waits on the client
-            status = (grpc.StatusCode.DEADLINE_EXCEEDED, f"request aborted: {exc}")
+                await send_all(context, stream, self.write_timeout_s, self._stop_if_cut_off)
+        except (ServingError, ClientStalled) as exc:  # a stalled one's slot and blocks are free already
+            end_call(context, exc.grpc_code, str(exc))
         except (_CutOff, asyncio.CancelledError):
             if not self._cut_off:
                 raise  # the client went away
-            status = (
+            end_call(
+                context,
                 grpc.StatusCode.UNAVAILABLE,
                 "router shut down before the request finished (drain timeout)",
             )
         finally:
             self._streams.discard(task)
-        if status is not None:
-            end_call(context, *status)
+
+    def _stop_if_cut_off(self) -> None:
+        if self._cut_off:
+            raise _CutOff
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Abort what this connection sent under ``request_id`` (another client's requests

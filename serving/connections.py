@@ -5,6 +5,8 @@ carries a bounded number of streams, and one that stops answering pings is close
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -52,17 +54,31 @@ class ConnectionLimits:
 
 
 class ClientStalled(Exception):
-    """The client did not take a response within the write timeout."""
+    """The client did not take a response within the write timeout (its request is aborted)."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-async def write_within(context: grpc.aio.ServicerContext, response: object, timeout_s: float) -> None:
-    """Write one response of a stream, or raise ClientStalled: a client that stops reading
-    fills the transport's buffers, and then a write waits for as long as it does."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await context.write(response)
-    except TimeoutError:
-        raise ClientStalled(f"the client did not read the stream for {timeout_s:g} s") from None
+async def send_all(
+    context: grpc.aio.ServicerContext,
+    responses: AsyncIterator,
+    timeout_s: float,
+    after_each: Callable[[], None] | None = None,
+) -> None:
+    """Write every response of a stream, each within ``timeout_s`` or ClientStalled (a client
+    that stops reading fills the transport's buffers, then a write waits as long as it does);
+    the stream is closed however this ends, so its request is aborted where it runs."""
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await context.write(response)
+            except TimeoutError:
+                raise ClientStalled(
+                    f"request aborted: the client did not read the stream for {timeout_s:g} s"
+                ) from None
+            if after_each is not None:
+                after_each()
 
 
 def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:

@@ -34,18 +34,9 @@ class InputLimits:
 
     def check_batch(self, prompts: int, n: int) -> None:
         """A completions batch, counted before anything is built for it."""
-        if prompts > self.max_batch_prompts:
-            raise InvalidRequest(
-                f"prompt: {prompts} prompts in one request, the limit is {self.max_batch_prompts} "
-                "(--max-batch-prompts)",
-                param="prompt",
-            )
-        if prompts * n > self.max_choices:
-            raise InvalidRequest(
-                f"n: {n} choices x {prompts} prompts = {prompts * n} sequences, the limit is "
-                f"{self.max_choices} (--max-choices)",
-                param="n",
-            )
+        _at_most("prompt", prompts, self.max_batch_prompts, "prompts in one request", "--max-batch-prompts")
+        what = f"sequences ({n} choices x {prompts} prompts)"
+        _at_most("n", prompts * n, self.max_choices, what, "--max-choices")
 
     def check(self, request: pb.GenerateRequest) -> None:
         """One request's counts and sizes (before it is rendered, tokenized or queued)."""

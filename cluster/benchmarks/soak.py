@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -39,6 +38,8 @@ from kvmesh.cluster.stats import percentile
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.metrics import read_samples
+
+HOSTILE_WRITE_TIMEOUT_S = 5.0  # with hostile clients: their slow readers are cut off within the run
 
 
 def rss_mb(pid: int) -> float | None:
@@ -92,9 +93,9 @@ def killed_while_streaming(failure: dict, kill_times: list[float]) -> bool:
 
 
 def classify_failures(failures: list[dict], kill_times: list[float]) -> dict:
-    killed = [f for f in failures if killed_while_streaming(f, kill_times)]
+    killed = sum(killed_while_streaming(f, kill_times) for f in failures)
     other = [f for f in failures if not killed_while_streaming(f, kill_times)]
-    return {"streaming_from_a_killed_replica": len(killed), "other": len(other), "other_examples": other[:20]}
+    return {"streaming_from_a_killed_replica": killed, "other": len(other), "other_examples": other[:20]}
 
 
 async def run(
@@ -111,15 +112,13 @@ async def run(
         num_groups=16, prompts_per_group=16, system_prompt_len=256, question_len=32, output_len=16, seed=seed
     )
     # With hostile clients: HTTP too, and slow readers cut off within the run.
-    write_timeout = {"stream_write_timeout_s": 5.0}
-    hostile = hostile_clients > 0
-    router = {"port": 0, "http_port": 0 if hostile else -1}
+    cut_soon = ConnectionLimits(stream_write_timeout_s=HOSTILE_WRITE_TIMEOUT_S)
+    hostile = {"connections": cut_soon} if hostile_clients else {}
     config = ClusterConfig.for_model(
-        model_dir, replicas, engine={"num_kv_blocks": 1024}, router=router,
-        replica={"heartbeat_s": 0.5, "ttl_s": 3.0},
+        model_dir, replicas, engine={"num_kv_blocks": 1024},
+        router={"port": 0, "http_port": 0 if hostile_clients else -1, **hostile},
+        replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
     )  # fmt: skip
-    if hostile:
-        config = _with_connections(config, ConnectionLimits(**write_timeout))
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     kill_times: list[float] = []
@@ -132,9 +131,7 @@ async def run(
             asyncio.create_task(closed_loop_client(cluster.router_address, requests, stop, t0, log, failures))
             for _ in range(clients)
         ]
-        abuse = _start_hostile(
-            cluster, hostile_clients, duration, seed, write_timeout["stream_write_timeout_s"]
-        )
+        abuse = _start_hostile(cluster, hostile_clients, duration, seed)
         next_kill, next_sample = kill_every, 0.0
         while (now := time.perf_counter() - t0) < duration:
             if now >= next_sample:
@@ -167,27 +164,18 @@ async def run(
     return result
 
 
-def _start_hostile(cluster: LocalCluster, clients: int, duration: float, seed: int, write_timeout_s: float):
+def _start_hostile(cluster: LocalCluster, clients: int, duration: float, seed: int):
     """The hostile clients, in a process of their own (None without any)."""
     if not clients:
         return None
     from kvmesh.cluster.benchmarks.hostile import Target, run_hostile  # needs httpx
 
-    aim = Target(
-        cluster.router_address, cluster.http_url, cluster.router.core.model.vocab_size, write_timeout_s
-    )
+    vocab = cluster.router.core.model.vocab_size
+    aim = Target(cluster.router_address, cluster.http_url, vocab, HOSTILE_WRITE_TIMEOUT_S)
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     running = asyncio.get_running_loop().run_in_executor(pool, run_hostile, aim, clients, duration, seed)
     running.add_done_callback(lambda _: pool.shutdown(wait=False))
     return running
-
-
-def _with_connections(config: ClusterConfig, connections: ConnectionLimits) -> ClusterConfig:
-    return dataclasses.replace(
-        config,
-        router=dataclasses.replace(config.router, connections=connections),
-        replica=dataclasses.replace(config.replica, connections=connections),
-    )
 
 
 def index_truth_report(metrics_text: str) -> dict:
