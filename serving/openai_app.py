@@ -308,21 +308,26 @@ def build_app(
         trace = tracing.extract(raw.headers)
         streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
-        # routing errors surface here, before any header is sent
-        first = await _unless_client_leaves(raw, anext(responses))
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
         token_names = TokenNames(None) if body.return_tokens_as_token_ids else names
-        builder = ResponseBuilder(plan, chat, model, token_names, rid, int(time.time()), echoes)
+
+        def builder_for(first) -> ResponseBuilder:
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
+            return ResponseBuilder(plan, chat, model, token_names, rid, int(time.time()), echoes)
+
         if body.stream:
-            events = _sse(builder, first, responses, body.stream_options or StreamOptions())
+            # routing errors surface here, before any header is sent
+            first = await _unless_client_leaves(raw, anext(responses))
+            events = _sse(builder_for(first), first, responses, body.stream_options or StreamOptions())
             return _EventStream(events, ticket)
 
         async def whole() -> dict:
+            first = await anext(responses)
+            builder = builder_for(first)
             async for prompt, response in _chain(first, responses):
                 builder.add(prompt, response)
             return builder.body()
 
-        return await _unless_client_leaves(raw, whole())
+        return await _unless_client_leaves(raw, whole())  # one watch for the whole answer
 
     return app
 
