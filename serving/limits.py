@@ -26,6 +26,9 @@ class InputLimits:
     max_template_bytes: int = option(
         512 << 10, help="bytes of tools, documents, chat_template_kwargs and tool calls, together"
     )
+    max_request_id_chars: int = option(
+        256, help="characters in a client's request id (echoed in every response)"
+    )
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -40,6 +43,13 @@ class InputLimits:
 
     def check(self, request: pb.GenerateRequest) -> None:
         """One request's counts and sizes (before it is rendered, tokenized or queued)."""
+        _at_most(
+            "request_id",
+            len(request.request_id),
+            self.max_request_id_chars,
+            "characters",
+            "--max-request-id-chars",
+        )
         s = request.sampling
         _at_most("stop", len(s.stop), self.max_stop_strings, "stop strings", "--max-stop")
         longest = max((len(text) for text in s.stop), default=0)

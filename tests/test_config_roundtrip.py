@@ -78,6 +78,7 @@ VALUES = {
     "max-stop-token-ids": ("66", 66),
     "max-logit-bias": ("77", 77),
     "max-template-bytes": ("4096", 4096),
+    "max-request-id-chars": ("100", 100),
     "stream-write-timeout": ("12.5", 12.5),
     "grpc-max-streams": ("64", 64),
     "grpc-keepalive": ("20.0", 20.0),

@@ -190,7 +190,14 @@ async def test_grpc_requests_are_bounded_the_same_way(stack, where):
         chat.chat.messages.append(pb.ChatMessage(role="user", content="hi"))
     big_bias = ordinary(3)
     big_bias.sampling.logit_bias.update({t: 1.0 for t in range(3, 12)})
-    for request, field in ((too_many_stops, "stop"), (chat, "messages"), (big_bias, "logit_bias")):
+    long_id = ordinary(4)
+    long_id.request_id = "x" * 300  # echoed in every response: a long one would multiply the stream
+    for request, field in (
+        (too_many_stops, "stop"),
+        (chat, "messages"),
+        (big_bias, "logit_bias"),
+        (long_id, "request_id"),
+    ):
         code, details = await grpc_code(address, stub, request)
         assert code == "INVALID_ARGUMENT" and details.startswith(f"{field}: "), details
 
