@@ -8,6 +8,7 @@ use; ``kvmesh up`` derives its flags from all three, and one flag given on the c
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from urllib.parse import urlsplit
 
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.config import RouterConfig
+from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.options import option
 
 # Settings the router and the replicas must agree on, or their block hashes (and so every
@@ -25,6 +27,11 @@ SHARED = (
     ("redis_url", ("redis_url",)),
     ("block_size", ("engine", "block_size")),
 )
+
+
+def new_deployment_name() -> str:
+    """A fresh deployment name, ``up-<8 hex>`` (``kvmesh up`` without ``--deployment``)."""
+    return f"up-{secrets.token_hex(4)}"
 
 
 @dataclass
@@ -42,10 +49,27 @@ class ClusterConfig:
         False, help="leave the replicas running when this process stops (the chart's controller re-attaches)"
     )
     verbose: bool = option(False, help="info-level logs")
+    deployment: str | None = option(
+        None,
+        help="which deployment of the model this is, for the router and every replica "
+        "(default: a new up-<8 hex> each run: two kvmesh up on one Redis never collide)",
+    )
 
     def __post_init__(self) -> None:
         if self.replicas <= 0:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
+        if self.deployment is None:
+            if self.keep_replicas:  # a fresh name would never find them again
+                raise ValueError(
+                    "--keep-replicas needs --deployment: a restarted controller re-attaches only to "
+                    "the replicas of its own deployment"
+                )
+            self.deployment = new_deployment_name()
+        # The launcher's deployment is the router's and every replica's (they would not see
+        # each other in the index otherwise).
+        check_deployment(self.deployment)
+        self.router = dataclasses.replace(self.router, deployment=self.deployment)
+        self.replica = dataclasses.replace(self.replica, deployment=self.deployment)
         if self.ray_address and not on_this_machine(self.ray_address) and is_loopback(self.router.redis_url):
             raise ValueError(
                 f"--ray-address {self.ray_address} puts replicas on other machines, which cannot reach "
@@ -72,16 +96,19 @@ class ClusterConfig:
         engine: dict[str, Any] | None = None,
         router: dict[str, Any] | None = None,
         replica: dict[str, Any] | None = None,
+        deployment: str = DEFAULT_DEPLOYMENT,
         **launcher: Any,
     ) -> ClusterConfig:
         """One model folder for the router and every replica, as ``--model`` does (the demo,
-        benchmarks and tests build their clusters this way)."""
+        benchmarks and tests build their clusters this way). Unlike ``kvmesh up``'s, their
+        deployment is ``default`` unless given: a router they add without one sees the replicas."""
         return cls(
             router=RouterConfig(model_dir, **(router or {})),
             replica=ReplicaConfig(
                 model_dir, engine=EngineConfig.from_kwargs(**(engine or {})), **(replica or {})
             ),
             replicas=replicas,
+            deployment=deployment,
             **launcher,
         )
 

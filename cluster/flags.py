@@ -4,8 +4,8 @@ Every ``option(...)`` field of a command's configs (nested configs included) bec
 flag, named after the field or its ``flag=`` override. Fields that share a flag name across
 the configs share the flag: its value goes to every one of them, so ``kvmesh up --model``
 reaches the router and every replica. Where such fields differ in their defaults, the
-flag shows the first config's, and a field keeps its own default while neither the flag
-nor its environment variable is set.
+flag shows the command's own field's (``kvmesh up --deployment``), else the first config's,
+and a field keeps its own default while neither the flag nor its environment variable is set.
 
 Precedence: the flag, then ``KVMESH_<FLAG>`` (``kvmesh.serving.options`` has the one rule
 for reading it), then the field's default. Secret fields come from the environment, or from
@@ -110,6 +110,9 @@ class FlagTable:
                 self.flags[name] = flag
             elif (flag.kind, flag.secret) != (kind, meta["secret"]):
                 raise TypeError(f"--{name} is declared with two types ({flag.kind} and {kind})")
+            elif len(path) < min(len(t) for t in flag.targets) - 1:  # the command's own field
+                flag.help = meta["help"]
+                flag.default = None if f.default is dataclasses.MISSING else f.default
             flag.required = flag.required and not has_default
             flag.targets.append((*path, f.name))
 

@@ -22,7 +22,7 @@ from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.signals import wait_for_signal
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
-from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import cluster_has_gpus
 from kvmesh.router.process import RouterServer
@@ -80,7 +80,7 @@ class LocalCluster:
         model_id = replica.model_id or os.path.basename(os.path.realpath(replica.model_dir))
         block_size = replica.engine.block_size
         seed = namespace_seed(model_id, block_size) if block_size else None
-        self._index = connect_index(self.redis_url, model_id, block_size, seed)
+        self._index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment)
         use_gpu = cluster_has_gpus()
         check_gpus(c.replicas, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
         if replica.torch_threads is None and not use_gpu:  # CPU replicas share this machine's cores
@@ -187,6 +187,7 @@ async def serve_cluster(config: ClusterConfig) -> None:
                 flush=True,
             )
         print(f"  redis        {redacted_url(cluster.redis_url)}", flush=True)
+        print(f"  deployment   {config.deployment}", flush=True)
         print("  Ctrl-C to stop", flush=True)
         await wait_for_signal()
         print("draining ...", flush=True)

@@ -1,5 +1,6 @@
 """``kvmesh status``: a deployment's live replicas, their load, and the controller's view of
-its replica slots; from a router (``ListReplicas``) or straight from the index."""
+its replica slots; from a router (``ListReplicas``) or straight from the index (every
+deployment of every model there)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import time
 
 import grpc
 
-from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT
 from kvmesh.serving.index_connection import connect_redis
 from kvmesh.serving.options import read_env
 
@@ -32,9 +34,10 @@ async def from_router(address: str, tls_ca: str | None, timeout: float = 10.0) -
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=timeout)
         listing = await stub.ListReplicas(pb.ListReplicasRequest(), metadata=metadata, timeout=timeout)
     replicas = [{c: getattr(r, c) for c in COLUMNS} for r in listing.replicas]
+    deployment = json.loads(info.effective_config or "{}").get("deployment", DEFAULT_DEPLOYMENT)
     return [{
-        "model_id": info.model, "block_size": info.block_size, "router": address, "replicas": replicas,
-        "controller": json.loads(listing.controller_state or "{}"),
+        "model_id": info.model, "deployment": deployment, "block_size": info.block_size, "router": address,
+        "replicas": replicas, "controller": json.loads(listing.controller_state or "{}"),
         "index_state": listing.index_state, "index_state_cause": listing.index_state_cause,
     }]  # fmt: skip
 
@@ -46,9 +49,9 @@ async def from_index(redis_url: str) -> list[dict]:
         models = []
         async for key in client.scan_iter(match=b"{k:*}settings", count=1000):
             settings = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
-            index = PrefixIndex(
-                client, settings["model_id"], int(settings["block_size"]), int(settings["hash_seed"])
-            )
+            deployment = settings.get("deployment", DEFAULT_DEPLOYMENT)  # older settings: the default
+            block_size, seed = int(settings["block_size"]), int(settings["hash_seed"])
+            index = RedisPrefixIndex(client, settings["model_id"], block_size, seed, deployment)
             now = time.time()
             replicas = [
                 {
@@ -62,10 +65,10 @@ async def from_index(redis_url: str) -> list[dict]:
                 for r in sorted(await index.live_replicas(), key=lambda r: r.replica_id)
             ]  # fmt: skip
             models.append({
-                "model_id": settings["model_id"], "block_size": int(settings["block_size"]), "replicas": replicas,
-                "controller": json.loads(await index.controller_state() or "{}"),
+                "model_id": settings["model_id"], "deployment": deployment, "block_size": int(settings["block_size"]),
+                "replicas": replicas, "controller": json.loads(await index.controller_state() or "{}"),
             })  # fmt: skip
-        return models
+        return sorted(models, key=lambda m: (m["model_id"], m["deployment"]))
     finally:
         await client.aclose()
 
@@ -78,7 +81,8 @@ def render(models: list[dict]) -> str:
         where = f"  router {m['router']}" if "router" in m else ""
         trust = f"  index {_state(m)}" if m.get("index_state") else ""
         lines.append(
-            f"model {m['model_id']}  block_size {m['block_size']}{where}  replicas live: {len(m['replicas'])}{trust}"
+            f"model {m['model_id']}  deployment {m['deployment']}  block_size {m['block_size']}{where}  "
+            f"replicas live: {len(m['replicas'])}{trust}"
         )
         lines.append(
             f"  {'replica':<14}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayError
 
-from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
+from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.replica.actor import replica_actor_class
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.serving.background import BackgroundLoops

@@ -72,6 +72,8 @@ class BlockManager:
         self._hash: list[int | None] = [None] * num_blocks
         # Collision guard: a hit needs the same parent hash and the same token bytes.
         self._parent: list[int | None] = [None] * num_blocks
+        self._root: list[int | None] = [None] * num_blocks  # the first hash of the block's chain
+        self._children: dict[int, set[int]] = {}  # hash -> hashed blocks whose parent it is
         self._tokens: list[bytes | None] = [None] * num_blocks
         # Free blocks, oldest first: allocation pops the head, freeing appends at the tail.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -108,6 +110,12 @@ class BlockManager:
     def cached_hashes(self) -> set[int]:
         """Hashes a new request could hit right now."""
         return set(self._table)
+
+    def cached_blocks(self) -> dict[int, int]:
+        """Hashes a new request could hit right now, each with its chain's root (first) hash:
+        what a resync publishes (the index places a chain's blocks by their root)."""
+        root = self._root
+        return {h: root[b] for h, b in self._table.items()}
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
@@ -172,7 +180,7 @@ class BlockManager:
                 del self._free[b]
                 self._num_cached_free -= 1
             self._ref[b] += 1
-        removed: list[int] = []
+        removed: list[tuple[int, int]] = []
         fresh = [self._take_free_block(removed) for _ in range(seq.num_blocks - num_cached_blocks)]
         self._emit_removed(removed)
         seq.block_table = reused + fresh
@@ -199,7 +207,7 @@ class BlockManager:
                 "(check can_append and preempt first)"
             )
         self._mutations += 1
-        removed: list[int] = []
+        removed: list[tuple[int, int]] = []
         for _ in range(missing):
             seq.block_table.append(self._take_free_block(removed))
         self._emit_removed(removed)
@@ -217,6 +225,8 @@ class BlockManager:
         now = time.monotonic()
         buf = token_buffer(seq.token_ids[start * bs : end * bs])
         hashes = self._content_hashes(seq, end, buf, start)
+        if start and hashes[start - 1] not in self._table:
+            return  # its parent was evicted: the rest of this chain could never be hit
         step = bs * 4
         run: list[int] = []
         parent = hashes[start - 1] if start else self.seed
@@ -230,7 +240,7 @@ class BlockManager:
             elif self._holds(holder, parent, tokens):
                 # The same content computed twice: the newer block (freed later, evicted
                 # later) takes over the hash; the hash stays resolvable, so no event.
-                self._emit_stored(run, run_parent)
+                self._emit_stored(run, run_parent, hashes[0])
                 run, run_parent = [], h
                 self._drop_hash(holder)
             else:
@@ -240,9 +250,12 @@ class BlockManager:
                 break
             self._table[h] = b
             self._hash[b], self._parent[b], self._tokens[b] = h, parent, tokens
+            self._root[b] = hashes[0]
+            if i:
+                self._children.setdefault(parent, set()).add(b)
             self._stored_at[b] = now
             parent = h
-        self._emit_stored(run, run_parent)
+        self._emit_stored(run, run_parent, hashes[0])
         seq.num_hashed_blocks = end
 
     def deallocate(self, seq: Sequence) -> None:
@@ -268,6 +281,8 @@ class BlockManager:
         self._mutations += 1
         self._hash = [None] * self.num_blocks
         self._parent = [None] * self.num_blocks
+        self._root = [None] * self.num_blocks
+        self._children.clear()
         self._tokens = [None] * self.num_blocks
         self._table.clear()
         self._num_cached_free = 0
@@ -355,31 +370,49 @@ class BlockManager:
             return last[3]
         return self._match(seq)[0]
 
-    def _take_free_block(self, removed: list[int]) -> int:
+    def _take_free_block(self, removed: list[tuple[int, int]]) -> int:
         """Pop the least recently freed block; its hash, if any, stops being resolvable."""
         b, _ = self._free.popitem(last=False)
         h = self._hash[b]
         if h is not None:
             self.evictions += 1
-            self._drop_hash(b)
-            del self._table[h]
-            removed.append(h)
-            self._evicted_at[h] = time.monotonic()
-            self._evicted_at.move_to_end(h)
-            if len(self._evicted_at) > self.num_blocks:
-                self._evicted_at.popitem(last=False)
+            self._unhash(b, removed)
+            # Its cached descendants can no longer be hit (a hit walks the chain from its first
+            # block): they leave too, so what is hittable stays closed under parents.
+            orphaned = [h]
+            while orphaned:
+                for child in self._children.pop(orphaned.pop(), ()):
+                    orphaned.append(self._hash[child])
+                    self._unhash(child, removed)
         self._ref[b] = 1
         return b
+
+    def _unhash(self, b: int, removed: list[tuple[int, int]]) -> None:
+        """Block ``b``'s hash stops being resolvable (noted in ``removed``)."""
+        h = self._hash[b]
+        removed.append((h, self._root[b]))
+        self._drop_hash(b)
+        del self._table[h]
+        self._evicted_at[h] = time.monotonic()
+        self._evicted_at.move_to_end(h)
+        if len(self._evicted_at) > self.num_blocks:
+            self._evicted_at.popitem(last=False)
 
     def _drop_hash(self, b: int) -> None:
         if self._ref[b] == 0:
             self._num_cached_free -= 1
-        self._hash[b] = self._parent[b] = self._tokens[b] = None
+        siblings = self._children.get(self._parent[b])
+        if siblings is not None:
+            siblings.discard(b)
+            if not siblings:
+                del self._children[self._parent[b]]
+        self._hash[b] = self._parent[b] = self._tokens[b] = self._root[b] = None
 
-    def _emit_stored(self, run: list[int], parent: int | None) -> None:
+    def _emit_stored(self, run: list[int], parent: int | None, root: int) -> None:
         if run and self.enable_events:
-            self._events.append(BlockStored(tuple(run), parent, self.block_size))
+            self._events.append(BlockStored(tuple(run), parent, self.block_size, root))
 
-    def _emit_removed(self, removed: list[int]) -> None:
+    def _emit_removed(self, removed: list[tuple[int, int]]) -> None:
         if removed and self.enable_events:
-            self._events.append(BlockRemoved(tuple(removed)))
+            hashes, roots = zip(*removed, strict=True)
+            self._events.append(BlockRemoved(hashes, roots))

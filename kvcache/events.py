@@ -12,18 +12,22 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """``hashes`` (a chain, in order) became resolvable; ``parent_hash`` precedes the first."""
+    """``hashes`` (a chain, in order) became resolvable; ``parent_hash`` precedes the first;
+    ``root`` is the chain's first hash (the index places a chain's blocks by it)."""
 
     hashes: tuple[int, ...]
     parent_hash: int | None
     block_size: int
+    root: int
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """``hashes`` stopped being resolvable (their last holder was overwritten)."""
+    """``hashes`` stopped being resolvable (their last holder was overwritten); ``roots[i]``
+    is the root of ``hashes[i]``'s chain."""
 
     hashes: tuple[int, ...]
+    roots: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,111 +1,198 @@
-#!lua name=kvmesh_index_v1
--- kvmesh's shared prefix index as Redis Functions (Redis >= 7, Valkey). Key layout, all
--- under one hash tag ns = "{k:<8 hex of the model id>}":
---   ns.."settings"     HASH  model_id, block_size, hash_seed (stored once, checked by all)
---   ns.."next"         STRING incarnation counter
---   ns.."replicas"     SET   replica ids ever registered (pruned when records vanish)
---   ns.."r:"..id       HASH  replica record: address, incarnation, started_at, load...
+#!lua name=kvmesh_index_@VERSION@
+-- kvmesh's shared prefix index as Redis Functions (Redis >= 7, Valkey). The client fills in
+-- @VERSION@ (the key layout's version and a digest of this text), so two releases loaded into
+-- one server keep their own functions side by side (a rolling upgrade).
+--
+-- Control keys of one deployment of one model, all in one slot ns = "{k:<8 hex>}":
+--   ns.."settings"     HASH  model_id, deployment, block_size, hash_seed (stored once, checked by all)
+--   ns.."next"         STRING incarnation counter (replicas' and routers')
+--   ns.."replicas"     SET   replica ids with a record
+--   ns.."r:"..id       HASH  replica record: address, incarnation, slot, started_at, load...
 --   ns.."i"..inc       STRING replica id of a LIVE incarnation; its TTL is the heartbeat
---   ns.."b"..<8 bytes> SET   incarnations holding that block hash (an intset)
+--   ns.."slots"        HASH  replica id -> the slot of its current incarnation
+--   ns.."dead"         HASH  slot -> when (server ms) its incarnation ended: its bits may
+--                            remain in block keys until a sweep pass clears them
 --   ns.."routers"      SET   router incarnations that may hold reservations
 --   ns.."ri"..rinc     STRING a LIVE router incarnation; its TTL is the router's heartbeat
---   ns.."load"         HASH  "<replica>|n|p|d" -> in-flight requests, prefill and decode
---                            blocks the live routers reserved on that replica (fleet-wide)
---   ns.."w"..rinc      HASH  the same, one router incarnation's share (reaped when it dies)
---   ns.."sp"..rinc.."|"..bucket  HASH  replica id -> the speculative incarnation this router
---                            uses for it in that time bucket: its block entries sit in the
---                            block SETs like a replica's, its "i" key holds "~"..replica id and
---                            expires ttl after its last use, so speculation lives ttl to 2 ttl
--- A block entry counts only while its incarnation's "i" key exists, so retiring a dead
--- or restarted replica is one DEL (or a TTL expiry); kvmesh_sweep removes the leftovers.
+--   ns.."load"         HASH  replica id -> "<requests> <prefill> <decode>": in-flight requests,
+--                            prefill and decode blocks the live routers reserved on it (fleet-wide)
+--   ns.."w"..rinc      HASH  "<replica>|n|p|d" -> one router incarnation's share (reaped when it dies)
+-- Block keys, in the slot of the chain's first block (its "root"), so one lookup is one call to
+-- one shard and different prefixes spread over every shard; prefix = "{<8 hex>.<root's low
+-- 16 bits, hex>}":
+--   prefix..<8-byte hash>           STRING bitmap: bit s set = the incarnation owning slot s
+--                                   published the block (SETBIT; bit 0 is the first byte's MSB)
+--   prefix.."~"..(bucket % 2)..hash STRING bitmap: routers' speculative entries made in one time
+--                                   bucket; expires by itself two buckets after that one began
+-- Every incarnation gets a slot of its own, and a slot is handed out again only after a sweep
+-- pass cleared its bits; so a block's bitmap is as wide as the live replicas plus the slots
+-- waiting for a sweep, whatever the history, and a lookup needs no liveness check: the caller
+-- maps slots to the live replicas it read.
 
--- cmd (SADD or SREM) of incarnation inc on every block key in packed (8-byte hashes); returns the count.
-local function on_blocks(ns, cmd, packed, inc)
+local MAX_SLOTS = 8192 -- bitmaps stay <= 1 KiB, and every unpack() below stays bounded
+local QUARANTINE_MS = 60000 -- a dead slot also outlives its speculative bits (buckets < 30 s)
+
+-- the 8-byte hash of the i-th (1-based) block of packed
+local function hash_at(packed, i)
+  return string.sub(packed, i * 8 - 7, i * 8)
+end
+
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- ---------------------------------------------------------------- block keys: KEYS[1] = prefix
+
+-- KEYS[1]: the chain's first block key; ARGV[1]: the whole chain packed (8 bytes a block).
+-- Returns {depth, holders, depth, holders, ...}: "holders" is a bitmap of 2w bytes, published
+-- slots then speculative ones, of those holding exactly `depth` leading blocks of the chain.
+-- A replica that holds a block holds its parents (a block manager evicts a chain tail first,
+-- and speculation covers whole chains), so the holders of block k only shrink as k grows and
+-- the depths are found by bisection: O(log n) reads of three small strings, two reads when
+-- every holder holds the whole chain, whatever the chain's length.
+local function lookup(keys, args)
+  local first, packed = keys[1], args[1]
   local n = #packed / 8
-  for i = 0, n - 1 do
-    redis.call(cmd, ns .. 'b' .. string.sub(packed, i * 8 + 1, i * 8 + 8), inc)
-  end
-  return n
-end
+  local prefix = string.sub(first, 1, #first - 8)
+  local w = 0
 
--- live[inc] = replica id, or false; one GET per incarnation per call.
-local function liveness(ns)
-  local cache = {}
-  return function(inc)
-    local known = cache[inc]
-    if known == nil then
-      known = redis.call('GET', ns .. 'i' .. inc) or false
-      cache[inc] = known
+  -- bitmap s as w byte values (zero-padded; bits past the first block's width hold nothing
+  -- that matters: every holder of the chain holds its first block)
+  local function bytes(s)
+    local b = {string.byte(s, 1, w)}
+    for i = #b + 1, w do b[i] = 0 end
+    return b
+  end
+  -- the holders of block k as 2w byte values: published bytes, then speculative ones
+  local function read(k)
+    local h = hash_at(packed, k)
+    local got = redis.call('MGET', prefix .. h, prefix .. '~0' .. h, prefix .. '~1' .. h)
+    if k == 1 then
+      for i = 1, 3 do if got[i] and #got[i] > w then w = #got[i] end end
     end
-    return known
-  end
-end
-
--- KEYS: the chain's block keys (ns.."b"..<8 bytes>, built by the client: in Lua they cost more
--- than the intersection itself); ARGV: ns. Returns {replica_id, matched_blocks, ...}:
--- for each live replica, how many leading blocks of the chain it holds consecutively.
--- H(k), the replicas holding all of the first k blocks, only shrinks as k grows, so the
--- depths are found by bisection over k with SINTER on block ranges (done in C): when
--- every candidate holds the whole chain that is two calls, and a long walk is never
--- needed to find where the holders thin out.
-local function matches(ns, bkeys)
-  local n = #bkeys
-  local depth, owner = {}, {}
-
-  -- members of `within` that hold every block in (lo, hi] (1-based key positions)
-  local function holding(within, lo, hi)
-    local out, count = {}, 0
-    for _, inc in ipairs(redis.call('SINTER', unpack(bkeys, lo + 1, hi))) do
-      if within[inc] then out[inc] = true; count = count + 1 end
+    local out = bytes(got[1] or '')
+    if got[2] or got[3] then
+      local s0, s1 = bytes(got[2] or ''), bytes(got[3] or '')
+      for i = 1, w do out[w + i] = bit.bor(s0[i], s1[i]) end
+    else
+      for i = w + 1, 2 * w do out[i] = 0 end
     end
-    return out, count
+    return out
+  end
+  local function inter(a, b)
+    local out = {}
+    for i = 1, 2 * w do out[i] = bit.band(a[i], b[i]) end
+    return out
+  end
+  local function same(a, b)
+    for i = 1, 2 * w do if a[i] ~= b[i] then return false end end
+    return true
+  end
+  local function empty(a)
+    for i = 1, 2 * w do if a[i] ~= 0 then return false end end
+    return true
   end
 
-  -- s_lo = H(lo) (count c_lo), s_hi = H(hi); sets the depth of every member of s_lo \ s_hi.
-  local function solve(lo, hi, s_lo, c_lo, s_hi, c_hi)
-    if c_lo == c_hi then return end
+  local out = {}
+  local function emit(d, set)
+    if not empty(set) then
+      out[#out + 1] = d
+      out[#out + 1] = string.char(unpack(set))
+    end
+  end
+  -- s_lo holds block lo, s_hi block hi (s_hi within s_lo): emits those of s_lo not in s_hi
+  local function solve(lo, hi, s_lo, s_hi)
+    if same(s_lo, s_hi) then return end
     if hi == lo + 1 then
-      for inc in pairs(s_lo) do if not s_hi[inc] then depth[inc] = lo end end
+      local gone = {}
+      for i = 1, 2 * w do gone[i] = bit.band(s_lo[i], bit.bnot(s_hi[i])) end
+      emit(lo, gone)
       return
     end
     local mid = math.floor((lo + hi) / 2)
-    local s_mid, c_mid = holding(s_lo, lo, mid)
-    solve(lo, mid, s_lo, c_lo, s_mid, c_mid)
-    solve(mid, hi, s_mid, c_mid, s_hi, c_hi)
+    local s_mid = inter(s_lo, read(mid))
+    solve(lo, mid, s_lo, s_mid)
+    solve(mid, hi, s_mid, s_hi)
   end
 
   if n == 0 then return {} end
-  -- live holders of the first block: one MGET for all their liveness keys
-  local holders = redis.call('SMEMBERS', bkeys[1])
-  if #holders == 0 then return {} end
-  local ikeys = {}
-  for j, inc in ipairs(holders) do ikeys[j] = ns .. 'i' .. inc end
-  local first, c_first = {}, 0
-  for j, rid in ipairs(redis.call('MGET', unpack(ikeys))) do
-    if rid then first[holders[j]] = true; owner[holders[j]] = rid; c_first = c_first + 1 end
+  local s_first = read(1)
+  if n == 1 or empty(s_first) then
+    emit(1, s_first)
+    return out
   end
-  if c_first == 0 then return {} end
-  local all, c_all = first, c_first
-  if n > 1 then all, c_all = holding(first, 1, n) end
-  for inc in pairs(all) do depth[inc] = n end
-  solve(1, n, first, c_first, all, c_all)
-
-  local out = {}
-  for inc, d in pairs(depth) do
-    out[#out + 1] = owner[inc]
-    out[#out + 1] = d
-  end
+  local s_last = inter(s_first, read(n))
+  emit(n, s_last)
+  solve(1, n, s_first, s_last)
   return out
 end
 
--- (A decision pipelines an HGETALL of ns.."load" behind this call: the fleet's work.)
-local function lookup(keys, args)
-  return matches(args[1], keys)
+-- KEYS[1]: the first block-key prefix below; ARGV: slot, then (prefix, op, packed hashes)
+-- triples, op "+" or "-", applied in order; every prefix on this server (one call carries a
+-- whole batch on a single server, one root's blocks on a cluster). Returns the blocks applied.
+local function publish(keys, args)
+  local slot, applied = tonumber(args[1]), 0
+  for j = 2, #args, 3 do
+    local prefix, add, packed = args[j], args[j + 1] == '+', args[j + 2]
+    for i = 1, #packed / 8 do
+      local key = prefix .. hash_at(packed, i)
+      if add then
+        redis.call('SETBIT', key, slot, 1)
+      elseif redis.call('SETBIT', key, slot, 0) == 1 and redis.call('BITCOUNT', key) == 0 then
+        redis.call('DEL', key)
+      end
+    end
+    applied = applied + #packed / 8
+  end
+  return applied
 end
 
--- ARGV: ns, ttl_ms. A new router incarnation; returns its number.
+-- KEYS[1]: the block-key prefix of one root; ARGV: the bucket length (ms), then (slot, packed
+-- chain) pairs: "a router just sent that replica a prompt with these blocks", so every router
+-- routes the rest of a burst there before the replica's own events arrive. An entry lives one
+-- to two buckets, then expires by itself (a key per block and bucket parity, with a TTL).
+local function speculate(keys, args)
+  local prefix, length = keys[1], tonumber(args[1])
+  local bucket = math.floor(server_ms() / length)
+  local parity, ends = tostring(bucket % 2), (bucket + 2) * length
+  for j = 2, #args, 2 do
+    local slot, packed = tonumber(args[j]), args[j + 1]
+    for i = 1, #packed / 8 do
+      local key = prefix .. '~' .. parity .. hash_at(packed, i)
+      redis.call('SETBIT', key, slot, 1)
+      redis.call('PEXPIREAT', key, ends)
+    end
+  end
+  return 1
+end
+
+-- ARGV: the block-key pattern of one deployment, the length of its published block keys,
+-- cursor, count, then dead slots. One SCAN step over this server's block keys, clearing the
+-- dead slots' bits (keys left empty go). Returns {next cursor, bits cleared}.
+local function sweep(keys, args)
+  local pattern, key_length, cursor, count = args[1], tonumber(args[2]), args[3], args[4]
+  local res = redis.call('SCAN', cursor, 'MATCH', pattern, 'COUNT', count)
+  local cleared = 0
+  for _, key in ipairs(res[2]) do
+    if #key == key_length then
+      local changed = false
+      for j = 5, #args do
+        if redis.call('SETBIT', key, args[j], 0) == 1 then
+          cleared = cleared + 1; changed = true
+        end
+      end
+      if changed and redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
+    end
+  end
+  return {res[1], cleared}
+end
+
+-- ---------------------------------------------------------------- control keys: KEYS[1] = ns
+
+-- ARGV: ttl_ms. A new router incarnation; returns its number.
 local function router_register(keys, args)
-  local ns, ttl = args[1], args[2]
+  local ns, ttl = keys[1], args[1]
   local rinc = redis.call('INCR', ns .. 'next')
   redis.call('SET', ns .. 'ri' .. rinc, '1', 'PX', ttl)
   redis.call('SADD', ns .. 'routers', rinc)
@@ -118,13 +205,34 @@ local function add_work(key, field, delta)
   if math.abs(left) < 1e-6 then redis.call('HDEL', key, field) end
 end
 
+-- The fleet's work on a replica is one field of ns.."load", "<requests> <prefill> <decode>"
+-- (a decision reads a third of the fields one per number would take); field "<replica>|n|p|d".
+local KINDS = {n = 1, p = 2, d = 3}
+local function add_load(key, field, delta)
+  local rid, kind = string.match(field, '^(.*)|([npd])$')
+  if not rid then return end
+  local w = {0, 0, 0}
+  local cur = redis.call('HGET', key, rid)
+  if cur then
+    local a, b, c = string.match(cur, '^(%S+) (%S+) (%S+)$')
+    w = {tonumber(a), tonumber(b), tonumber(c)}
+  end
+  w[KINDS[kind]] = w[KINDS[kind]] + tonumber(delta)
+  for i = 1, 3 do if math.abs(w[i]) < 1e-6 then w[i] = 0 end end
+  if w[1] == 0 and w[2] == 0 and w[3] == 0 then
+    redis.call('HDEL', key, rid)
+  else
+    redis.call('HSET', key, rid, string.format('%.17g %.17g %.17g', w[1], w[2], w[3]))
+  end
+end
+
 -- Take back what dead router incarnations reserved (their heartbeat key expired).
 local function reap(ns)
   local reaped = 0
   for _, rinc in ipairs(redis.call('SMEMBERS', ns .. 'routers')) do
     if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then
       local share = redis.call('HGETALL', ns .. 'w' .. rinc)
-      for j = 1, #share, 2 do add_work(ns .. 'load', share[j], -tonumber(share[j + 1])) end
+      for j = 1, #share, 2 do add_load(ns .. 'load', share[j], -tonumber(share[j + 1])) end
       redis.call('DEL', ns .. 'w' .. rinc)
       redis.call('SREM', ns .. 'routers', rinc)
       reaped = reaped + 1
@@ -133,173 +241,193 @@ local function reap(ns)
   return reaped
 end
 
--- ARGV: ns, rinc, ttl_ms. Extends the router's life (0: it expired, its reservations are
+-- ARGV: rinc, ttl_ms. Extends the router's life (0: it expired, its reservations are
 -- gone: register anew) and reaps the dead ones'.
 local function router_heartbeat(keys, args)
-  local ns, rinc, ttl = args[1], args[2], args[3]
-  local alive = redis.call('PEXPIRE', ns .. 'ri' .. rinc, ttl)
+  local ns = keys[1]
+  local alive = redis.call('PEXPIRE', ns .. 'ri' .. args[1], args[2])
   reap(ns)
   return alive
 end
 
--- ARGV: ns, rinc. A graceful exit: its reservations go now.
+-- ARGV: rinc. A graceful exit: its reservations go now.
 local function router_deregister(keys, args)
-  redis.call('DEL', args[1] .. 'ri' .. args[2])
-  return reap(args[1])
+  redis.call('DEL', keys[1] .. 'ri' .. args[1])
+  return reap(keys[1])
 end
 
--- ARGV: ns, rinc, ttl_ms, bucket, then (replica id, packed block hashes) pairs: "this router
--- just sent that replica a prompt with these blocks" (the blocks past what the index showed),
--- so every router routes the rest of a burst there before the replica's own events arrive.
-local function speculate(keys, args)
-  local ns, rinc, ttl, bucket = args[1], args[2], args[3], args[4]
-  if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then return 0 end
-  local map = ns .. 'sp' .. rinc .. '|' .. bucket
-  for j = 5, #args, 2 do
-    local rid, packed = args[j], args[j + 1]
-    local inc = redis.call('HGET', map, rid)
-    if not inc then
-      inc = redis.call('INCR', ns .. 'next')
-      redis.call('HSET', map, rid, inc)
-      redis.call('PEXPIRE', map, 2 * ttl)
-    end
-    redis.call('SET', ns .. 'i' .. inc, '~' .. rid, 'PX', ttl)
-    on_blocks(ns, 'SADD', packed, inc)
-  end
-  return 1
-end
-
--- ARGV: ns, rinc, then (field, delta) pairs, field "<replica>|n|p|d". Applies them to the
+-- ARGV: rinc, then (field, delta) pairs, field "<replica>|n|p|d". Applies them to the
 -- fleet's totals and the router's share; 0 (nothing applied) if the router is not live.
 local function reserve(keys, args)
-  local ns, rinc = args[1], args[2]
+  local ns, rinc = keys[1], args[1]
   if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then return 0 end
   local mine = ns .. 'w' .. rinc
-  for j = 3, #args, 2 do
-    add_work(ns .. 'load', args[j], args[j + 1])
+  for j = 2, #args, 2 do
+    add_load(ns .. 'load', args[j], args[j + 1])
     add_work(mine, args[j], args[j + 1])
   end
   return 1
 end
 
--- ARGV: ns, replica_id, incarnation, then (op, packed hashes) pairs, op "+" or "-".
--- Applied in order. Returns 0 (and applies nothing) if the incarnation is not live:
--- the caller must resync under a new one.
-local function publish(keys, args)
-  local ns, rid, inc = args[1], args[2], args[3]
-  if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
-  local applied = 0
-  for j = 4, #args, 2 do
-    applied = applied + on_blocks(ns, (args[j] == '+') and 'SADD' or 'SREM', args[j + 1], inc)
-  end
-  return applied
+-- A slot no live or recent incarnation has: the lowest free one.
+local function fresh_slot(ns)
+  local used = {}
+  for _, s in ipairs(redis.call('HVALS', ns .. 'slots')) do used[tonumber(s)] = true end
+  for _, s in ipairs(redis.call('HKEYS', ns .. 'dead')) do used[tonumber(s)] = true end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  if slot >= MAX_SLOTS then return redis.error_reply('no free replica slot (' .. MAX_SLOTS .. ' in use)') end
+  return slot
 end
 
--- ARGV: ns, replica_id, ttl_ms, then record field/value pairs. Retires the replica's
--- previous incarnation (O(1)), starts a new live one, returns its number.
+-- The replica's current incarnation (if any) ends: its slot waits for a sweep pass.
+local function end_slot(ns, rid)
+  local slot = redis.call('HGET', ns .. 'slots', rid)
+  if slot then
+    redis.call('HSET', ns .. 'dead', slot, server_ms())
+    redis.call('HDEL', ns .. 'slots', rid)
+  end
+end
+
+-- ARGV: replica_id, ttl_ms, then record field/value pairs (a few, set by kvmesh). Retires the
+-- replica's previous incarnation (O(1)), starts a new live one on a fresh slot; returns
+-- {incarnation, slot}.
 local function register(keys, args)
-  local ns, rid, ttl = args[1], args[2], args[3]
+  local ns, rid, ttl = keys[1], args[1], args[2]
   local rkey = ns .. 'r:' .. rid
   local old = redis.call('HGET', rkey, 'incarnation')
   if old then redis.call('DEL', ns .. 'i' .. old) end
+  end_slot(ns, rid)
+  local slot = fresh_slot(ns)
+  if type(slot) == 'table' then return slot end
+  redis.call('HSET', ns .. 'slots', rid, slot)
   local inc = redis.call('INCR', ns .. 'next')
   redis.call('DEL', rkey)
-  redis.call('HSET', rkey, 'replica_id', rid, 'incarnation', inc, unpack(args, 4))
+  redis.call('HSET', rkey, 'replica_id', rid, 'incarnation', inc, 'slot', slot)
+  for j = 3, #args, 2 do redis.call('HSET', rkey, args[j], args[j + 1]) end
   redis.call('SET', ns .. 'i' .. inc, rid, 'PX', ttl)
   redis.call('SADD', ns .. 'replicas', rid)
-  return inc
+  return {inc, slot}
 end
 
--- ARGV: ns, replica_id, incarnation, ttl_ms, then load field/value pairs.
+-- ARGV: replica_id, incarnation, ttl_ms, then load field/value pairs.
 -- Returns 0 if the incarnation is no longer live (expired or retired).
 local function heartbeat(keys, args)
-  local ns, rid, inc, ttl = args[1], args[2], args[3], args[4]
+  local ns, rid, inc, ttl = keys[1], args[1], args[2], args[3]
   local ikey = ns .. 'i' .. inc
   if redis.call('GET', ikey) ~= rid then return 0 end
   redis.call('PEXPIRE', ikey, ttl)
-  if #args > 4 then redis.call('HSET', ns .. 'r:' .. rid, unpack(args, 5)) end
+  -- keys read only now and then stay in use, so a memory-full server never evicts them
+  redis.call('TOUCH', ns .. 'settings', ns .. 'slots', ns .. 'dead', ns .. 'next', ns .. 'replicas')
+  local rkey = ns .. 'r:' .. rid
+  for j = 4, #args, 2 do redis.call('HSET', rkey, args[j], args[j + 1]) end
   return 1
 end
 
--- ARGV: ns, replica_id, incarnation. Graceful exit: gone from lookups at once.
-local function deregister(keys, args)
-  local ns, rid, inc = args[1], args[2], args[3]
-  if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
-  redis.call('DEL', ns .. 'i' .. inc, ns .. 'r:' .. rid)
+-- The replica's record goes, and its slot waits for a sweep pass.
+local function forget(ns, rid)
+  end_slot(ns, rid)
+  redis.call('DEL', ns .. 'r:' .. rid)
   redis.call('SREM', ns .. 'replicas', rid)
+end
+
+-- ARGV: replica_id, incarnation. Graceful exit: gone from lookups at once.
+local function deregister(keys, args)
+  local ns, rid, inc = keys[1], args[1], args[2]
+  if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
+  redis.call('DEL', ns .. 'i' .. inc)
+  forget(ns, rid)
   return 1
 end
 
--- ARGV: ns, replica_id. Ends its current incarnation now (its process was seen dead).
+-- ARGV: replica_id. Ends its current incarnation now (its process was seen dead).
 local function retire(keys, args)
-  local ns, rid = args[1], args[2]
-  local inc = redis.call('HGET', ns .. 'r:' .. rid, 'incarnation')
+  local ns = keys[1]
+  local inc = redis.call('HGET', ns .. 'r:' .. args[1], 'incarnation')
   if not inc then return 0 end
   return redis.call('DEL', ns .. 'i' .. inc)
 end
 
--- ARGV: ns. Returns {record as flat field/value list, remaining TTL ms} for every live
--- replica; drops ids whose record is gone.
+-- Returns {slots no live incarnation owns (dead, or of a replica whose heartbeat lapsed), then
+-- record as flat field/value list, remaining TTL ms for every live replica}; forgets ids
+-- whose record is gone.
 local function live_replicas(keys, args)
-  local ns = args[1]
-  local out = {}
+  local ns = keys[1]
+  local out, dead = {{}}, {}
+  for _, s in ipairs(redis.call('HKEYS', ns .. 'dead')) do dead[#dead + 1] = s end
   for _, rid in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
     local rec = redis.call('HGETALL', ns .. 'r:' .. rid)
-    if #rec == 0 then
-      redis.call('SREM', ns .. 'replicas', rid)
-    else
-      local inc
-      for j = 1, #rec, 2 do if rec[j] == 'incarnation' then inc = rec[j + 1] end end
-      local ttl = redis.call('PTTL', ns .. 'i' .. inc)
-      if ttl > 0 and redis.call('GET', ns .. 'i' .. inc) == rid then
-        out[#out + 1] = rec
-        out[#out + 1] = ttl
-      end
+    local inc, slot
+    for j = 1, #rec, 2 do
+      if rec[j] == 'incarnation' then inc = rec[j + 1] elseif rec[j] == 'slot' then slot = rec[j + 1] end
+    end
+    local ttl = inc and redis.call('PTTL', ns .. 'i' .. inc) or -2
+    if ttl > 0 and redis.call('GET', ns .. 'i' .. inc) == rid then
+      out[#out + 1] = rec
+      out[#out + 1] = ttl
+    elseif #rec == 0 then
+      forget(ns, rid)
+    elseif slot then
+      dead[#dead + 1] = slot
     end
   end
+  out[1] = dead
   return out
 end
 
--- ARGV: ns, cursor, count. One SCAN step over block keys, removing entries of
--- incarnations that are not live. Returns {next cursor, entries removed}.
-local function sweep(keys, args)
-  local ns, cursor, count = args[1], args[2], args[3]
-  local live = liveness(ns)
-  local res = redis.call('SCAN', cursor, 'MATCH', ns .. 'b*', 'COUNT', count)
-  local removed = 0
-  for _, key in ipairs(res[2]) do
-    for _, inc in ipairs(redis.call('SMEMBERS', key)) do
-      if not live(inc) then removed = removed + redis.call('SREM', key, inc) end
+-- Returns {server ms, dead slots}: what a sweep step clears, and when its pass began.
+local function sweep_plan(keys, args)
+  return {server_ms(), redis.call('HKEYS', keys[1] .. 'dead')}
+end
+
+-- ARGV: when (server ms) a sweep pass that visited every block key began. Slots dead before
+-- then (and for longer than QUARANTINE_MS) have no bits left: they may be handed out again.
+local function swept(keys, args)
+  local ns, began = keys[1], tonumber(args[1])
+  local freed, dead = 0, redis.call('HGETALL', ns .. 'dead')
+  local now = server_ms()
+  for j = 1, #dead, 2 do
+    local died = tonumber(dead[j + 1])
+    if died < began and died < now - QUARANTINE_MS then
+      redis.call('HDEL', ns .. 'dead', dead[j]); freed = freed + 1
     end
   end
-  return {res[1], removed}
+  return freed
 end
 
--- ARGV: ns. 1 if the settings exist (0 after a restart that lost the data).
+-- 1 if the settings exist (0 after a restart that lost the data).
 local function has_settings(keys, args)
-  return redis.call('EXISTS', args[1] .. 'settings')
+  return redis.call('EXISTS', keys[1] .. 'settings')
 end
 
--- ARGV: ns, then field/value pairs. Stores the settings if none exist; returns the
--- stored ones (flat) so the caller can compare.
+-- ARGV: field/value pairs. Stores the settings if none exist; returns the stored ones (flat)
+-- so the caller can compare.
 local function settings(keys, args)
-  local key = args[1] .. 'settings'
-  if redis.call('EXISTS', key) == 0 then redis.call('HSET', key, unpack(args, 2)) end
+  local key = keys[1] .. 'settings'
+  if redis.call('EXISTS', key) == 0 then
+    for j = 1, #args, 2 do redis.call('HSET', key, args[j], args[j + 1]) end
+  end
   return redis.call('HGETALL', key)
 end
 
-redis.register_function{function_name = 'kvmesh_lookup', callback = lookup, flags = {'no-writes'}}
-redis.register_function('kvmesh_speculate', speculate)
-redis.register_function('kvmesh_router_register', router_register)
-redis.register_function('kvmesh_router_heartbeat', router_heartbeat)
-redis.register_function('kvmesh_router_deregister', router_deregister)
-redis.register_function('kvmesh_reserve', reserve)
-redis.register_function('kvmesh_publish', publish)
-redis.register_function('kvmesh_register', register)
-redis.register_function('kvmesh_heartbeat', heartbeat)
-redis.register_function('kvmesh_deregister', deregister)
-redis.register_function('kvmesh_retire', retire)
-redis.register_function('kvmesh_live_replicas', live_replicas)
-redis.register_function('kvmesh_sweep', sweep)
-redis.register_function('kvmesh_settings', settings)
-redis.register_function{function_name = 'kvmesh_has_settings', callback = has_settings, flags = {'no-writes'}}
+local function expose(name, callback, flags)
+  redis.register_function{function_name = 'kvmesh_@VERSION@_' .. name, callback = callback, flags = flags or {}}
+end
+
+expose('lookup', lookup, {'no-writes'})
+expose('publish', publish, {'allow-cross-slot-keys'})  -- a batch's roots, one server
+expose('speculate', speculate)
+expose('sweep', sweep, {'allow-cross-slot-keys'})  -- every key SCAN finds on this server
+expose('sweep_plan', sweep_plan, {'no-writes'})
+expose('swept', swept)
+expose('router_register', router_register)
+expose('router_heartbeat', router_heartbeat)
+expose('router_deregister', router_deregister)
+expose('reserve', reserve)
+expose('register', register)
+expose('heartbeat', heartbeat)
+expose('deregister', deregister)
+expose('retire', retire)
+expose('live_replicas', live_replicas)
+expose('settings', settings)
+expose('has_settings', has_settings, {'no-writes'})

@@ -1,10 +1,12 @@
-"""Client of the shared prefix index (Redis/Valkey), used by replicas and the router.
+"""The shared prefix index in Redis/Valkey (one server or a cluster), used by replicas and routers.
 
-Every call is one round trip to a server-side function (``index.lua`` beside this file, loaded with
-``FUNCTION LOAD``). Replicas ``register`` (a new incarnation each time), ``heartbeat``
-with their load, ``publish`` their KV events in order and ``deregister``; the router
-``lookup``s a prompt's block hashes and lists ``live_replicas``. The key layout and its
-memory cost are documented in ``index.lua`` and the README.
+Every call is one round trip to server-side functions (``index.lua`` beside this file, loaded
+with ``FUNCTION LOAD`` under a name that carries its version). Replicas ``register`` (a new
+incarnation each time, a stable slot per replica id), ``heartbeat`` with their load,
+``publish`` their KV events in order and ``deregister``; routers ``decide`` (lookup + the
+fleet's work) and ``share`` what they sent. The key layout is documented in ``index.lua``:
+block keys live in the slot of their chain's first block, so on a cluster different prefixes
+spread over every shard and a lookup is still one call to one shard.
 """
 
 from __future__ import annotations
@@ -12,22 +14,49 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis.asyncio as aioredis
 import xxhash
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from kvmesh.kvcache import BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvcache.events import BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvcache.index_api import (
+    DEFAULT_DEPLOYMENT,
+    FleetWork,
+    IndexSettingsError,
+    IndexView,
+    ReplicaRecord,
+    Speculation,
+    load_field,
+)
 
-_LIBRARY = resources.files("kvmesh.kvcache").joinpath("index.lua").read_text()
+__all__ = [
+    "DEFAULT_DEPLOYMENT",
+    "INDEX_ERRORS",
+    "FleetWork",
+    "IndexSettingsError",
+    "IndexView",
+    "RedisPrefixIndex",
+    "ReplicaRecord",
+    "connect",
+    "load_field",
+    "pack_hashes",
+]
+
+LAYOUT = 2  # the key layout's version: data written under another layout is never read
+_SOURCE = resources.files("kvmesh.kvcache").joinpath("index.lua").read_text()
+VERSION = f"v{LAYOUT}_{xxhash.xxh32_hexdigest(_SOURCE.encode())}"
+LIBRARY = _SOURCE.replace("@VERSION@", VERSION)
 _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
+_PIPELINE_CALLS = 512  # publish calls per round trip when a resync spans many roots
+_SWEEP_COUNT = 500  # keys one sweep step scans on each server
 
 
 T = TypeVar("T")
@@ -35,46 +64,9 @@ T = TypeVar("T")
 INDEX_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
-class IndexSettingsError(RuntimeError):
-    """This process's model id / block size / hash seed differ from the cluster's."""
-
-
-@dataclass(frozen=True)
-class ReplicaRecord:
-    replica_id: str
-    address: str
-    incarnation: int
-    heartbeat_ttl_ms: int  # time left before the replica stops counting as live
-    fields: Mapping[str, str]  # everything else in its record (load, start time, ...)
-
-    def load(self, name: str, default: float = 0.0) -> float:
-        value = self.fields.get(name)
-        return float(value) if value not in (None, "") else default
-
-
-@dataclass(frozen=True)
-class FleetWork:
-    """What every live router has in flight on one replica (``kvmesh_reserve``)."""
-
-    requests: float = 0.0
-    prefill_blocks: float = 0.0
-    decode_blocks: float = 0.0
-
-
-LOAD_FIELDS = {"n": "requests", "p": "prefill_blocks", "d": "decode_blocks"}
-
-
-@dataclass(frozen=True)
-class IndexView:
-    """What one ``decide`` call returns (blocks per replica, work per replica)."""
-
-    matched: dict[str, int]  # leading blocks each replica published
-    speculative: dict[str, int]  # leading blocks routers just sent it (not published yet)
-    fleet: dict[str, FleetWork] | None  # None: not asked (this router does not share its load)
-
-
-def load_field(replica_id: str, kind: str) -> str:
-    return f"{replica_id}|{kind}"
+def function(name: str) -> str:
+    """The server-side name of one of this release's index functions."""
+    return f"kvmesh_{VERSION}_{name}"
 
 
 def pack_hashes(hashes: Iterable[int]) -> bytes:
@@ -82,9 +74,13 @@ def pack_hashes(hashes: Iterable[int]) -> bytes:
     return np.fromiter(hashes, dtype=">u8").tobytes()
 
 
-def namespace(model_id: str) -> str:
-    """The hash-tagged key prefix of one model's index (short: it is in every block key)."""
-    return f"{{k:{xxhash.xxh32_intdigest(model_id.encode()):08x}}}"
+def _digest(model_id: str, deployment: str) -> str:
+    return f"{xxhash.xxh32_intdigest(chr(0).join((str(LAYOUT), model_id, deployment)).encode()):08x}"
+
+
+def namespace(model_id: str, deployment: str = DEFAULT_DEPLOYMENT) -> str:
+    """The hash-tagged prefix of one deployment's control keys (membership, routers' work)."""
+    return f"{{k:{_digest(model_id, deployment)}}}"
 
 
 def connect(
@@ -94,23 +90,35 @@ def connect(
     username: str | None = None,
     password: str | None = None,
     ca_file: str | None = None,
-) -> aioredis.Redis:
+) -> aioredis.Redis | RedisCluster:
     """A client that fails fast: callers decide how to degrade when Redis is away.
 
-    ``redis://``, ``rediss://`` (TLS, verified against ``ca_file`` when given) or ``unix://``.
-    ``password`` (and ACL ``username``) apply when the URL carries none, so secrets can stay
-    out of URLs, flags and logs.
+    ``redis://``, ``rediss://`` (TLS, verified against ``ca_file`` when given) or ``unix://``;
+    ``redis+cluster://`` / ``rediss+cluster://`` name any node of a Valkey/Redis Cluster (the
+    client discovers the rest). ``password`` (and ACL ``username``) apply when the URL carries
+    none, so secrets can stay out of URLs, flags and logs.
     """
-    extra = {}
+    extra: dict[str, object] = {}
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"not a Redis URL (redis://, rediss:// or unix://): {parts.scheme}://...")
+    scheme, cluster = parts.scheme.removesuffix("+cluster"), parts.scheme.endswith("+cluster")
+    if scheme not in ("redis", "rediss") and not (scheme == "unix" and not cluster):
+        raise ValueError(
+            "not a Redis URL (redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://): "
+            f"{parts.scheme}://..."
+        )
     if not parts.password and password:
         extra["password"] = password
         if username:
             extra["username"] = username
-    if parts.scheme == "rediss" and ca_file:
+    if scheme == "rediss" and ca_file:
         extra["ssl_ca_certs"] = ca_file
+    if cluster:
+        return RedisCluster.from_url(
+            urlunsplit(parts._replace(scheme=scheme)),
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            **extra,
+        )
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout,
@@ -121,46 +129,89 @@ def connect(
     )
 
 
-class PrefixIndex:
-    def __init__(self, client: aioredis.Redis, model_id: str, block_size: int | None, hash_seed: int | None):
+class RedisPrefixIndex:
+    """One deployment of one model's index on a Redis/Valkey server or cluster."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        model_id: str,
+        block_size: int | None,
+        hash_seed: int | None,
+        deployment: str = DEFAULT_DEPLOYMENT,
+        members_max_age_s: float = 1.0,
+    ):
         """``block_size``/``hash_seed`` None: a client that never stores the settings (it may
-        read them: a router whose block size is "auto", a supervisor, a status tool)."""
+        read them: a router whose block size is "auto", a supervisor, a status tool).
+        ``deployment``: which deployment of the model this is (its replicas, routers and
+        index entries are its own). ``members_max_age_s``: how old the live replicas this
+        client read may be when it turns a lookup's slots into replica ids."""
         self.client = client
         self.model_id = model_id
+        self.deployment = deployment
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self.ns = namespace(model_id)
-        self._block_prefix = f"{self.ns}b".encode()
+        digest = _digest(model_id, deployment)
+        self.ns = namespace(model_id, deployment)
+        self._ns_key = self.ns.encode()
+        self.block_pattern = f"{{{digest}.*".encode()
+        self._tag_prefix = f"{{{digest}.".encode()
+        self.block_key_length = len(self.tag(0)) + 8
         self._load_key = f"{self.ns}load".encode()
         self._loaded = False
+        self._clustered = isinstance(client, RedisCluster)
+        self.members_max_age_s = members_max_age_s
+        self._by_slot: dict[int, ReplicaRecord] = {}
+        self._slot_of: dict[str, int] = {}
+        self._members_at = -float("inf")
+        self._known_slots: set[int] = set()  # live and dead slots when the members were last read
+        self._own_slots: dict[tuple[str, int], int] = {}  # (replica, incarnation) -> slot, from register
+        self._sweep_cursors: dict[str, int] = {}
+        self._pass_began: int | None = None  # server ms when this client's current sweep pass began
 
     @classmethod
     def from_url(
-        cls, url: str, model_id: str, block_size: int | None, hash_seed: int | None, **credentials: str | None
-    ) -> PrefixIndex:
+        cls,
+        url: str,
+        model_id: str,
+        block_size: int | None,
+        hash_seed: int | None,
+        deployment: str = DEFAULT_DEPLOYMENT,
+        members_max_age_s: float = 1.0,
+        **credentials: str | None,
+    ) -> RedisPrefixIndex:
         """``credentials``: ``username``, ``password``, ``ca_file`` (see ``connect``)."""
-        return cls(connect(url, **credentials), model_id, block_size, hash_seed)
+        client = connect(url, **credentials)
+        return cls(client, model_id, block_size, hash_seed, deployment, members_max_age_s)
 
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def _call(self, function: str, *args, keys: Sequence[bytes] = (), read_only: bool = False):
-        """FCALL (ARGV: ns, *args). ``keys``: the keys it reads, when the caller knows them."""
+    def tag(self, root: int) -> bytes:
+        """The key prefix (hash tag) of every block of the chains starting at ``root``."""
+        return self._tag_prefix + f"{root & 0xFFFF:04x}}}".encode()
+
+    def block_key(self, root: int, block_hash: int) -> bytes:
+        return self.tag(root) + pack_hashes((block_hash,))
+
+    async def _control(self, name: str, *args, read_only: bool = False):
+        """One call to a control function (its key: this deployment's namespace)."""
         fcall = self.client.fcall_ro if read_only else self.client.fcall
-        return await self._with_library(lambda: fcall(function, len(keys), *keys, self.ns, *args))
+        return await self._with_library(lambda: fcall(function(name), 1, self._ns_key, *args))
 
     async def _with_library(self, send: Callable[[], Awaitable[T]]) -> T:
         """``send()``, loading the library first if this client has not, and again if the
-        server lost it (new or restarted)."""
+        server lost it (new, restarted, or a cluster node that joined). Only this release's
+        library is replaced: another release's, loaded beside it, keeps working."""
         if not self._loaded:
-            await self.client.function_load(_LIBRARY, replace=True)
+            await self.client.function_load(LIBRARY, replace=True)
             self._loaded = True
         try:
             return await send()
         except ResponseError as exc:
             if "function" not in str(exc).lower() or "not found" not in str(exc).lower():
                 raise
-            await self.client.function_load(_LIBRARY, replace=True)
+            await self.client.function_load(LIBRARY, replace=True)
             return await send()
 
     # ------------------------------------------------------------------ settings
@@ -171,10 +222,11 @@ class PrefixIndex:
             raise ValueError("this index client has no settings to store (block size 'auto')")
         mine = {
             "model_id": self.model_id,
+            "deployment": self.deployment,
             "block_size": str(self.block_size),
             "hash_seed": str(self.hash_seed),
         }
-        stored = _pairs(await self._call("kvmesh_settings", *[x for kv in mine.items() for x in kv]))
+        stored = _pairs(await self._control("settings", *[x for kv in mine.items() for x in kv]))
         wrong = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
         if wrong:
             detail = ", ".join(
@@ -189,7 +241,7 @@ class PrefixIndex:
 
     async def has_settings(self) -> bool:
         """False when the server lost this model's data (restarted without persistence)."""
-        return bool(await self._call("kvmesh_has_settings", read_only=True))
+        return bool(await self._control("has_settings", read_only=True))
 
     # ------------------------------------------------------------------ replicas
 
@@ -199,26 +251,37 @@ class PrefixIndex:
         """Start a new incarnation (retiring the previous one); returns its number."""
         fields = {"address": address, "started_at": time.time(), "heartbeat_at": time.time(), **dict(info)}
         flat = [str(x) for kv in fields.items() for x in kv]
-        return int(await self._call("kvmesh_register", replica_id, int(ttl_s * 1000), *flat))
+        incarnation, slot = await self._control("register", replica_id, _ms(ttl_s), *flat)
+        self._own_slots[(replica_id, int(incarnation))] = int(slot)
+        self._members_at = -float("inf")  # what this client reads next includes it
+        return int(incarnation)
 
     async def heartbeat(
         self, replica_id: str, incarnation: int, ttl_s: float, load: Mapping[str, object] = ()
     ) -> bool:
         """Extend liveness and store load; False means the incarnation was retired or expired."""
         flat = [str(x) for kv in {"heartbeat_at": time.time(), **dict(load)}.items() for x in kv]
-        return bool(await self._call("kvmesh_heartbeat", replica_id, incarnation, int(ttl_s * 1000), *flat))
+        return bool(await self._control("heartbeat", replica_id, incarnation, _ms(ttl_s), *flat))
 
     async def deregister(self, replica_id: str, incarnation: int) -> bool:
-        return bool(await self._call("kvmesh_deregister", replica_id, incarnation))
+        self._own_slots.pop((replica_id, incarnation), None)
+        self._members_at = -float("inf")
+        return bool(await self._control("deregister", replica_id, incarnation))
 
     async def retire(self, replica_id: str) -> bool:
         """End a replica's current incarnation now (a supervisor saw its process die)."""
-        return bool(await self._call("kvmesh_retire", replica_id))
+        self._members_at = -float("inf")
+        return bool(await self._control("retire", replica_id))
 
     async def live_replicas(self) -> list[ReplicaRecord]:
-        raw = await self._call("kvmesh_live_replicas")
+        return (await self._members())[0]
+
+    async def _members(self) -> tuple[list[ReplicaRecord], list[int]]:
+        """(live replicas, slots that no live incarnation owns); refreshes the slot map that
+        lookups read."""
+        raw = await self._control("live_replicas")
         records = []
-        for flat, ttl in zip(raw[::2], raw[1::2], strict=True):
+        for flat, ttl in zip(raw[1::2], raw[2::2], strict=True):
             fields = _pairs(flat)
             records.append(
                 ReplicaRecord(
@@ -227,142 +290,239 @@ class PrefixIndex:
                     incarnation=int(fields.pop("incarnation")),
                     heartbeat_ttl_ms=int(ttl),
                     fields=fields,
+                    slot=int(fields.pop("slot")),
                 )
             )
-        return records
+        dead = [int(slot) for slot in raw[0]]
+        self._by_slot = {r.slot: r for r in records}
+        self._slot_of = {r.replica_id: r.slot for r in records}
+        self._known_slots = set(self._by_slot) | set(dead)
+        self._members_at = time.monotonic()
+        return records, dead
+
+    async def _fresh_members(self) -> None:
+        if time.monotonic() - self._members_at > self.members_max_age_s:
+            await self._members()
 
     # ------------------------------------------------------------------ blocks
 
+    async def _own_slot(self, replica_id: str, incarnation: int) -> int | None:
+        slot = self._own_slots.get((replica_id, incarnation))
+        if slot is None:  # registered through another client: read it from the record
+            record = await self.client.hmget(f"{self.ns}r:{replica_id}", ["incarnation", "slot"])
+            if record[0] is None or int(record[0]) != incarnation:
+                return None
+            slot = self._own_slots[(replica_id, incarnation)] = int(record[1])
+        return slot
+
     async def publish(self, replica_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
-        """Apply Stored/Removed events in order, in one call; False: resync under a new incarnation.
+        """Apply Stored/Removed events in order (one call per chain root, pipelined); False:
+        the incarnation is no longer live (what it wrote never counts: resync under a new one).
 
         ``AllBlocksCleared`` is not handled here: the publisher starts a new incarnation.
         """
-        args: list = []
+        ops: dict[bytes, list] = {}  # tag -> [op, packed, op, packed ...], in event order
         for event in events:
             if isinstance(event, BlockStored):
-                op = "+"
+                pairs, op = [(event.root, h) for h in event.hashes], "+"
             elif isinstance(event, BlockRemoved):
-                op = "-"
+                pairs, op = list(zip(event.roots, event.hashes, strict=True)), "-"
             else:
                 raise TypeError(f"publish takes BlockStored/BlockRemoved, got {event!r}")
-            if args and args[-2] == op:
-                args[-1] += pack_hashes(event.hashes)
-            else:
-                args += [op, pack_hashes(event.hashes)]
-        if not args:
+            for root, h in pairs:
+                args = ops.setdefault(self.tag(root), [])
+                if args and args[-2] == op:
+                    args[-1] += pack_hashes((h,))
+                else:
+                    args += [op, pack_hashes((h,))]
+        if not ops:
             return True
-        return await self._call("kvmesh_publish", replica_id, incarnation, *args) != 0
+        return await self._publish_calls(replica_id, incarnation, list(ops.items()))
 
-    async def publish_all(self, replica_id: str, incarnation: int, hashes: Iterable[int]) -> bool:
-        """Publish a whole cache (resync), in chunks so no single call blocks Redis for long."""
-        hashes = list(hashes)
-        for start in range(0, len(hashes), _PUBLISH_CHUNK):
-            packed = pack_hashes(hashes[start : start + _PUBLISH_CHUNK])
-            if await self._call("kvmesh_publish", replica_id, incarnation, "+", packed) == 0:
+    async def publish_all(self, replica_id: str, incarnation: int, blocks: Mapping[int, int]) -> bool:
+        """Publish a whole cache (``hash -> root``: a resync), a bounded call per root chunk,
+        pipelined, so no single call blocks Redis for long."""
+        by_tag: dict[bytes, list[int]] = {}
+        for h, root in blocks.items():
+            by_tag.setdefault(self.tag(root), []).append(h)
+        calls = [
+            (tag, ["+", pack_hashes(hashes[i : i + _PUBLISH_CHUNK])])
+            for tag, hashes in by_tag.items()
+            for i in range(0, len(hashes), _PUBLISH_CHUNK)
+        ]
+        return await self._publish_calls(replica_id, incarnation, calls)
+
+    async def _publish_calls(
+        self, replica_id: str, incarnation: int, calls: list[tuple[bytes, list]]
+    ) -> bool:
+        """Send (tag, [op, packed, ...]) groups: on one server, as few calls as the chunk size
+        allows; on a cluster, one call per tag (its slot's shard). Pipelined, with a check that
+        the incarnation is still live."""
+        slot = await self._own_slot(replica_id, incarnation)
+        if slot is None:
+            return False
+        triples = [
+            [tag, op, packed] for tag, args in calls for op, packed in zip(args[::2], args[1::2], strict=True)
+        ]
+        batches: list[list] = []
+        size = _PUBLISH_CHUNK * 8 + 1  # bytes of hashes in the last batch: start a new one
+        for tag, op, packed in triples:
+            if self._clustered or size + len(packed) > _PUBLISH_CHUNK * 8:
+                batches.append([])
+                size = 0
+            batches[-1] += [tag, op, packed]
+            size += len(packed)
+        for start in range(0, max(1, len(batches)), _PIPELINE_CALLS):
+
+            def send(group: list = batches[start : start + _PIPELINE_CALLS]) -> Awaitable[list]:
+                pipe = self.client.pipeline(transaction=False)
+                for args in group:
+                    pipe.fcall(function("publish"), 1, args[0], slot, *args)
+                pipe.get(f"{self.ns}i{incarnation}")  # still live? (a control key: its own shard)
+                return pipe.execute()
+
+            replies = await self._with_library(send)
+            if replies[-1] is None or replies[-1].decode() != replica_id:
                 return False
         return True
 
-    def _block_keys(self, block_hashes: Iterable[int]) -> list[bytes]:
-        # Built here, not in the server's Lua (which took ~0.15 us a key): the server is
-        # shared by every router, the clients scale out.
-        packed, prefix = pack_hashes(block_hashes), self._block_prefix
-        return [prefix + packed[i : i + 8] for i in range(0, len(packed), 8)]
+    def _chain(self, block_hashes: Sequence[int]) -> tuple[bytes, bytes] | None:
+        """(first block key, the packed chain) of a lookup, None for an empty chain."""
+        if not block_hashes:
+            return None
+        return self.block_key(block_hashes[0], block_hashes[0]), pack_hashes(block_hashes)
 
-    async def lookup(self, block_hashes: Iterable[int]) -> dict[str, int]:
+    async def lookup(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Matched leading blocks per live replica holding at least the first block (what the
-        replicas published; routers' speculative entries are left out)."""
-        keys = self._block_keys(block_hashes)
-        if not keys:
+        replicas published; routers' speculative entries are left out). Live: as of the
+        records this client read at most ``members_max_age_s`` ago, or since (see ``_matches``)."""
+        chain = self._chain(block_hashes)
+        if chain is None:
             return {}
-        return _matches(await self._call("kvmesh_lookup", keys=keys, read_only=True))[0]
+        await self._fresh_members()
+        flat = await self._with_library(lambda: self.client.fcall_ro(function("lookup"), 1, *chain))
+        return (await self._matches(flat))[0]
 
-    async def decide(self, block_hashes: Iterable[int]) -> IndexView:
+    async def decide(self, block_hashes: Sequence[int]) -> IndexView:
         """Everything a routing decision reads, in one round trip: the replicas' matches, the
-        routers' speculative matches and every router's in-flight work per replica. The
-        work is a plain HGETALL pipelined behind the lookup: through Lua, its reply cost the
-        server ~40 us more per decision at 64 replicas."""
-        keys = self._block_keys(block_hashes)
+        routers' speculative matches (one call to the chain's shard) and every router's
+        in-flight work per replica (a plain HGETALL of the control slot, pipelined)."""
+        chain = self._chain(block_hashes)
+        await self._fresh_members()
 
         def send() -> Awaitable[list]:
             pipe = self.client.pipeline(transaction=False)
-            if keys:
-                pipe.fcall_ro("kvmesh_lookup", len(keys), *keys, self.ns)
+            if chain is not None:
+                pipe.fcall_ro(function("lookup"), 1, *chain)
             pipe.hgetall(self._load_key)
             return pipe.execute()
 
         replies = await self._with_library(send)
-        flat, load = (replies[0], replies[1]) if keys else ([], replies[0])
-        work: dict[str, dict[str, float]] = {}
-        for field, value in load.items():
-            replica_id, _, kind = field.decode().rpartition("|")
-            if kind in LOAD_FIELDS:
-                work.setdefault(replica_id, {})[LOAD_FIELDS[kind]] = max(0.0, float(value))
-        matched, speculative = _matches(flat)
-        return IndexView(matched, speculative, {rid: FleetWork(**w) for rid, w in work.items()})
+        flat, load = (replies[0], replies[1]) if chain is not None else ([], replies[0])
+        matched, speculative = await self._matches(flat)
+        return IndexView(matched, speculative, _fleet(load))
 
-    async def speculate(
-        self,
-        router_incarnation: int,
-        entries: Mapping[str, Sequence[int]],
-        ttl_s: float,
-        bucket: int | None = None,
-    ) -> bool:
-        """Record that this router sent each replica a prompt with these blocks (a whole chain:
-        a speculative match, like a replica's, runs from the first block); every router's
-        ``decide`` sees them for ``ttl_s`` to twice that. ``bucket``: ``speculation_bucket``
-        (now, by default). False: the router expired."""
-        return await self.share(router_incarnation, {}, entries, ttl_s, bucket)
+    async def _matches(self, flat: list) -> tuple[dict[str, int], dict[str, int]]:
+        """(replicas' matches, speculative matches) from a lookup's (depth, holders bitmap)
+        groups, slots mapped to the live replicas that own them. A slot this client has never
+        seen (a replica just restarted or joined) makes it read the members again first, so a
+        resync counts from its first lookup."""
+        groups = [(int(depth), _slots(bitmap)) for depth, bitmap in zip(flat[::2], flat[1::2], strict=True)]
+        if any(slot not in self._known_slots for _, (published, _) in groups for slot in published):
+            await self._members()
+        matched: dict[str, int] = {}
+        speculative: dict[str, int] = {}
+        for depth, (published, speculated) in groups:
+            for into, slots in ((matched, published), (speculative, speculated)):
+                for slot in slots:
+                    record = self._by_slot.get(slot)
+                    if record is not None:
+                        into[record.replica_id] = depth
+        return matched, speculative
+
+    async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
+        """Record that this router sent each replica a prompt with these blocks (of the chain
+        starting at root: a speculative match, like a replica's, runs from the first block);
+        every router's ``decide`` sees them for ``ttl_s`` to twice that (server-side time
+        buckets of ``ttl_s``). False: the router expired."""
+        return await self.share(router_incarnation, {}, entries, ttl_s)
 
     async def share(
         self,
         router_incarnation: int,
         deltas: Mapping[str, float],
-        entries: Mapping[str, Sequence[int]],
+        entries: Iterable[Speculation],
         ttl_s: float,
-        bucket: int | None = None,
     ) -> bool:
         """``reserve`` and ``speculate`` in one round trip (pipelined): what a router sends
-        after its decisions. False: the router expired (nothing applied)."""
+        after its decisions. False: the router expired (no work applied)."""
         work = [x for field, delta in deltas.items() for x in (field, repr(float(delta)))]
-        speculation = [x for rid, hashes in entries.items() if hashes for x in (rid, pack_hashes(hashes))]
-        calls = [("kvmesh_reserve", router_incarnation, *work)] if work else []
-        if speculation:
-            bucket = speculation_bucket(ttl_s) if bucket is None else bucket
-            calls.append(("kvmesh_speculate", router_incarnation, _ms(ttl_s), bucket, *speculation))
-        if not calls:
-            return True
+        await self._fresh_members()
+        by_tag: dict[bytes, list] = {}
+        for replica_id, root, hashes in entries:
+            slot = self._slot_of.get(replica_id)
+            if hashes and slot is not None:  # a replica not live has no slot to mark
+                by_tag.setdefault(self.tag(root), []).extend((slot, pack_hashes(hashes)))
 
         def send() -> Awaitable[list]:
             pipe = self.client.pipeline(transaction=False)
-            for function, *args in calls:
-                pipe.fcall(function, 0, self.ns, *args)
+            pipe.fcall(function("reserve"), 1, self._ns_key, router_incarnation, *work)
+            for tag, args in by_tag.items():
+                pipe.fcall(function("speculate"), 1, tag, _ms(ttl_s), *args)
             return pipe.execute()
 
-        return all(await self._with_library(send))
+        return bool((await self._with_library(send))[0])
 
     # ------------------------------------------------------------------ routers' reservations
 
     async def register_router(self, ttl_s: float) -> int:
         """A new router incarnation, live for ``ttl_s`` unless its heartbeat extends it."""
-        return int(await self._call("kvmesh_router_register", int(ttl_s * 1000)))
+        return int(await self._control("router_register", _ms(ttl_s)))
 
     async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> bool:
         """Extend it (and reap dead routers' reservations); False: it expired, register anew."""
-        return bool(await self._call("kvmesh_router_heartbeat", router_incarnation, int(ttl_s * 1000)))
+        return bool(await self._control("router_heartbeat", router_incarnation, _ms(ttl_s)))
 
     async def deregister_router(self, router_incarnation: int) -> None:
-        await self._call("kvmesh_router_deregister", router_incarnation)
+        await self._control("router_deregister", router_incarnation)
 
     async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool:
         """Add ``deltas`` (``load_field(replica, "n"|"p"|"d")`` -> amount) to the fleet's and
         this router's in-flight work; False (nothing applied) if the router expired."""
-        return await self.share(router_incarnation, deltas, {}, 0.0)
+        return await self.share(router_incarnation, deltas, (), 0.0)
 
-    async def sweep(self, cursor: int = 0, count: int = 500) -> tuple[int, int]:
-        """One step of background cleanup; returns (next cursor, entries removed)."""
-        next_cursor, removed = await self._call("kvmesh_sweep", cursor, count)
-        return int(next_cursor), int(removed)
+    # ------------------------------------------------------------------ upkeep
+
+    def _servers(self) -> list[tuple[str, dict]]:
+        """(name, how to address it) of every server holding block keys: the primaries of a
+        cluster, or the one server."""
+        if not self._clustered:
+            return [("server", {})]
+        return [(node.name, {"target_nodes": node}) for node in self.client.get_primaries()]
+
+    async def sweep(self) -> int:
+        """One step of background cleanup on every server: a SCAN of up to 500 block keys,
+        clearing the bits of slots whose incarnation ended. When this client's steps have
+        visited every key since a pass began, slots dead before then are handed out again.
+        Returns the bits cleared."""
+        began, dead = await self._control("sweep_plan", read_only=True)
+        if self._pass_began is None:
+            self._pass_began = int(began)
+        cleared = 0
+        for name, where in self._servers():
+            cursor = self._sweep_cursors.get(name, 0)
+
+            def send(cursor: int = cursor, where: dict = where) -> Awaitable[list]:
+                args = (self.block_pattern, self.block_key_length, cursor, _SWEEP_COUNT, *dead)
+                return self.client.execute_command("FCALL", function("sweep"), 0, *args, **where)
+
+            next_cursor, count = await self._with_library(send)
+            self._sweep_cursors[name] = int(next_cursor)
+            cleared += int(count)
+        if not any(self._sweep_cursors.values()):  # every server's keys visited: a pass ended
+            await self._control("swept", self._pass_began)
+            self._pass_began = None
+        return cleared
 
     async def set_controller_state(self, state: str) -> None:
         """The controller's view of its replica slots (JSON), for ``kvmesh status``."""
@@ -376,40 +536,40 @@ class PrefixIndex:
         """True for the one router that may ask ``replica_id`` to resync in this interval
         (every router that sees the index lie about a replica would otherwise ask at once)."""
         key = f"{self.ns}resync:{replica_id}"
-        return bool(await self.client.set(key, b"1", nx=True, px=max(1, int(interval_s * 1000))))
+        return bool(await self.client.set(key, b"1", nx=True, px=_ms(interval_s)))
 
     async def snapshot(self) -> dict[str, set[int]]:
         """Every live replica's hashes, read by SCAN (O(index); for tests and debugging)."""
-        live = {str(r.incarnation): r.replica_id for r in await self.live_replicas()}
-        prefix = self._block_prefix
-        out: dict[str, set[int]] = {rid: set() for rid in live.values()}
-        async for key in self.client.scan_iter(match=prefix + b"*", count=1000):
-            (h,) = np.frombuffer(key[len(prefix) :], dtype=">u8").tolist()
-            for inc in await self.client.smembers(key):
-                if inc.decode() in live:
-                    out[live[inc.decode()]].add(h)
+        records = await self.live_replicas()
+        out: dict[str, set[int]] = {r.replica_id: set() for r in records}
+        owner = {r.slot: r.replica_id for r in records}
+        async for key in self.client.scan_iter(match=self.block_pattern, count=1000):
+            if len(key) == self.block_key_length:
+                (h,) = np.frombuffer(key[-8:], dtype=">u8").tolist()
+                bits = np.unpackbits(np.frombuffer(await self.client.get(key) or b"", dtype=np.uint8))
+                for slot in np.flatnonzero(bits).tolist():
+                    if slot in owner:
+                        out[owner[slot]].add(h)
         return out
+
+
+def _slots(bitmap: bytes) -> tuple[list[int], list[int]]:
+    """(published slots, speculative slots) of a lookup's holders bitmap (two halves, bit 0 =
+    the first byte's most significant bit, as SETBIT numbers them)."""
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))
+    half = len(bits) // 2
+    return np.flatnonzero(bits[:half]).tolist(), np.flatnonzero(bits[half:]).tolist()
+
+
+def _fleet(load: Mapping[bytes, bytes]) -> dict[str, FleetWork]:
+    """The load hash (replica id -> "<requests> <prefill> <decode>") as work per replica."""
+    return {
+        rid.decode(): FleetWork(*(max(0.0, float(x)) for x in work.split())) for rid, work in load.items()
+    }
 
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
-
-
-def speculation_bucket(ttl_s: float) -> int:
-    """The time bucket speculative entries made now share (one speculative incarnation per
-    router, replica and bucket)."""
-    return int(time.time() * 1000) // _ms(ttl_s)
-
-
-def _matches(flat: list) -> tuple[dict[str, int], dict[str, int]]:
-    """(replicas' matches, speculative matches): per replica the deepest of its entries."""
-    matched: dict[str, int] = {}
-    speculative: dict[str, int] = {}
-    for owner, depth in zip(flat[::2], flat[1::2], strict=True):
-        owner = owner.decode()
-        into, rid = (speculative, owner[1:]) if owner.startswith("~") else (matched, owner)
-        into[rid] = max(into.get(rid, 0), int(depth))
-    return matched, speculative
 
 
 def _pairs(flat: list) -> dict[str, str]:

@@ -142,15 +142,16 @@ class AsyncLLMEngine:
         self._commands.put(_Call(fn, loop, future))
         return await future
 
-    async def snapshot_cached_hashes(self) -> set[int]:
-        """The cache's hashes, consistent with the event stream: events drained after this
-        call describe changes made after the snapshot (earlier ones are discarded)."""
+    async def snapshot_cached_blocks(self) -> dict[int, int]:
+        """The cache's hashes (each with its chain's root), consistent with the event stream:
+        events drained after this call describe changes made after the snapshot (earlier
+        ones are discarded)."""
 
-        def snapshot(engine: LLMEngine) -> set[int]:
+        def snapshot(engine: LLMEngine) -> dict[int, int]:
             with self._events_lock:
                 self._events.clear()
             engine.drain_kv_events()
-            return engine.block_manager.cached_hashes()
+            return engine.block_manager.cached_blocks()
 
         return await self.call(snapshot)
 

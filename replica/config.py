@@ -13,6 +13,7 @@ from typing import Any
 
 from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.connections import ConnectionLimits
+from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
@@ -77,6 +78,11 @@ class ReplicaConfig:
     replica_id: str = option("replica-0", cli=False, help="this replica's name in the index")
     redis_url: str | None = option(None, help="Redis/Valkey URL of the prefix index")
     model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
+    deployment: str = option(
+        DEFAULT_DEPLOYMENT,
+        help="which deployment of the model this is: deployments on one Redis keep their replicas and "
+        "index entries apart",
+    )
     host: str = option(
         "127.0.0.1",
         flag="replica-host",
@@ -124,6 +130,7 @@ class ReplicaConfig:
 
     def __post_init__(self) -> None:
         self.engine.validate()
+        check_deployment(self.deployment)
         if not -1 <= self.pod_metrics_port < 65536 or self.pod_metrics_port == 0:
             raise ValueError(
                 f"pod_metrics_port must be a fixed port in [1, 65535] or -1 (off), got {self.pod_metrics_port}"

@@ -107,7 +107,7 @@ class ReplicaServer:
             self.http = await start_http_server(app, c.host, c.http_port, c.tls, write_timeout_s)
             self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"
             info["http_address"] = self.http_address
-        index = connect_index(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed)
+        index = connect_index(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed, c.deployment)
         self.publisher = IndexPublisher(
             index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
         )

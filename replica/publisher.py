@@ -20,7 +20,8 @@ import logging
 import time
 
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
-from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
+from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.replica.async_engine import AsyncLLMEngine
 from kvmesh.serving.background import BackgroundLoops
 
@@ -102,18 +103,18 @@ class IndexPublisher:
 
     async def _sync(self) -> None:
         await self.index.ensure_settings()
-        hashes = await self.engine.snapshot_cached_hashes()  # later events are relative to it
+        blocks = await self.engine.snapshot_cached_blocks()  # later events are relative to it
         self._buffer.clear()
         incarnation = await self.index.register(self.replica_id, self.address, self.ttl_s, self._record())
         if self.withdrawn is not None:  # the engine failed while this sync was on its way
             await self.index.deregister(self.replica_id, incarnation)
             return
         self.incarnation = incarnation
-        if await self.index.publish_all(self.replica_id, incarnation, hashes):
+        if await self.index.publish_all(self.replica_id, incarnation, blocks):
             self.dirty = False
             self.syncs += 1
-            self.synced_hashes = len(hashes)
-            log.info("prefix index synced", extra={"incarnation": incarnation, "hashes": len(hashes)})
+            self.synced_hashes = len(blocks)
+            log.info("prefix index synced", extra={"incarnation": incarnation, "hashes": len(blocks)})
 
     async def resync(self, reason: str, timeout_s: float = 10.0) -> int:
         """Publish the whole cache again under a new incarnation (a router saw the index lie
@@ -175,12 +176,11 @@ class IndexPublisher:
                 self._mark_dirty(f"heartbeat failed: {exc}")
 
     async def _sweep_loop(self) -> None:
-        cursor = 0
         while self._loops.running:
             await asyncio.sleep(self.sweep_s)
             if not self.dirty:
                 with contextlib.suppress(*INDEX_ERRORS):
-                    cursor, _ = await self.index.sweep(cursor)
+                    await self.index.sweep()
 
     # ------------------------------------------------------------------ records
 

@@ -10,6 +10,7 @@ from kvmesh.router.index_health import IndexHealthConfig
 from kvmesh.router.policies import POLICIES
 from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.connections import ConnectionLimits
+from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
@@ -53,6 +54,11 @@ class RouterConfig:
         None, help="Redis/Valkey URL of the prefix index (kvmesh up: an embedded valkey-server if unset)"
     )
     model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
+    deployment: str = option(
+        DEFAULT_DEPLOYMENT,
+        help="which deployment of the model this is: deployments on one Redis keep their replicas and "
+        "index entries apart",
+    )
     block_size: int | None = option(
         None, help="KV block size in tokens; auto: the replicas' choice (256 where flash-attn runs, else 16)"
     )
@@ -94,6 +100,7 @@ class RouterConfig:
         _check_positive(self, "block_size", "max_model_len", "max_message_bytes", "refresh_s")
         _check_port("port", self.port)
         _check_port("http_port", self.http_port, off_allowed=True)
+        check_deployment(self.deployment)
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is unknown; known: {', '.join(sorted(POLICIES))}")
         if self.speculative_ttl_s < 0 or self.drain_timeout_s < 0:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.decision import Decider, Decision

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.kvcache import block_hashes
-from kvmesh.kvcache.index import INDEX_ERRORS, IndexView, PrefixIndex
+from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_api import IndexView, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.index_truth import Prediction

@@ -26,7 +26,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, load_field, speculation_bucket
+from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, load_field
 from kvmesh.serving.background import BackgroundLoops
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class FleetLoad:
         self.index = index
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
         self.speculative_ttl_s = speculative_ttl_s
-        self._speculation: dict[str, list[int]] = {}  # replica -> blocks to announce (this turn)
+        self._speculation: dict[tuple[str, int], list[int]] = {}  # (replica, root) -> blocks to announce
         self._announced: tuple[int, dict[str, set[int]]] = (-1, {})  # (bucket, replica -> blocks sent in it)
         self.incarnation: int | None = None  # None: not registered (yet, or lost): local counts only
         self._held: collections.Counter[str] = collections.Counter()  # field -> what this router holds
@@ -88,15 +89,19 @@ class FleetLoad:
 
     def speculate(self, replica_id: str, block_hashes: list[int]) -> None:
         """Tell every router that ``replica_id`` will hold this chain (sent within the loop
-        turn; blocks already announced for it in this time bucket are not sent again)."""
-        bucket = speculation_bucket(self.speculative_ttl_s)
+        turn; blocks already announced for it in this time bucket of ``speculative_ttl_s``
+        are not sent again, so the index keeps each entry for two of them: every router sees
+        it from ``speculative_ttl_s`` to twice that after the last request that made it)."""
+        if not block_hashes:
+            return
+        bucket = int(time.time() / self.speculative_ttl_s)
         if self._announced[0] != bucket:
             self._announced = (bucket, {})
         sent = self._announced[1].setdefault(replica_id, set())
         new = [h for h in block_hashes if h not in sent]
         if new:
             sent.update(new)
-            self._speculation.setdefault(replica_id, []).extend(new)
+            self._speculation.setdefault((replica_id, block_hashes[0]), []).extend(new)
             self._schedule_send()
 
     def unsent(self, replica_id: str) -> FleetWork:
@@ -112,15 +117,13 @@ class FleetLoad:
         while self._unsent or self._speculation:
             await asyncio.sleep(0)  # let this loop turn's other deltas join
             speculation, self._speculation = self._speculation, {}
-            bucket = self._announced[0]
             if self.incarnation is None:
                 return  # deltas kept: a new incarnation reserves everything held (speculation is dropped)
             deltas, self._unsent = dict(self._unsent), collections.Counter()
             since, self._oldest_unsent = self._oldest_unsent, None
             try:
-                if not await self.index.share(
-                    self.incarnation, deltas, speculation, self.speculative_ttl_s, bucket
-                ):
+                entries = [(rid, root, hashes) for (rid, root), hashes in speculation.items()]
+                if not await self.index.share(self.incarnation, deltas, entries, 2 * self.speculative_ttl_s):
                     self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
                     return
                 if self.on_synced is not None and since is not None:

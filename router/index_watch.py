@@ -10,7 +10,8 @@ import time
 
 import grpc
 
-from kvmesh.kvcache.index import INDEX_ERRORS, PrefixIndex
+from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.index_health import (
     EXACT,

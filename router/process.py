@@ -42,7 +42,9 @@ class RouterServer:
         # With block size "auto" the model's hash namespace is known once a replica stored it.
         self.model = self._model_info(config.block_size) if config.block_size else None
         seed = self.model.hash_seed if self.model else None
-        self.index = connect_index(config.redis_url, self.model_id, config.block_size, seed)
+        self.index = connect_index(
+            config.redis_url, self.model_id, config.block_size, seed, config.deployment
+        )
         self.fleet = (
             FleetLoad(self.index, speculative_ttl_s=config.speculative_ttl_s)
             if config.shared_load == "on"

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvmesh.kvcache.index import INDEX_ERRORS, FleetWork, PrefixIndex, ReplicaRecord
+from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
 from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.load import ReplicaLoad, RequestWork

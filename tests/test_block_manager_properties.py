@@ -6,7 +6,8 @@ Two machines share the invariant checks:
     in lockstep and demands the same hits, admissions and free counts.
 After every step: ref counts equal the number of block tables holding each block, free and
 used blocks partition the pool, no block appears twice in a table, replaying every KV
-event gives ``cached_hashes()``, and every reused block holds exactly the KV of the
+event gives ``cached_hashes()``, every cached block's chain is cached up to it with the root
+the ledger names (what the shared index's lookup relies on), and every reused block holds exactly the KV of the
 reusing sequence's prefix (tracked by a shadow of what each block was computed for).
 """
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvmesh.cluster.benchmarks.reference_ledger import ReferenceBlockManager
-from kvmesh.kvcache import BlockManager, Sequence, replay
+from kvmesh.kvcache import BlockManager, Sequence, block_hashes, replay
 
 # Small vocabulary and a few shared chunks: lots of sharing, duplicates and equal blocks
 # at different positions, which is where ledgers go wrong.
@@ -92,6 +93,22 @@ class LedgerMachine(RuleBasedStateMachine):
             if self.bm.ref_count(b) == 0 and self.bm.block_hash(b) is not None
         )
         assert stats.num_cached_free_blocks == cached_free
+
+    @invariant()
+    def cached_chains_are_prefix_closed(self):
+        """The index finds a replica's depth by bisection, which needs every cached block's
+        parents cached too (a chain is evicted tail first), and places a block by its root."""
+        if not hasattr(self, "bm"):
+            return
+        cached = self.bm.cached_blocks()
+        for b in range(self.bm.num_blocks):
+            h = self.bm.block_hash(b)
+            if h is None:
+                continue
+            chain = block_hashes(list(self.written[b]), self.bm.block_size, 7)
+            assert chain[-1] == h
+            assert set(chain) <= cached.keys(), "a cached block whose parent was evicted"
+            assert cached[h] == chain[0], "a block's root is not its chain's first hash"
 
 
 class ChunkedLedger(LedgerMachine):

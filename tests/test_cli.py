@@ -30,9 +30,14 @@ def test_help_lists_commands():
         ("bench", "nope"),
         ("bench", "kvcache", "--repeats", "0"),
         ("bench", "kvcache", "--repeats", "x"),
+        ("router", "--model", "/m", "--redis-url", "redis://r", "--deployment", "two words"),
+        ("up", "--model", "/m", "--deployment", ""),
     ],
-    ids=["unknown-command", "no-command", "unknown-bench", "zero-repeats", "bad-int"],
-)
+    ids=[
+        "unknown-command", "no-command", "unknown-bench", "zero-repeats", "bad-int", "router-bad-deployment",
+        "up-empty-deployment",
+    ],
+)  # fmt: skip
 def test_usage_errors_are_one_line_and_exit_2(args):
     out = run(*args)
     assert out.returncode == 2
@@ -40,6 +45,8 @@ def test_usage_errors_are_one_line_and_exit_2(args):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"kvmesh( [\w-]+)*: error: ", lines[0]), out.stderr
     assert "Traceback" not in out.stderr
+    if "--deployment" in args:
+        assert "deployment must be 1 to 128 characters" in lines[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where there is no CUDA")

@@ -206,3 +206,93 @@ def test_a_replica_that_cannot_start_is_one_line_and_up_prints_progress(qwen3_di
     )
     assert "Traceback" not in out.stderr
     assert "starting 1 replica(s)" in out.stdout  # progress before the failure
+
+
+SHARED_PREFIX = "You are a careful assistant. Answer briefly and cite the cache. " * 3
+
+
+def test_two_ups_of_one_model_on_one_redis_never_collide(qwen3_dir, tmp_path):
+    """Issue 25: two ``kvmesh up`` of the same model on one external Redis, each with its
+    replica (``replica-0`` in both) and its router. Each router lists only its own replica,
+    under an incarnation that stays (one deployment no longer retires the other's), serves
+    a shared prefix and trusts the index (EXACT); ``kvmesh status`` lists both deployments."""
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis() as redis:
+        ups = {}
+        for name in ("a", "b"):  # both load at once
+            ups[name] = subprocess.Popen(
+                [KVMESH, "up", "--model", str(qwen3_dir), "--redis-url", redis.url, "--replicas", "1",
+                 "--port", "0", "--http-port", "-1", "--replica-http-port", "-1", "--num-kv-blocks", "64",
+                 "--torch-threads", "1"],
+                stdout=subprocess.PIPE, stderr=(tmp_path / f"{name}.err").open("w"), text=True,
+            )  # fmt: skip
+        try:
+            seen = {}
+            for name, proc in ups.items():
+                text = wait_for_ctrl_c(proc, tmp_path / f"{name}.err")
+                seen[name] = {
+                    "router": re.search(r"router gRPC\s+(\S+)", text).group(1),
+                    "replica": re.search(r"replica-0 serving at (\S+)", text).group(1),
+                    "deployment": re.search(r"deployment\s+(\S+)", text).group(1),
+                }
+            a, b = seen["a"], seen["b"]
+            assert re.fullmatch(r"up-[0-9a-f]{8}", a["deployment"]) and a["deployment"] != b["deployment"]
+            assert a["replica"] != b["replica"]
+
+            channels = {name: grpc.insecure_channel(s["router"]) for name, s in seen.items()}
+            stubs = {name: pb_grpc.RouterStub(channel) for name, channel in channels.items()}
+            started = time.monotonic()
+            first = {
+                name: stub.ListReplicas(pb.ListReplicasRequest(), timeout=10) for name, stub in stubs.items()
+            }
+            for i in range(4):  # one shared prefix: predicted hits, checked against each replica's answer
+                for stub in stubs.values():
+                    request = pb.GenerateRequest(
+                        text=f"{SHARED_PREFIX} question {i}",
+                        sampling=pb.SamplingParams(temperature=0, max_tokens=2),
+                    )
+                    complete = list(stub.Generate(request, timeout=60))[-1].complete
+                    assert complete.replica_id == "replica-0" and complete.usage.completion_tokens <= 2
+            time.sleep(max(0.0, 3.0 - (time.monotonic() - started)))  # a few heartbeats: a collision shows
+            for name, stub in stubs.items():
+                listing = stub.ListReplicas(pb.ListReplicasRequest(), timeout=10)
+                (replica,) = listing.replicas
+                assert replica.address == seen[name]["replica"], (name, listing)  # its own, not the other's
+                kept = first[name].replicas[0].incarnation
+                assert replica.incarnation == kept, (name, listing)  # never retired by the other deployment
+                assert (listing.index_state, replica.index_state) == ("EXACT", "EXACT"), (name, listing)
+                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+                assert json.loads(info.effective_config)["deployment"] == seen[name]["deployment"]
+            for channel in channels.values():
+                channel.close()
+
+            status = run("status", "--redis-url", redis.url, "--json")
+            assert status.returncode == 0, status.stderr
+            models = json.loads(status.stdout)
+            assert {m["deployment"]: [r["address"] for r in m["replicas"]] for m in models} == {
+                a["deployment"]: [a["replica"]],
+                b["deployment"]: [b["replica"]],
+            }
+            assert {m["model_id"] for m in models} == {qwen3_dir.name}
+        finally:
+            for proc in ups.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            for proc in ups.values():
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def wait_for_ctrl_c(proc: subprocess.Popen, err: Path, timeout: float = 240) -> str:
+    """``kvmesh up``'s output until its banner ends (or it exits)."""
+    text, deadline = "", time.monotonic() + timeout
+    while "Ctrl-C" not in text and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        text += line
+    assert "Ctrl-C" in text, text + err.read_text()
+    return text

@@ -6,6 +6,7 @@ running processes is ``test_config_roundtrip.py``."""
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -139,7 +140,7 @@ def test_up_shares_one_flag_between_the_router_and_every_replica(tmp_path):
 def test_up_defaults_match_kvmesh_router_and_block_size_is_auto(tmp_path, monkeypatch):
     (up,) = build(TABLES["up"], "--model", str(tmp_path))
     alone = build(TABLES["router"], "--model", str(tmp_path))[0]
-    assert up.router == alone
+    assert dataclasses.replace(up.router, deployment="default") == alone  # up's deployment is its own
     assert up.replica.engine.block_size is None and up.router.block_size is None  # the engine decides
     assert up.with_router and up.replicas == 2
     monkeypatch.setenv("KVMESH_BLOCK_SIZE", "auto")  # what the chart writes by default
@@ -164,3 +165,34 @@ def test_router_only_and_replica_only_flags_do_not_cross(tmp_path):
     )
     assert config.router.host == "10.0.0.1" and config.replica.host == "0.0.0.0"
     assert "policy" not in {f.name for f in dataclasses.fields(ReplicaConfig)}
+
+
+def test_deployment_reaches_the_router_and_every_replica(tmp_path, monkeypatch):
+    """``--deployment`` (or KVMESH_DEPLOYMENT) names the deployment for every part; alone, a
+    router or replica is in ``default``; ``kvmesh up`` without one takes a fresh name per run,
+    so two of them on one Redis never share the index's keys."""
+    alone = build(TABLES["router"], "--model", str(tmp_path))[0]
+    assert alone.deployment == "default" == ReplicaConfig(str(tmp_path)).deployment
+    assert build(TABLES["router"], "--model", str(tmp_path), "--deployment", "ns.r")[0].deployment == "ns.r"
+    (up,) = build(TABLES["up"], "--model", str(tmp_path), "--deployment", "team-a/llm_1.0")
+    assert up.deployment == up.router.deployment == up.replica.deployment == "team-a/llm_1.0"
+    first, second = (build(TABLES["up"], "--model", str(tmp_path))[0] for _ in range(2))
+    for up in (first, second):
+        assert re.fullmatch(r"up-[0-9a-f]{8}", up.deployment)
+        assert up.router.deployment == up.replica.deployment == up.deployment
+    assert first.deployment != second.deployment
+    assert ClusterConfig.for_model(str(tmp_path)).replica.deployment == "default"  # tests, benchmarks
+    with pytest.raises(UsageError, match="--keep-replicas needs --deployment"):  # it could never re-attach
+        build(TABLES["up"], "--model", str(tmp_path), "--keep-replicas")
+    monkeypatch.setenv("KVMESH_DEPLOYMENT", "from-env")
+    (kept,) = build(TABLES["up"], "--model", str(tmp_path), "--keep-replicas")
+    assert kept.keep_replicas and kept.router.deployment == kept.replica.deployment == "from-env"
+
+
+@pytest.mark.parametrize("name", ["", "two words", "x" * 129, "a:b", "naïve", "tab\t"])
+def test_a_bad_deployment_is_a_usage_error(name, tmp_path):
+    for table in TABLES.values():
+        with pytest.raises(UsageError, match="deployment must be 1 to 128 characters of A-Z a-z 0-9"):
+            build(table, "--model", str(tmp_path), "--deployment", name)
+    with pytest.raises(ValueError, match="deployment must be"):
+        ReplicaConfig(str(tmp_path), deployment=name)

@@ -30,6 +30,7 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 # from its default. Paths, ports and URLs are filled in per test.
 VALUES = {
     "model-id": ("roundtrip-model", "roundtrip-model"),
+    "deployment": ("roundtrip/deploy-1.0", "roundtrip/deploy-1.0"),
     "block-size": ("32", 32),
     "max-model-len": ("2000", 2000),
     "host": ("localhost", "localhost"),
@@ -202,6 +203,8 @@ def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, v
                 continue
             expected = values[name][1]
             for _, part, *path in flag.targets:
+                if not path:  # the launcher's own field (--deployment): it is the router's and replicas'
+                    continue
                 configs = [router_config] if part == "router" else replica_configs
                 for config in configs:
                     assert lookup(config, path) == expected, (name, part, path)

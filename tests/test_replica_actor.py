@@ -11,7 +11,7 @@ from reference import hf_greedy, prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import block_hashes
-from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import replica_actor_class
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
@@ -40,10 +40,10 @@ def replica(ray_cluster, qwen3_dir, redis):
     ray_cluster.kill(actor)
 
 
-def index_for(redis, qwen3_dir) -> PrefixIndex:
+def index_for(redis, qwen3_dir) -> RedisPrefixIndex:
     from kvmesh.kvcache import namespace_seed
 
-    return PrefixIndex.from_url(redis.url, qwen3_dir.name, BLOCK, namespace_seed(qwen3_dir.name, BLOCK))
+    return RedisPrefixIndex.from_url(redis.url, qwen3_dir.name, BLOCK, namespace_seed(qwen3_dir.name, BLOCK))
 
 
 async def generate(address, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:

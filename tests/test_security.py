@@ -157,12 +157,12 @@ async def test_https_and_bearer_token_on_http(secured, pki):
 @module_loop
 async def test_redis_password_from_the_environment(monkeypatch):
     with EmbeddedRedis(extra_args=["--requirepass", "pa55word"]) as server:
-        anonymous = connect_index(server.url, "auth-model", 16, 1)
+        anonymous = connect_index(server.url, "auth-model", 16, 1, "default")
         with pytest.raises(redis.exceptions.AuthenticationError):
             await anonymous.ensure_settings()
         await anonymous.close()
         monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "pa55word")
-        index = connect_index(server.url, "auth-model", 16, 1)
+        index = connect_index(server.url, "auth-model", 16, 1, "default")
         await index.ensure_settings()
         assert await index.register("r0", "a:1", ttl_s=5) == 1
         await index.close()
@@ -189,13 +189,13 @@ async def test_rediss_with_a_private_ca(pki, monkeypatch):
     ]
     with EmbeddedRedis(binary=shutil.which("redis-server"), extra_args=args):
         monkeypatch.setenv("KVMESH_REDIS_CA", pki["ca"])
-        index = connect_index(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1)
+        index = connect_index(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1, "default")
         await index.ensure_settings()
         inc = await index.register("r0", "a:1", ttl_s=5)
         assert await index.live_replicas() and inc == 1
         await index.close()
         monkeypatch.delenv("KVMESH_REDIS_CA")
-        untrusted = connect_index(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1)
+        untrusted = connect_index(f"rediss://localhost:{tls_port}/0", "tls-model", 16, 1, "default")
         with pytest.raises(redis.exceptions.ConnectionError):
             await untrusted.ensure_settings()  # the private CA is not trusted by default
         await untrusted.close()

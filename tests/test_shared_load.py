@@ -17,7 +17,8 @@ import pytest_asyncio
 from helpers import eventually, local_router_config
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.kvcache.index import FleetWork, PrefixIndex, load_field
+from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index_api import FleetWork, load_field
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
@@ -34,7 +35,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 
 async def test_reservations_add_up_release_and_die_with_their_router(redis_server):
-    index = PrefixIndex.from_url(redis_server.url, "shared-load-index", 16, 0)
+    index = RedisPrefixIndex.from_url(redis_server.url, "shared-load-index", 16, 0)
     await index.ensure_settings()
     a, b = await index.register_router(ttl_s=30), await index.register_router(ttl_s=0.3)
     assert await index.reserve(
@@ -59,7 +60,7 @@ async def test_reservations_add_up_release_and_die_with_their_router(redis_serve
 
 
 async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(valkey_server):
-    index = PrefixIndex.from_url(valkey_server.url, "shared-load-fleet", 16, 0)
+    index = RedisPrefixIndex.from_url(valkey_server.url, "shared-load-fleet", 16, 0)
     await index.ensure_settings()
     fleet = FleetLoad(index, heartbeat_s=0.1, ttl_s=2.0)
     await fleet.start()
@@ -77,7 +78,7 @@ async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(
     await index.close()
 
 
-async def _fleet_is(index: PrefixIndex, wanted: dict) -> bool:
+async def _fleet_is(index: RedisPrefixIndex, wanted: dict) -> bool:
     try:
         return (await index.decide([])).fleet == wanted
     except Exception:
@@ -290,12 +291,13 @@ async def _equals(seen, wanted: int) -> bool:
 
 
 async def test_speculative_entries_are_seen_by_every_router_and_expire(valkey_server):
-    index = PrefixIndex.from_url(valkey_server.url, "shared-load-speculation", 16, 0)
+    index = RedisPrefixIndex.from_url(valkey_server.url, "shared-load-speculation", 16, 0)
     await index.ensure_settings()
     router = await index.register_router(ttl_s=30)
     inc = await index.register("r0", "127.0.0.1:1", ttl_s=30)
-    await index.publish_all("r0", inc, [11, 12])
-    assert await index.speculate(router, {"r1": [11, 12, 13], "r0": [11, 12, 13, 14]}, ttl_s=0.3)
+    await index.register("r1", "127.0.0.1:2", ttl_s=30)
+    await index.publish_all("r0", inc, {11: 11, 12: 11})
+    assert await index.speculate(router, [("r1", 11, [11, 12, 13]), ("r0", 11, [11, 12, 13, 14])], ttl_s=0.3)
     view = await index.decide([11, 12, 13, 15])
     assert view.matched == {"r0": 2}  # published
     assert view.speculative == {"r1": 3, "r0": 3}
@@ -303,7 +305,7 @@ async def test_speculative_entries_are_seen_by_every_router_and_expire(valkey_se
     await asyncio.sleep(0.7)  # ttl to twice ttl after its last use
     assert (await index.decide([11, 12, 13])).speculative == {}
     await index.deregister_router(router)
-    assert not await index.speculate(router, {"r1": [11]}, ttl_s=0.3)  # a dead router adds nothing
+    assert not await index.speculate(router, [("r1", 11, [11])], ttl_s=0.3)  # told: register anew
     await index.client.flushdb()
     await index.close()
 

@@ -19,7 +19,7 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.supervisor import RAY_NAMESPACE, Supervisor
 from kvmesh.kvcache import namespace_seed
-from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.process import RouterServer
@@ -35,8 +35,8 @@ def template(qwen3_dir, redis_url: str, model_id: str, **engine) -> ReplicaConfi
     )
 
 
-def index_for(redis_url: str, model_id: str) -> PrefixIndex:
-    return PrefixIndex.from_url(redis_url, model_id, 16, namespace_seed(model_id, 16))
+def index_for(redis_url: str, model_id: str) -> RedisPrefixIndex:
+    return RedisPrefixIndex.from_url(redis_url, model_id, 16, namespace_seed(model_id, 16))
 
 
 async def test_a_new_supervisor_reattaches_and_replaces_only_what_changed(
@@ -151,7 +151,7 @@ async def test_controller_killed_and_restarted_under_load_loses_no_request(
     argv = [
         KVMESH, "up", "--no-router", "--keep-replicas", "--ray-address", gcs, "--redis-url", valkey_server.url,
         "--model", str(qwen3_dir), "--model-id", "outlive", "--replicas", "2", "--num-kv-blocks", "64",
-        "--heartbeat-interval", "0.2",
+        "--heartbeat-interval", "0.2", "--deployment", "default",  # fixed, as the chart's: the router's too
     ]  # fmt: skip
 
     def controller() -> subprocess.Popen:

@@ -28,7 +28,7 @@ from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.cluster.stats import latency_ms
 from kvmesh.kvcache import BlockStored, block_hashes
-from kvmesh.kvcache.index import PrefixIndex
+from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.registry import ReplicaRegistry
@@ -145,7 +145,7 @@ async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
     with EmbeddedRedis() as redis:
         info = ModelInfo.from_folder(model_dir, None, 16, None)
         tokenizer = PromptTokenizer(model_dir)
-        index = PrefixIndex.from_url(redis.url, info.model_id, info.block_size, info.hash_seed)
+        index = RedisPrefixIndex.from_url(redis.url, info.model_id, info.block_size, info.hash_seed)
         await index.ensure_settings()
         rng = random.Random(1)
         words = [
@@ -170,7 +170,7 @@ async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
         hashes = block_hashes(ids, info.block_size, info.hash_seed)
         for r in range(replicas):
             inc = await index.register(f"r{r}", f"127.0.0.1:{20000 + r}", ttl_s=3600)
-            await index.publish(f"r{r}", inc, [BlockStored(tuple(hashes), None, info.block_size)])
+            await index.publish(f"r{r}", inc, [BlockStored(tuple(hashes), None, info.block_size, hashes[0])])
         registry = ReplicaRegistry(index)
         await registry.refresh()
         core = RouterCore(info, tokenizer, index, registry)

@@ -54,11 +54,17 @@ async def serve_router(config: RouterConfig) -> None:
     router = RouterServer(config)
     if config.block_size is None:
         print(
-            f"kvmesh router: waiting for a replica of {router.model_id} to store its block size", flush=True
+            f"kvmesh router: waiting for a replica of {router.model_id} (deployment {config.deployment}) "
+            "to store its block size",
+            flush=True,
         )
     try:
         await router.start()
-        print(f"kvmesh router: gRPC {router.address}, HTTP port {router.http_port}", flush=True)
+        print(
+            f"kvmesh router: gRPC {router.address}, HTTP port {router.http_port}, "
+            f"deployment {config.deployment}",
+            flush=True,
+        )
         await wait_for_signal()
     finally:
         await router.stop()

@@ -32,26 +32,20 @@ import math
 import statistics
 from array import array
 from bisect import bisect_left, insort
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.experiments.cost_model import CostModel
 from kvmesh.cluster.experiments.workloads import WorkloadRequest
 from kvmesh.cluster.stats import percentile
-from kvmesh.kvcache import (
-    AllBlocksCleared,
-    BlockManager,
-    BlockRemoved,
-    BlockStored,
-    block_hashes,
-    namespace_seed,
-)
+from kvmesh.kvcache import BlockManager, block_hashes, namespace_seed
+from kvmesh.kvcache.memory_index import MemoryPrefixIndex
 from kvmesh.replica.request import Request
 from kvmesh.replica.scheduler import Scheduler
 from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.policies import Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
-from kvmesh.router.speculative import SpeculativeOverlay, leading_matches
+from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving.sampling import SamplingParams
 
 _NO_BLOCKS = RouteRequest((), ())  # a policy's cost of it is the load part alone
@@ -96,33 +90,6 @@ class Results:
 
     def __len__(self) -> int:
         return len(self.columns["done_s"])
-
-
-class SimIndex:
-    """hash -> replicas holding it, fed by the ledgers' KV events (the Redis index's role)."""
-
-    def __init__(self) -> None:
-        self.holders: dict[int, set[int]] = defaultdict(set)
-
-    def apply(self, replica: int, events) -> None:
-        for e in events:
-            if isinstance(e, BlockStored):
-                for h in e.hashes:
-                    self.holders[h].add(replica)
-            elif isinstance(e, BlockRemoved):
-                for h in e.hashes:
-                    holders = self.holders.get(h)
-                    if holders is not None:
-                        holders.discard(replica)
-                        if not holders:
-                            del self.holders[h]
-            elif isinstance(e, AllBlocksCleared):
-                for h in [h for h, r in self.holders.items() if replica in r]:
-                    self.holders[h].discard(replica)
-
-    def lookup(self, hashes: Sequence[int]) -> dict[int, int]:
-        """Leading blocks each replica holds consecutively (what ``kvmesh_lookup`` returns)."""
-        return leading_matches(self.holders, hashes)
 
 
 class LoadOrder:
@@ -225,7 +192,7 @@ class Simulation:
             )
         self._ids = [str(i) for i in range(replicas)]
         self._num_blocks = num_blocks
-        self.index = SimIndex()
+        self.index = MemoryPrefixIndex()  # fed by every replica's events, read by every router
         shared_overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
         self.fleet = [ReplicaLoad() for _ in range(replicas)] if shared_load else None
         self.fleet_inflight = 0
@@ -385,7 +352,7 @@ class Simulation:
             return
         router = self.routers[i % len(self.routers)]
         hashes = block_hashes(tokens, self.block_size, self.seed_hash)
-        matched = self.index.lookup(hashes)
+        matched = self.index.matches(hashes)
         for rid, depth in router.overlay.matched(hashes, now).items():
             if depth > matched.get(rid, 0):
                 matched[rid] = depth

@@ -65,7 +65,36 @@ priorityClassName: {{ . }}
 
 {{- define "kvmesh.configmap" -}}{{ include "kvmesh.fullname" . }}-config{{- end -}}
 
+{{/* This release's deployment in the prefix index (--deployment of the router and the
+     controller): releases of one model on one Redis never share replicas or entries. */}}
+{{- define "kvmesh.deployment" -}}
+{{- .Values.model.deployment | default (printf "%s.%s" .Release.Namespace .Release.Name) -}}
+{{- end -}}
+
 {{- define "kvmesh.redisHost" -}}{{ include "kvmesh.fullname" . }}-valkey{{- end -}}
+
+{{/* Bytes of a Valkey memory size: "1536mb", "2gb" (binary), "500m", "2g" (decimal), "1048576". */}}
+{{- define "kvmesh.valkeyBytes" -}}
+{{- $size := lower (toString .) -}}
+{{- $digits := regexFind "^[0-9]+" $size -}}
+{{- $scale := dict "" 1 "b" 1 "k" 1000 "kb" 1024 "m" 1000000 "mb" 1048576 "g" 1000000000 "gb" 1073741824 -}}
+{{- mul (int64 $digits) (get $scale (trimPrefix $digits $size)) -}}
+{{- end -}}
+
+{{/* Bytes of a Kubernetes memory quantity ("2Gi", "1.5G", "2048Mi", 2147483648), or "" for a
+     form this does not read (an exponent, milli): then the caller checks nothing. */}}
+{{- define "kvmesh.quantityBytes" -}}
+{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) -}}
+{{- float64 . -}}
+{{- else -}}
+{{- $number := regexFind "^[0-9]+([.][0-9]+)?" (toString .) -}}
+{{- $scale := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 -}}
+{{- $unit := trimPrefix $number (toString .) -}}
+{{- if and $number (hasKey $scale $unit) -}}
+{{- mulf (float64 $number) (get $scale $unit) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 
 {{- define "kvmesh.redisURL" -}}
 {{- if .Values.redis.bundled.enabled -}}

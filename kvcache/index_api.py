@@ -1,0 +1,157 @@
+"""What the shared prefix index answers, split by concern, and the types its answers carry.
+
+Two implementations keep this contract: ``RedisPrefixIndex`` (``kvmesh.kvcache.index``: one
+Redis/Valkey server or a cluster, shared by every process of a deployment) and
+``MemoryPrefixIndex`` (``kvmesh.kvcache.memory_index``: one process; the simulator and unit
+tests get index answers from it without a server). Callers type against ``PrefixIndex``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvmesh.kvcache.events import KVEvent
+
+DEFAULT_DEPLOYMENT = "default"
+# A speculative entry: (replica id, root = the first hash of the chain, hashes of that chain).
+Speculation = tuple[str, int, Sequence[int]]
+LOAD_FIELDS = {"n": "requests", "p": "prefill_blocks", "d": "decode_blocks"}
+
+
+class IndexSettingsError(RuntimeError):
+    """This process's model id / block size / hash seed differ from the cluster's."""
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    replica_id: str
+    address: str
+    incarnation: int
+    heartbeat_ttl_ms: int  # time left before the replica stops counting as live
+    fields: Mapping[str, str]  # everything else in its record (load, start time, ...)
+    slot: int = 0  # its column in the block entries (stable while its record lives)
+
+    def load(self, name: str, default: float = 0.0) -> float:
+        value = self.fields.get(name)
+        return float(value) if value not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class FleetWork:
+    """What every live router has in flight on one replica (``reserve``)."""
+
+    requests: float = 0.0
+    prefill_blocks: float = 0.0
+    decode_blocks: float = 0.0
+
+
+@dataclass(frozen=True)
+class IndexView:
+    """What one ``decide`` call returns (blocks per replica, work per replica)."""
+
+    matched: dict[str, int]  # leading blocks each replica published
+    speculative: dict[str, int]  # leading blocks routers just sent it (not published yet)
+    fleet: dict[str, FleetWork] | None  # None: not asked (this router does not share its load)
+
+
+def load_field(replica_id: str, kind: str) -> str:
+    return f"{replica_id}|{kind}"
+
+
+def fleet_work(fields: Mapping[str, float]) -> dict[str, FleetWork]:
+    """``load_field`` -> amount, as work per replica (negative dust read as zero)."""
+    work: dict[str, dict[str, float]] = {}
+    for field, value in fields.items():
+        replica_id, _, kind = field.rpartition("|")
+        if kind in LOAD_FIELDS:
+            work.setdefault(replica_id, {})[LOAD_FIELDS[kind]] = max(0.0, float(value))
+    return {rid: FleetWork(**w) for rid, w in work.items()}
+
+
+class BlockIndex(Protocol):
+    """Which replica holds which blocks: what replicas publish, what lookups read."""
+
+    async def publish(self, replica_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
+        """Apply Stored/Removed events in order; False: that incarnation is no longer live."""
+
+    async def publish_all(self, replica_id: str, incarnation: int, blocks: Mapping[int, int]) -> bool:
+        """Publish a whole cache (``hash -> root``, the chain's first hash), a resync."""
+
+    async def lookup(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of the chain each live replica published (holders of none left out)."""
+
+    async def sweep(self) -> int:
+        """One step of background cleanup of dead entries; returns how many went."""
+
+    async def snapshot(self) -> dict[str, set[int]]:
+        """Every live replica's hashes (O(index); for tests and debugging)."""
+
+
+class Membership(Protocol):
+    """Which replicas are live, under which incarnation, with what settings and load."""
+
+    model_id: str
+    deployment: str
+    block_size: int | None
+    hash_seed: int | None
+
+    async def ensure_settings(self) -> None: ...
+
+    async def settings(self) -> dict[str, str] | None: ...
+
+    async def has_settings(self) -> bool: ...
+
+    async def register(
+        self, replica_id: str, address: str, ttl_s: float, info: Mapping[str, object] = ()
+    ) -> int: ...
+
+    async def heartbeat(
+        self, replica_id: str, incarnation: int, ttl_s: float, load: Mapping[str, object] = ()
+    ) -> bool: ...
+
+    async def deregister(self, replica_id: str, incarnation: int) -> bool: ...
+
+    async def retire(self, replica_id: str) -> bool: ...
+
+    async def live_replicas(self) -> list[ReplicaRecord]: ...
+
+    async def set_controller_state(self, state: str) -> None: ...
+
+    async def controller_state(self) -> str | None: ...
+
+    async def claim_resync(self, replica_id: str, interval_s: float) -> bool: ...
+
+
+class RouterLedger(Protocol):
+    """What routers share: their in-flight work per replica and their speculative entries."""
+
+    async def register_router(self, ttl_s: float) -> int: ...
+
+    async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> bool: ...
+
+    async def deregister_router(self, router_incarnation: int) -> None: ...
+
+    async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool: ...
+
+    async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
+        """Every router's ``decide`` sees these blocks held by those replicas for ``ttl_s``."""
+
+    async def share(
+        self,
+        router_incarnation: int,
+        deltas: Mapping[str, float],
+        entries: Iterable[Speculation],
+        ttl_s: float,
+    ) -> bool:
+        """``reserve`` and ``speculate`` at once; False: the router expired."""
+
+    async def decide(self, block_hashes: Sequence[int]) -> IndexView:
+        """Everything a routing decision reads: matches, speculative matches, the fleet's work."""
+
+
+class PrefixIndex(BlockIndex, Membership, RouterLedger, Protocol):
+    """The whole index as one deployment of one model sees it."""
+
+    async def close(self) -> None: ...
