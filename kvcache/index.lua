@@ -10,8 +10,8 @@
 --   ns.."r:"..id       HASH  replica record: address, incarnation, slot, started_at, load...
 --   ns.."i"..inc       STRING replica id of a LIVE incarnation; its TTL is the heartbeat
 --   ns.."slots"        HASH  replica id -> the slot of its current incarnation
---   ns.."dead"         HASH  slot -> when (server ms) its incarnation ended: its bits may
---                            remain in block keys until a sweep pass clears them
+--   ns.."dead"         HASH  slot -> when (server ms) its incarnation ended (its bits may remain
+--                            in block keys until a sweep pass clears them), or -(when it was freed)
 --   ns.."routers"      SET   router incarnations that may hold reservations
 --   ns.."ri"..rinc     STRING a LIVE router incarnation; its TTL is the router's heartbeat
 --   ns.."load"         HASH  replica id -> "<requests> <prefill> <decode>": in-flight requests,
@@ -30,7 +30,12 @@
 -- maps slots to the live replicas it read.
 
 local MAX_SLOTS = 8192 -- bitmaps stay <= 1 KiB, and every unpack() below stays bounded
-local QUARANTINE_MS = 60000 -- a dead slot also outlives its speculative bits (buckets < 30 s)
+-- A sweep pass frees the slots that died this long before it began: writes an ended
+-- incarnation still had in flight, and its speculative bits (buckets <= 20 s), are gone by then.
+local QUARANTINE_MS = 60000
+-- A freed slot waits this long before it is handed out again: a sweep step planned before it
+-- was freed (and so still clearing it) is over by then.
+local GRACE_MS = 30000
 
 -- the 8-byte hash of the i-th (1-based) block of packed
 local function hash_at(packed, i)
@@ -45,40 +50,31 @@ end
 -- ---------------------------------------------------------------- block keys: KEYS[1] = prefix
 
 -- KEYS[1]: the chain's first block key; ARGV[1]: the whole chain packed (8 bytes a block).
--- Returns {depth, holders, depth, holders, ...}: "holders" is a bitmap of 2w bytes, published
--- slots then speculative ones, of those holding exactly `depth` leading blocks of the chain.
+-- Returns {depth, published, speculative, ...}: bitmaps of the slots holding exactly `depth`
+-- leading blocks of the chain.
 -- A replica that holds a block holds its parents (a block manager evicts a chain tail first,
 -- and speculation covers whole chains), so the holders of block k only shrink as k grows and
 -- the depths are found by bisection: O(log n) reads of three small strings, two reads when
 -- every holder holds the whole chain, whatever the chain's length.
-local function lookup(keys, args)
-  local first, packed = keys[1], args[1]
-  local n = #packed / 8
-  local prefix = string.sub(first, 1, #first - 8)
-  local w = 0
-
+-- The depths by bisection, when the last block's holders differ from the first's:
+-- got_first/got_last are both blocks' three bitmaps, w the first block's widest.
+local function bisect(prefix, packed, n, w, got_first, got_last)
   -- bitmap s as w byte values (zero-padded; bits past the first block's width hold nothing
   -- that matters: every holder of the chain holds its first block)
   local function bytes(s)
-    local b = {string.byte(s, 1, w)}
+    local b = {string.byte(s or '', 1, w)}
     for i = #b + 1, w do b[i] = 0 end
     return b
   end
-  -- the holders of block k as 2w byte values: published bytes, then speculative ones
+  -- a block's holders as 2w byte values: published bytes, then speculative ones
+  local function set_of(got)
+    local out, s0, s1 = bytes(got[1]), bytes(got[2]), bytes(got[3])
+    for i = 1, w do out[w + i] = bit.bor(s0[i], s1[i]) end
+    return out
+  end
   local function read(k)
     local h = hash_at(packed, k)
-    local got = redis.call('MGET', prefix .. h, prefix .. '~0' .. h, prefix .. '~1' .. h)
-    if k == 1 then
-      for i = 1, 3 do if got[i] and #got[i] > w then w = #got[i] end end
-    end
-    local out = bytes(got[1] or '')
-    if got[2] or got[3] then
-      local s0, s1 = bytes(got[2] or ''), bytes(got[3] or '')
-      for i = 1, w do out[w + i] = bit.bor(s0[i], s1[i]) end
-    else
-      for i = w + 1, 2 * w do out[i] = 0 end
-    end
-    return out
+    return set_of(redis.call('MGET', prefix .. h, prefix .. '~0' .. h, prefix .. '~1' .. h))
   end
   local function inter(a, b)
     local out = {}
@@ -98,7 +94,8 @@ local function lookup(keys, args)
   local function emit(d, set)
     if not empty(set) then
       out[#out + 1] = d
-      out[#out + 1] = string.char(unpack(set))
+      out[#out + 1] = string.char(unpack(set, 1, w))
+      out[#out + 1] = string.char(unpack(set, w + 1, 2 * w))
     end
   end
   -- s_lo holds block lo, s_hi block hi (s_hi within s_lo): emits those of s_lo not in s_hi
@@ -116,16 +113,32 @@ local function lookup(keys, args)
     solve(mid, hi, s_mid, s_hi)
   end
 
-  if n == 0 then return {} end
-  local s_first = read(1)
-  if n == 1 or empty(s_first) then
-    emit(1, s_first)
-    return out
+  local s_first = set_of(got_first)
+  local s_last = inter(s_first, set_of(got_last))
+  if got_first[2] and got_first[3] and same(s_first, s_last) then -- both parities, all held
+    return {n, got_first[1] or '', string.char(unpack(s_first, w + 1, 2 * w))}
   end
-  local s_last = inter(s_first, read(n))
   emit(n, s_last)
   solve(1, n, s_first, s_last)
   return out
+end
+
+local function lookup(keys, args)
+  local first, packed = keys[1], args[1]
+  local n = #packed / 8
+  if n == 0 then return {} end
+  local prefix = string.sub(first, 1, #first - 8)
+  -- the first and the last block in one call (each redis.call costs microseconds on its own)
+  local h1, hn = hash_at(packed, 1), hash_at(packed, n)
+  local got = redis.call('MGET', prefix .. h1, prefix .. '~0' .. h1, prefix .. '~1' .. h1,
+    prefix .. hn, prefix .. '~0' .. hn, prefix .. '~1' .. hn)
+  local w = math.max(#(got[1] or ''), #(got[2] or ''), #(got[3] or ''))
+  if w == 0 then return {} end
+  if got[4] == got[1] and got[5] == got[2] and got[6] == got[3] and not (got[2] and got[3]) then
+    -- the common case, no byte work: the last block has exactly the first one's holders
+    return {n, got[1] or '', got[2] or got[3] or ''}
+  end
+  return bisect(prefix, packed, n, w, {got[1], got[2], got[3]}, {got[4], got[5], got[6]})
 end
 
 -- KEYS[1]: the first block-key prefix below; ARGV: slot, then (prefix, op, packed hashes)
@@ -139,8 +152,9 @@ local function publish(keys, args)
       local key = prefix .. hash_at(packed, i)
       if add then
         redis.call('SETBIT', key, slot, 1)
-      elseif redis.call('SETBIT', key, slot, 0) == 1 and redis.call('BITCOUNT', key) == 0 then
-        redis.call('DEL', key)
+      elseif redis.call('GETBIT', key, slot) == 1 then -- (SETBIT 0 would grow or create it)
+        redis.call('SETBIT', key, slot, 0)
+        if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
       end
     end
     applied = applied + #packed / 8
@@ -155,7 +169,8 @@ end
 local function speculate(keys, args)
   local prefix, length = keys[1], tonumber(args[1])
   local bucket = math.floor(server_ms() / length)
-  local parity, ends = tostring(bucket % 2), (bucket + 2) * length
+  -- expires 1 ms before the bucket that reuses its parity begins, so that bucket starts empty
+  local parity, ends = tostring(bucket % 2), (bucket + 2) * length - 1
   for j = 2, #args, 2 do
     local slot, packed = tonumber(args[j]), args[j + 1]
     for i = 1, #packed / 8 do
@@ -178,7 +193,8 @@ local function sweep(keys, args)
     if #key == key_length then
       local changed = false
       for j = 5, #args do
-        if redis.call('SETBIT', key, args[j], 0) == 1 then
+        if redis.call('GETBIT', key, args[j]) == 1 then -- (SETBIT 0 would widen the key)
+          redis.call('SETBIT', key, args[j], 0)
           cleared = cleared + 1; changed = true
         end
       end
@@ -271,9 +287,17 @@ end
 
 -- A slot no live or recent incarnation has: the lowest free one.
 local function fresh_slot(ns)
-  local used = {}
+  local used, now = {}, server_ms()
   for _, s in ipairs(redis.call('HVALS', ns .. 'slots')) do used[tonumber(s)] = true end
-  for _, s in ipairs(redis.call('HKEYS', ns .. 'dead')) do used[tonumber(s)] = true end
+  local dead = redis.call('HGETALL', ns .. 'dead') -- slot -> died at, or -(freed at)
+  for j = 1, #dead, 2 do
+    local at = tonumber(dead[j + 1])
+    if at < 0 and now + at > GRACE_MS then
+      redis.call('HDEL', ns .. 'dead', dead[j])
+    else
+      used[tonumber(dead[j])] = true
+    end
+  end
   local slot = 0
   while used[slot] do slot = slot + 1 end
   if slot >= MAX_SLOTS then return redis.error_reply('no free replica slot (' .. MAX_SLOTS .. ' in use)') end
@@ -380,16 +404,16 @@ local function sweep_plan(keys, args)
   return {server_ms(), redis.call('HKEYS', keys[1] .. 'dead')}
 end
 
--- ARGV: when (server ms) a sweep pass that visited every block key began. Slots dead before
--- then (and for longer than QUARANTINE_MS) have no bits left: they may be handed out again.
+-- ARGV: when (server ms) a sweep pass that visited every block key began. Slots that died
+-- QUARANTINE_MS before then have no bits left: they are freed (handed out after GRACE_MS).
 local function swept(keys, args)
   local ns, began = keys[1], tonumber(args[1])
   local freed, dead = 0, redis.call('HGETALL', ns .. 'dead')
   local now = server_ms()
   for j = 1, #dead, 2 do
     local died = tonumber(dead[j + 1])
-    if died < began and died < now - QUARANTINE_MS then
-      redis.call('HDEL', ns .. 'dead', dead[j]); freed = freed + 1
+    if died >= 0 and died < began - QUARANTINE_MS then
+      redis.call('HSET', ns .. 'dead', dead[j], -now); freed = freed + 1
     end
   end
   return freed

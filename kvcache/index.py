@@ -166,7 +166,7 @@ class RedisPrefixIndex:
         self._members_at = -float("inf")
         self._known_slots: set[int] = set()  # live and dead slots when the members were last read
         self._own_slots: dict[tuple[str, int], int] = {}  # (replica, incarnation) -> slot, from register
-        self._sweep_cursors: dict[str, int] = {}
+        self._sweep_cursors: dict[str, int | None] = {}  # server -> SCAN cursor; None: done this pass
         self._pass_began: int | None = None  # server ms when this client's current sweep pass began
 
     @classmethod
@@ -209,10 +209,36 @@ class RedisPrefixIndex:
         try:
             return await send()
         except ResponseError as exc:
-            if "function" not in str(exc).lower() or "not found" not in str(exc).lower():
+            if not _function_lost(exc):
                 raise
             await self.client.function_load(LIBRARY, replace=True)
             return await send()
+
+    async def _pipeline(self, commands: list[tuple[str, ...]]) -> list:
+        """(method, *args) commands in one round trip. Those that failed (their server lost
+        the library, or went away: a failover) are sent once more, after loading the library,
+        and only those: on a cluster the others (a reservation, say) were applied already."""
+        if not self._loaded:
+            await self.client.function_load(LIBRARY, replace=True)
+            self._loaded = True
+        replies = await self._send(commands, raise_on_error=False)
+        failed = [i for i, reply in enumerate(replies) if isinstance(reply, Exception)]
+        if failed:
+            refused = [replies[i] for i in failed if isinstance(replies[i], ResponseError)]
+            if any(not _function_lost(error) for error in refused):
+                raise next(error for error in refused if not _function_lost(error))
+            if refused:
+                await self.client.function_load(LIBRARY, replace=True)
+            again = await self._send([commands[i] for i in failed], raise_on_error=True)
+            for i, reply in zip(failed, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _send(self, commands: list[tuple[str, ...]], raise_on_error: bool) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for method, *args in commands:
+            getattr(pipe, method)(*args)
+        return await pipe.execute(raise_on_error=raise_on_error)
 
     # ------------------------------------------------------------------ settings
 
@@ -373,15 +399,12 @@ class RedisPrefixIndex:
             batches[-1] += [tag, op, packed]
             size += len(packed)
         for start in range(0, max(1, len(batches)), _PIPELINE_CALLS):
-
-            def send(group: list = batches[start : start + _PIPELINE_CALLS]) -> Awaitable[list]:
-                pipe = self.client.pipeline(transaction=False)
-                for args in group:
-                    pipe.fcall(function("publish"), 1, args[0], slot, *args)
-                pipe.get(f"{self.ns}i{incarnation}")  # still live? (a control key: its own shard)
-                return pipe.execute()
-
-            replies = await self._with_library(send)
+            calls = [
+                ("fcall", function("publish"), 1, args[0], slot, *args)
+                for args in batches[start : start + _PIPELINE_CALLS]
+            ]
+            calls.append(("get", f"{self.ns}i{incarnation}"))  # still live? (a control key: its own shard)
+            replies = await self._pipeline(calls)
             if replies[-1] is None or replies[-1].decode() != replica_id:
                 return False
         return True
@@ -409,25 +432,21 @@ class RedisPrefixIndex:
         in-flight work per replica (a plain HGETALL of the control slot, pipelined)."""
         chain = self._chain(block_hashes)
         await self._fresh_members()
-
-        def send() -> Awaitable[list]:
-            pipe = self.client.pipeline(transaction=False)
-            if chain is not None:
-                pipe.fcall_ro(function("lookup"), 1, *chain)
-            pipe.hgetall(self._load_key)
-            return pipe.execute()
-
-        replies = await self._with_library(send)
+        lookup = [("fcall_ro", function("lookup"), 1, *chain)] if chain is not None else []
+        replies = await self._pipeline([*lookup, ("hgetall", self._load_key)])
         flat, load = (replies[0], replies[1]) if chain is not None else ([], replies[0])
         matched, speculative = await self._matches(flat)
         return IndexView(matched, speculative, _fleet(load))
 
     async def _matches(self, flat: list) -> tuple[dict[str, int], dict[str, int]]:
-        """(replicas' matches, speculative matches) from a lookup's (depth, holders bitmap)
-        groups, slots mapped to the live replicas that own them. A slot this client has never
+        """(replicas' matches, speculative matches) from a lookup's (depth, published bitmap,
+        speculative bitmap) groups, slots mapped to the live replicas that own them. A slot this client has never
         seen (a replica just restarted or joined) makes it read the members again first, so a
         resync counts from its first lookup."""
-        groups = [(int(depth), _slots(bitmap)) for depth, bitmap in zip(flat[::2], flat[1::2], strict=True)]
+        groups = [
+            (int(depth), (_slots(published), _slots(speculated)))
+            for depth, published, speculated in zip(flat[::3], flat[1::3], flat[2::3], strict=True)
+        ]
         if any(slot not in self._known_slots for _, (published, _) in groups for slot in published):
             await self._members()
         matched: dict[str, int] = {}
@@ -464,14 +483,9 @@ class RedisPrefixIndex:
             if hashes and slot is not None:  # a replica not live has no slot to mark
                 by_tag.setdefault(self.tag(root), []).extend((slot, pack_hashes(hashes)))
 
-        def send() -> Awaitable[list]:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.fcall(function("reserve"), 1, self._ns_key, router_incarnation, *work)
-            for tag, args in by_tag.items():
-                pipe.fcall(function("speculate"), 1, tag, _ms(ttl_s), *args)
-            return pipe.execute()
-
-        return bool((await self._with_library(send))[0])
+        calls = [("fcall", function("reserve"), 1, self._ns_key, router_incarnation, *work)]
+        calls += [("fcall", function("speculate"), 1, tag, _ms(ttl_s), *args) for tag, args in by_tag.items()]
+        return bool((await self._pipeline(calls))[0])
 
     # ------------------------------------------------------------------ routers' reservations
 
@@ -501,25 +515,28 @@ class RedisPrefixIndex:
         return [(node.name, {"target_nodes": node}) for node in self.client.get_primaries()]
 
     async def sweep(self) -> int:
-        """One step of background cleanup on every server: a SCAN of up to 500 block keys,
-        clearing the bits of slots whose incarnation ended. When this client's steps have
-        visited every key since a pass began, slots dead before then are handed out again.
-        Returns the bits cleared."""
+        """One step of background cleanup: on every server still in this client's current
+        pass, a SCAN of up to 500 block keys clearing the bits of slots whose incarnation
+        ended. Once every server's keys were visited, slots dead well before the pass began are
+        freed. Returns the bits cleared."""
         began, dead = await self._control("sweep_plan", read_only=True)
-        if self._pass_began is None:
-            self._pass_began = int(began)
+        servers = dict(self._servers())
+        if self._pass_began is None or self._sweep_cursors.keys() != servers.keys():
+            self._pass_began = int(began)  # a new pass (or the primaries changed: start over)
+            self._sweep_cursors = dict.fromkeys(servers, 0)
         cleared = 0
-        for name, where in self._servers():
-            cursor = self._sweep_cursors.get(name, 0)
+        for name, cursor in self._sweep_cursors.items():
+            if cursor is None:
+                continue  # this server's keys were all visited in this pass
 
-            def send(cursor: int = cursor, where: dict = where) -> Awaitable[list]:
+            def send(cursor: int = cursor, where: dict = servers[name]) -> Awaitable[list]:
                 args = (self.block_pattern, self.block_key_length, cursor, _SWEEP_COUNT, *dead)
                 return self.client.execute_command("FCALL", function("sweep"), 0, *args, **where)
 
             next_cursor, count = await self._with_library(send)
-            self._sweep_cursors[name] = int(next_cursor)
+            self._sweep_cursors[name] = int(next_cursor) or None
             cleared += int(count)
-        if not any(self._sweep_cursors.values()):  # every server's keys visited: a pass ended
+        if all(cursor is None for cursor in self._sweep_cursors.values()):
             await self._control("swept", self._pass_began)
             self._pass_began = None
         return cleared
@@ -546,19 +563,22 @@ class RedisPrefixIndex:
         async for key in self.client.scan_iter(match=self.block_pattern, count=1000):
             if len(key) == self.block_key_length:
                 (h,) = np.frombuffer(key[-8:], dtype=">u8").tolist()
-                bits = np.unpackbits(np.frombuffer(await self.client.get(key) or b"", dtype=np.uint8))
-                for slot in np.flatnonzero(bits).tolist():
+                for slot in _slots(await self.client.get(key) or b""):
                     if slot in owner:
                         out[owner[slot]].add(h)
         return out
 
 
-def _slots(bitmap: bytes) -> tuple[list[int], list[int]]:
-    """(published slots, speculative slots) of a lookup's holders bitmap (two halves, bit 0 =
-    the first byte's most significant bit, as SETBIT numbers them)."""
-    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))
-    half = len(bits) // 2
-    return np.flatnonzero(bits[:half]).tolist(), np.flatnonzero(bits[half:]).tolist()
+def _function_lost(reply: object) -> bool:
+    """Whether a reply is the error of a server that does not have the function (any more)."""
+    text = str(reply).lower()
+    return isinstance(reply, ResponseError) and "function" in text and "not found" in text
+
+
+def _slots(bitmap: bytes) -> list[int]:
+    """The slots set in a bitmap (bit 0 = the first byte's most significant bit, as SETBIT
+    numbers them)."""
+    return np.flatnonzero(np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))).tolist()
 
 
 def _fleet(load: Mapping[bytes, bytes]) -> dict[str, FleetWork]:

@@ -30,6 +30,11 @@ def _check_positive(owner: object, *names: str) -> None:
             raise ValueError(f"{name} must be positive, got {value}")
 
 
+# Speculative entries live up to four TTLs in the index (two buckets of twice the TTL); the
+# index frees a dead replica's slot 60 s after its death (index.lua QUARANTINE_MS).
+MAX_SPECULATIVE_TTL_S = 10.0
+
+
 @dataclass(frozen=True)
 class RouterLimits:
     """Bounds that keep one router from queueing without limit or taking oversized work."""
@@ -105,6 +110,11 @@ class RouterConfig:
             raise ValueError(f"policy {self.policy!r} is unknown; known: {', '.join(sorted(POLICIES))}")
         if self.speculative_ttl_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("speculative_ttl_s and drain_timeout_s must not be negative")
+        if self.speculative_ttl_s > MAX_SPECULATIVE_TTL_S:
+            raise ValueError(
+                f"speculative_ttl_s must be at most {MAX_SPECULATIVE_TTL_S:g} s (the index frees a dead "
+                f"replica's slot a minute after its speculative entries could last), got {self.speculative_ttl_s:g}"
+            )
         if self.auth_token == "":
             raise ValueError("the auth token must not be empty")
         if self.auth_token and self.auth_token_file:

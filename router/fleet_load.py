@@ -92,7 +92,7 @@ class FleetLoad:
         turn; blocks already announced for it in this time bucket of ``speculative_ttl_s``
         are not sent again, so the index keeps each entry for two of them: every router sees
         it from ``speculative_ttl_s`` to twice that after the last request that made it)."""
-        if not block_hashes:
+        if not block_hashes or self.speculative_ttl_s <= 0:  # a TTL of 0: speculation off
             return
         bucket = int(time.time() / self.speculative_ttl_s)
         if self._announced[0] != bucket:

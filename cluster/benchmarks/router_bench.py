@@ -69,65 +69,69 @@ async def added_latency(model_dir: str, samples: int) -> dict:
     over gRPC and over HTTP (/v1/completions)."""
     config = ClusterConfig.for_model(model_dir, 2, engine={"num_kv_blocks": 256}, with_router=False)
     scratch = Path(tempfile.mkdtemp(prefix="kvmesh-bench-router-"))
-    grpc_port, http_port, proxy_port = free_port(), free_port(), free_port()
     prompt = [random.Random(0).randrange(3, 1000) for _ in range(64)]
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0, max_tokens=1)
     )
     body = {"model": ModelInfo.from_folder(model_dir, None, 16, None).api_name, "prompt": prompt,
             "max_tokens": 1, "temperature": 0}  # fmt: skip
-    async with (
-        LocalCluster(config) as cluster,
-        httpx.AsyncClient(timeout=30) as http,
-        RouterProcess(
-            Contender("kvmesh", "prefix"),
-            kvmesh_router_command(model_dir, cluster.redis_url, grpc_port, http_port),
-            http_port, scratch / "router.log",
-        ) as router_process,
-        grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as router_channel,
-    ):  # fmt: skip
-        router = pb_grpc.RouterStub(router_channel)
-        _, replica_id = await _one_token(router, request)  # the prompt is cached there now
-        replica_http = {r.replica_id: r.http_url for r in await replicas_of(cluster)}[replica_id]
-        replica_address = cluster.supervisor.addresses[replica_id]
-        proxy = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvmesh.cluster.benchmarks.passthrough_proxy",
-                replica_address,
-                str(proxy_port),
-            ]
-        )
-        try:
-            async with (
-                grpc.aio.insecure_channel(replica_address) as direct_channel,
-                grpc.aio.insecure_channel(f"127.0.0.1:{proxy_port}") as proxy_channel,
-            ):
-                direct, passthrough = pb_grpc.ReplicaStub(direct_channel), pb_grpc.RouterStub(proxy_channel)
-                await proxy_channel.channel_ready()
+    async with LocalCluster(config) as cluster:
+        # picked once the cluster is up: Ray and the replicas take ports while starting
+        grpc_port, http_port, proxy_port = free_port(), free_port(), free_port()
+        async with (
+            httpx.AsyncClient(timeout=30) as http,
+            RouterProcess(
+                Contender("kvmesh", "prefix"),
+                kvmesh_router_command(model_dir, cluster.redis_url, grpc_port, http_port),
+                http_port, scratch / "router.log",
+            ) as router_process,
+            grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as router_channel,
+        ):  # fmt: skip
+            router = pb_grpc.RouterStub(router_channel)
+            _, replica_id = await _one_token(router, request)  # the prompt is cached there now
+            replica_http = {r.replica_id: r.http_url for r in await replicas_of(cluster)}[replica_id]
+            replica_address = cluster.supervisor.addresses[replica_id]
+            proxy = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvmesh.cluster.benchmarks.passthrough_proxy",
+                    replica_address,
+                    str(proxy_port),
+                ]
+            )
+            try:
+                async with (
+                    grpc.aio.insecure_channel(replica_address) as direct_channel,
+                    grpc.aio.insecure_channel(f"127.0.0.1:{proxy_port}") as proxy_channel,
+                ):
+                    direct, passthrough = (
+                        pb_grpc.ReplicaStub(direct_channel),
+                        pb_grpc.RouterStub(proxy_channel),
+                    )
+                    await proxy_channel.channel_ready()
 
-                async def via_router() -> float:
-                    took, where = await _one_token(router, request)
-                    assert where == replica_id, "router moved a cached prompt"
-                    return took
+                    async def via_router() -> float:
+                        took, where = await _one_token(router, request)
+                        assert where == replica_id, "router moved a cached prompt"
+                        return took
 
-                paths = {
-                    "grpc_direct": lambda: _one_token(direct, request),
-                    "grpc_router": via_router,
-                    "grpc_passthrough": lambda: _one_token(passthrough, request),
-                    "http_direct": lambda: _one_http(http, replica_http, body),
-                    "http_router": lambda: _one_http(http, router_process.url, body),
-                }
-                times: dict[str, list[float]] = {name: [] for name in paths}
-                for i in range(samples + 20):  # the first 20 rounds warm up
-                    for name, path in paths.items():
-                        took = await path()
-                        if i >= 20:
-                            times[name].append(took[0] if isinstance(took, tuple) else took)
-        finally:
-            proxy.terminate()
-            proxy.wait()
+                    paths = {
+                        "grpc_direct": lambda: _one_token(direct, request),
+                        "grpc_router": via_router,
+                        "grpc_passthrough": lambda: _one_token(passthrough, request),
+                        "http_direct": lambda: _one_http(http, replica_http, body),
+                        "http_router": lambda: _one_http(http, router_process.url, body),
+                    }
+                    times: dict[str, list[float]] = {name: [] for name in paths}
+                    for i in range(samples + 20):  # the first 20 rounds warm up
+                        for name, path in paths.items():
+                            took = await path()
+                            if i >= 20:
+                                times[name].append(took[0] if isinstance(took, tuple) else took)
+            finally:
+                proxy.terminate()
+                proxy.wait()
     result = {
         "samples": samples,
         "grpc": _added({k[5:]: v for k, v in times.items() if k.startswith("grpc")}, "direct"),
