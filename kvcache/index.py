@@ -33,6 +33,7 @@ from kvmesh.kvcache.index_api import (
     IndexSettingsError,
     IndexView,
     ReplicaRecord,
+    ShareHalves,
     Speculation,
     load_field,
 )
@@ -129,7 +130,7 @@ def connect(
     )
 
 
-class RedisPrefixIndex:
+class RedisPrefixIndex(ShareHalves):
     """One deployment of one model's index on a Redis/Valkey server or cluster."""
 
     def __init__(
@@ -459,13 +460,6 @@ class RedisPrefixIndex:
                         into[record.replica_id] = depth
         return matched, speculative
 
-    async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
-        """Record that this router sent each replica a prompt with these blocks (of the chain
-        starting at root: a speculative match, like a replica's, runs from the first block);
-        every router's ``decide`` sees them for ``ttl_s`` to twice that (server-side time
-        buckets of ``ttl_s``). False: the router expired."""
-        return await self.share(router_incarnation, {}, entries, ttl_s)
-
     async def share(
         self,
         router_incarnation: int,
@@ -499,11 +493,6 @@ class RedisPrefixIndex:
 
     async def deregister_router(self, router_incarnation: int) -> None:
         await self._control("router_deregister", router_incarnation)
-
-    async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool:
-        """Add ``deltas`` (``load_field(replica, "n"|"p"|"d")`` -> amount) to the fleet's and
-        this router's in-flight work; False (nothing applied) if the router expired."""
-        return await self.share(router_incarnation, deltas, (), 0.0)
 
     # ------------------------------------------------------------------ upkeep
 

@@ -8,6 +8,7 @@ tests get index answers from it without a server). Callers type against ``Prefix
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -149,6 +150,32 @@ class RouterLedger(Protocol):
 
     async def decide(self, block_hashes: Sequence[int]) -> IndexView:
         """Everything a routing decision reads: matches, speculative matches, the fleet's work."""
+
+
+class ShareHalves(ABC):
+    """``reserve`` and ``speculate`` as the two halves of an implementation's ``share``."""
+
+    @abstractmethod
+    async def share(
+        self,
+        router_incarnation: int,
+        deltas: Mapping[str, float],
+        entries: Iterable[Speculation],
+        ttl_s: float,
+    ) -> bool:
+        """``reserve`` and ``speculate`` at once; False: the router expired."""
+
+    async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool:
+        """Add ``deltas`` (``load_field(replica, "n"|"p"|"d")`` -> amount) to the fleet's and
+        this router's in-flight work; False (nothing applied) if the router expired."""
+        return await self.share(router_incarnation, deltas, (), 0.0)
+
+    async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
+        """Record that this router sent each replica a prompt with these blocks (of the chain
+        starting at root: a speculative match, like a replica's, runs from the first block);
+        every router's ``decide`` sees them for ``ttl_s`` (Redis: to twice that, in time
+        buckets). False: the router expired."""
+        return await self.share(router_incarnation, {}, entries, ttl_s)
 
 
 class PrefixIndex(BlockIndex, Membership, RouterLedger, Protocol):

@@ -22,6 +22,7 @@ from kvmesh.kvcache.index_api import (
     IndexSettingsError,
     IndexView,
     ReplicaRecord,
+    ShareHalves,
     Speculation,
     fleet_work,
 )
@@ -54,7 +55,7 @@ class _Replica:
     fields: dict[str, str] = field(default_factory=dict)
 
 
-class MemoryPrefixIndex:
+class MemoryPrefixIndex(ShareHalves):
     """One deployment of one model's index in this process."""
 
     def __init__(
@@ -279,12 +280,6 @@ class MemoryPrefixIndex:
             self._load.subtract(self._shares.pop(rinc))
             self._routers.pop(rinc, None)
         self._load = Counter({k: v for k, v in self._load.items() if abs(v) > 1e-6})
-
-    async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool:
-        return await self.share(router_incarnation, deltas, (), 0.0)
-
-    async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
-        return await self.share(router_incarnation, {}, entries, ttl_s)
 
     async def share(
         self,
