@@ -36,6 +36,7 @@ from kvmesh.kvcache.index_api import (
     ShareHalves,
     Speculation,
     load_field,
+    own_settings,
 )
 
 __all__ = [
@@ -245,14 +246,7 @@ class RedisPrefixIndex(ShareHalves):
 
     async def ensure_settings(self) -> None:
         """Store the cluster settings once; refuse to run with different ones."""
-        if self.block_size is None or self.hash_seed is None:
-            raise ValueError("this index client has no settings to store (block size 'auto')")
-        mine = {
-            "model_id": self.model_id,
-            "deployment": self.deployment,
-            "block_size": str(self.block_size),
-            "hash_seed": str(self.hash_seed),
-        }
+        mine = own_settings(self.model_id, self.deployment, self.block_size, self.hash_seed)
         stored = _pairs(await self._control("settings", *[x for kv in mine.items() for x in kv]))
         wrong = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
         if wrong:

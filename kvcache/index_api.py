@@ -57,6 +57,21 @@ class IndexView:
     fleet: dict[str, FleetWork] | None  # None: not asked (this router does not share its load)
 
 
+def own_settings(
+    model_id: str, deployment: str, block_size: int | None, hash_seed: int | None
+) -> dict[str, str]:
+    """The settings a process stores (or must find) in the index: every process of a
+    deployment hashes blocks alike only if these agree."""
+    if block_size is None or hash_seed is None:
+        raise ValueError("this index client has no settings to store (block size 'auto')")
+    return {
+        "model_id": model_id,
+        "deployment": deployment,
+        "block_size": str(block_size),
+        "hash_seed": str(hash_seed),
+    }
+
+
 def load_field(replica_id: str, kind: str) -> str:
     return f"{replica_id}|{kind}"
 

@@ -25,6 +25,7 @@ from kvmesh.kvcache.index_api import (
     ShareHalves,
     Speculation,
     fleet_work,
+    own_settings,
 )
 
 T = TypeVar("T")
@@ -156,14 +157,7 @@ class MemoryPrefixIndex(ShareHalves):
     # ------------------------------------------------------------------ membership
 
     async def ensure_settings(self) -> None:
-        if self.block_size is None or self.hash_seed is None:
-            raise ValueError("this index client has no settings to store (block size 'auto')")
-        mine = {
-            "model_id": self.model_id,
-            "deployment": self.deployment,
-            "block_size": str(self.block_size),
-            "hash_seed": str(self.hash_seed),
-        }
+        mine = own_settings(self.model_id, self.deployment, self.block_size, self.hash_seed)
         if self._settings is None:
             self._settings = mine
         if self._settings != mine:
