@@ -47,6 +47,31 @@ local function server_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Records and reservations are read by every router's decisions: what would break them is
+-- refused here (the router also reads any record defensively).
+local TEXT_FIELDS = {address = true, model_id = true, http_address = true}
+
+local function finite(v)
+  local n = tonumber(v)
+  return n ~= nil and n == n and n ~= math.huge and n ~= -math.huge
+end
+
+-- nil, or an error reply naming the first field of ARGV (from `first`, in pairs) that is not
+-- a finite number (text fields excepted) or, for the address, not "host:port"
+local function malformed(args, first)
+  for j = first, #args, 2 do
+    local name, value = args[j], args[j + 1]
+    if name == 'address' or name == 'http_address' then
+      if not string.match(value, '^[%w%.%-%[%]:/]+:%d+$') then
+        return redis.error_reply('ERR kvmesh: ' .. name .. ' is not host:port')
+      end
+    elseif not TEXT_FIELDS[name] and not finite(value) then
+      return redis.error_reply('ERR kvmesh: field ' .. name .. ' is not a finite number')
+    end
+  end
+  return nil
+end
+
 -- ---------------------------------------------------------------- block keys: KEYS[1] = prefix
 
 -- KEYS[1]: the chain's first block key; ARGV[1]: the whole chain packed (8 bytes a block).
@@ -276,6 +301,9 @@ end
 -- fleet's totals and the router's share; 0 (nothing applied) if the router is not live.
 local function reserve(keys, args)
   local ns, rinc = keys[1], args[1]
+  for j = 3, #args, 2 do
+    if not finite(args[j]) then return redis.error_reply('ERR kvmesh: a reservation is not a finite number') end
+  end
   if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then return 0 end
   local mine = ns .. 'w' .. rinc
   for j = 2, #args, 2 do
@@ -318,6 +346,8 @@ end
 -- {incarnation, slot}.
 local function register(keys, args)
   local ns, rid, ttl = keys[1], args[1], args[2]
+  local refused = malformed(args, 3)
+  if refused then return refused end
   local rkey = ns .. 'r:' .. rid
   local old = redis.call('HGET', rkey, 'incarnation')
   if old then redis.call('DEL', ns .. 'i' .. old) end
@@ -338,6 +368,8 @@ end
 -- Returns 0 if the incarnation is no longer live (expired or retired).
 local function heartbeat(keys, args)
   local ns, rid, inc, ttl = keys[1], args[1], args[2], args[3]
+  local refused = malformed(args, 4)
+  if refused then return refused end
   local ikey = ns .. 'i' .. inc
   if redis.call('GET', ikey) ~= rid then return 0 end
   redis.call('PEXPIRE', ikey, ttl)

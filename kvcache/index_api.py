@@ -8,6 +8,7 @@ tests get index answers from it without a server). Callers type against ``Prefix
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,8 +36,13 @@ class ReplicaRecord:
     slot: int = 0  # its column in the block entries (stable while its record lives)
 
     def load(self, name: str, default: float = 0.0) -> float:
-        value = self.fields.get(name)
-        return float(value) if value not in (None, "") else default
+        """A numeric field, ``default`` when missing or not a finite number: a record is what
+        a process wrote into a shared server, so a routing decision never trusts it to parse."""
+        try:
+            value = float(self.fields.get(name, ""))
+        except ValueError:
+            return default
+        return value if math.isfinite(value) else default
 
 
 @dataclass(frozen=True)

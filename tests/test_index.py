@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from kvmesh.kvcache import BlockRemoved, BlockStored
@@ -407,3 +408,32 @@ async def test_a_router_without_speculation_never_divides_by_its_zero_ttl():
     fleet = FleetLoad(MemoryPrefixIndex(), speculative_ttl_s=0.0)
     fleet.speculate("r0", [1, 2, 3])  # a TTL of 0 turns speculation off
     assert fleet.unsent("r0").requests == 0
+
+
+async def test_the_functions_refuse_records_and_reservations_that_would_break_decisions(redis_index):
+    """A client that writes num_running=nan, an address that is not host:port, or an infinite
+    reservation is refused by the index functions, with the field named."""
+    index = redis_index
+    with pytest.raises(redis.exceptions.ResponseError, match="address is not host:port"):
+        await index.register("r0", "not an address", ttl_s=30)
+    inc = await index.register("r0", "a:1", ttl_s=30)
+    for bad in ("nan", "inf", "-inf", "many"):
+        with pytest.raises(redis.exceptions.ResponseError, match="num_running is not a finite number"):
+            await index.heartbeat("r0", inc, ttl_s=30, load={"num_running": bad})
+    router = await index.register_router(ttl_s=30)
+    with pytest.raises(redis.exceptions.ResponseError, match="reservation is not a finite number"):
+        await index.reserve(router, {"r0|n": float("nan")})
+    assert await index.heartbeat("r0", inc, ttl_s=30, load={"num_running": 3})
+    [record] = await index.live_replicas()
+    assert record.load("num_running") == 3 and (await index.decide([])).fleet == {}
+
+
+def test_a_record_never_fails_a_decision_by_what_it_holds():
+    """What a router reads from a shared server is parsed defensively: a field that is not a
+    finite number reads as the default."""
+    from kvmesh.kvcache.index_api import ReplicaRecord
+
+    fields = {"num_running": "nan", "num_waiting": "inf", "tokens_per_s": "fast", "num_blocks": "64"}
+    record = ReplicaRecord("r0", "a:1", 1, 1000, fields)
+    assert [record.load(k) for k in ("num_running", "num_waiting", "tokens_per_s", "missing")] == [0.0] * 4
+    assert record.load("num_blocks") == 64.0 and record.load("missing", 7.0) == 7.0

@@ -285,7 +285,7 @@ async def hot_prefix_hour(
         await asyncio.gather(share(8), *(sweep(s, steps.count(s)) for s in set(steps)))
         if bucket % 200 == 192:  # a replica restarts and resyncs
             rid = f"replica-{bucket // 200 % replicas}"
-            incs[rid] = await index.register(rid, "h:x", ttl_s=3600)
+            incs[rid] = await index.register(rid, f"127.0.0.1:{20000 + bucket}", ttl_s=3600)
             await index.publish_all(rid, incs[rid], dict.fromkeys(hot, hot[0]))
     await share()
     end, view = await decision_usec()
