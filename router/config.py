@@ -30,7 +30,7 @@ def _check_positive(owner: object, *names: str) -> None:
             raise ValueError(f"{name} must be positive, got {value}")
 
 
-# Speculative entries live up to four TTLs in the index (two buckets of twice the TTL); the
+# Speculative entries live up to two TTLs in the index (two buckets of one TTL); the
 # index frees a dead replica's slot 60 s after its death (index.lua QUARANTINE_MS).
 MAX_SPECULATIVE_TTL_S = 10.0
 

@@ -90,8 +90,8 @@ class FleetLoad:
     def speculate(self, replica_id: str, block_hashes: list[int]) -> None:
         """Tell every router that ``replica_id`` will hold this chain (sent within the loop
         turn; blocks already announced for it in this time bucket of ``speculative_ttl_s``
-        are not sent again, so the index keeps each entry for two of them: every router sees
-        it from ``speculative_ttl_s`` to twice that after the last request that made it)."""
+        are not sent again). The index keeps an entry for one to two buckets of
+        ``speculative_ttl_s`` on its own clock, so every router sees it about that long."""
         if not block_hashes or self.speculative_ttl_s <= 0:  # a TTL of 0: speculation off
             return
         bucket = int(time.time() / self.speculative_ttl_s)
@@ -123,7 +123,7 @@ class FleetLoad:
             since, self._oldest_unsent = self._oldest_unsent, None
             try:
                 entries = [(rid, root, hashes) for (rid, root), hashes in speculation.items()]
-                if not await self.index.share(self.incarnation, deltas, entries, 2 * self.speculative_ttl_s):
+                if not await self.index.share(self.incarnation, deltas, entries, self.speculative_ttl_s):
                     self.incarnation = None  # expired: its share was reaped; the heartbeat re-registers
                     return
                 if self.on_synced is not None and since is not None:
