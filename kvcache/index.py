@@ -77,12 +77,8 @@ def pack_hashes(hashes: Iterable[int]) -> bytes:
 
 
 def _digest(model_id: str, deployment: str) -> str:
+    """8 hex digits naming one deployment of one model under this key layout."""
     return f"{xxhash.xxh32_intdigest(chr(0).join((str(LAYOUT), model_id, deployment)).encode()):08x}"
-
-
-def namespace(model_id: str, deployment: str = DEFAULT_DEPLOYMENT) -> str:
-    """The hash-tagged prefix of one deployment's control keys (membership, routers' work)."""
-    return f"{{k:{_digest(model_id, deployment)}}}"
 
 
 def connect(
@@ -154,7 +150,7 @@ class RedisPrefixIndex(ShareHalves):
         self.block_size = block_size
         self.hash_seed = hash_seed
         digest = _digest(model_id, deployment)
-        self.ns = namespace(model_id, deployment)
+        self.ns = f"{{k:{digest}}}"  # the control keys' hash-tagged prefix (membership, routers' work)
         self._ns_key = self.ns.encode()
         self.block_pattern = f"{{{digest}.*".encode()
         self._tag_prefix = f"{{{digest}.".encode()
