@@ -197,13 +197,16 @@ class RedisPrefixIndex(ShareHalves):
         fcall = self.client.fcall_ro if read_only else self.client.fcall
         return await self._with_library(lambda: fcall(function(name), 1, self._ns_key, *args))
 
+    async def _load_library_once(self) -> None:
+        if not self._loaded:
+            await self.client.function_load(LIBRARY, replace=True)
+            self._loaded = True
+
     async def _with_library(self, send: Callable[[], Awaitable[T]]) -> T:
         """``send()``, loading the library first if this client has not, and again if the
         server lost it (new, restarted, or a cluster node that joined). Only this release's
         library is replaced: another release's, loaded beside it, keeps working."""
-        if not self._loaded:
-            await self.client.function_load(LIBRARY, replace=True)
-            self._loaded = True
+        await self._load_library_once()
         try:
             return await send()
         except ResponseError as exc:
@@ -216,9 +219,7 @@ class RedisPrefixIndex(ShareHalves):
         """(method, *args) commands in one round trip. Those that failed (their server lost
         the library, or went away: a failover) are sent once more, after loading the library,
         and only those: on a cluster the others (a reservation, say) were applied already."""
-        if not self._loaded:
-            await self.client.function_load(LIBRARY, replace=True)
-            self._loaded = True
+        await self._load_library_once()
         replies = await self._send(commands, raise_on_error=False)
         failed = [i for i, reply in enumerate(replies) if isinstance(reply, Exception)]
         if failed:
