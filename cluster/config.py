@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.config import RouterConfig
+from kvmesh.serving.auth import is_loopback_host
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.options import option
 
@@ -70,11 +71,24 @@ class ClusterConfig:
         check_deployment(self.deployment)
         self.router = dataclasses.replace(self.router, deployment=self.deployment)
         self.replica = dataclasses.replace(self.replica, deployment=self.deployment)
-        if self.ray_address and not on_this_machine(self.ray_address) and is_loopback(self.router.redis_url):
+        if self._remote_ray and is_loopback(self.router.redis_url):
             raise ValueError(
                 f"--ray-address {self.ray_address} puts replicas on other machines, which cannot reach "
                 f"{'an embedded Redis' if self.router.redis_url is None else 'a Redis on loopback'} here: "
                 "give --redis-url of a Redis they can reach"
+            )
+        if (
+            self.replica.api_key_file is None
+            and self.router.replica_api_key_file is None
+            and self.router.api_key_file
+        ):
+            self.replica = dataclasses.replace(
+                self.replica, api_key_file=self.router.api_key_file
+            )  # as the router presents
+        if self.replica.api_key_file is None and (self.keep_replicas or self._remote_ray):
+            raise ValueError(
+                "replicas that outlive this process or run on other machines need a token file they "
+                "can all read: give --replica-api-key-file"
             )
         if self.replica.engine.block_size is None and self.router.block_size is not None:
             # a router told its block size: the replicas hash with the same (auto may differ on a GPU)
@@ -112,6 +126,19 @@ class ClusterConfig:
             **launcher,
         )
 
+    @property
+    def _remote_ray(self) -> bool:
+        return bool(self.ray_address) and not on_this_machine(self.ray_address)
+
+    def with_replica_token(self, path: str) -> ClusterConfig:
+        """The same cluster with every replica requiring the token in ``path`` (and the router
+        presenting it)."""
+        return dataclasses.replace(
+            self,
+            router=dataclasses.replace(self.router, replica_api_key_file=path),
+            replica=dataclasses.replace(self.replica, api_key_file=path),
+        )
+
     def with_redis(self, url: str) -> ClusterConfig:
         """The same cluster over the index at ``url`` (the launcher's embedded Valkey)."""
         return dataclasses.replace(
@@ -129,8 +156,7 @@ def is_loopback(address: str | None) -> bool:
     """Whether only this machine can reach an address (None: the embedded Redis)."""
     if address is None:
         return True
-    host = _host(address)
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    return is_loopback_host(_host(address))
 
 
 def on_this_machine(address: str) -> bool:

@@ -69,9 +69,14 @@ class EmbeddedRedis:
         port: int | None = None,
         startup_timeout: float = 10.0,
         extra_args: list[str] | None = None,
+        aclfile: str | None = None,
     ):
+        """``aclfile``: the server's users (``kvcache.index_acl.acl_file``); default: its
+        default user, without a password (tests that are not about credentials)."""
         self.binary = binary or default_server_binary()
-        self.extra_args = list(extra_args or [])  # e.g. --requirepass, --tls-port ...
+        self.extra_args = list(extra_args or [])  # e.g. --tls-port ...
+        if aclfile:
+            self.extra_args += ["--aclfile", aclfile]
         self.port = port or free_port()
         self.startup_timeout = startup_timeout
         self._dir = Path(tempfile.mkdtemp(prefix="kvmesh-redis-"))

@@ -13,21 +13,24 @@ import os
 import time
 from collections.abc import Callable
 
-import grpc
 import ray
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.errors import UsageError
+from kvmesh.cluster.local_secrets import LocalSecrets
 from kvmesh.cluster.signals import wait_for_signal
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
+from kvmesh.kvcache.index_acl import ROLES, USERS, acl_file
 from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import cluster_has_gpus
 from kvmesh.router.process import RouterServer
-from kvmesh.serving.index_connection import connect_index
+from kvmesh.serving.auth import bearer_metadata
+from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.options import redacted_url
+from kvmesh.serving.tls import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class LocalCluster:
         self.router: RouterServer | None = None
         self._index: PrefixIndex | None = None
         self._owns_ray = False
+        self._secrets = LocalSecrets()  # what it generates where the user gave none
 
     @property
     def router_address(self) -> str:
@@ -72,20 +76,33 @@ class LocalCluster:
         if not ray.is_initialized():
             await self._init_ray()
             self._owns_ray = True
+        if c.replica.api_key_file is None:  # every replica door takes a token: a fresh one
+            c = c.with_replica_token(self._secrets.new("replica-token")[0])
+        # An external Redis: this process and its router are who its environment says; the
+        # replicas read their own (on Kubernetes, their pods' Secret).
+        admin = router = RedisCredentials.from_env()
+        replica_env: dict[str, str] = {}
         if self.redis_url is None:
-            self.redis = EmbeddedRedis().start()
-            self.redis_url = self.redis.url
+            users = self._start_embedded_redis()
+            admin, router, replica_env = users["admin"], users["router"], users["replica"].environment()
             c = c.with_redis(self.redis_url)
+        self.config = c
         replica = c.replica
         model_id = replica.model_id or os.path.basename(os.path.realpath(replica.model_dir))
         block_size = replica.engine.block_size
         seed = namespace_seed(model_id, block_size) if block_size else None
-        self._index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment)
+        self._index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment, admin)
+        if not await self._index.load_functions():
+            log.warning(
+                "this Redis user may not load the index functions: routers and replicas wait for an admin to"
+            )
         use_gpu = cluster_has_gpus()
         check_gpus(c.replicas, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
         if replica.torch_threads is None and not use_gpu:  # CPU replicas share this machine's cores
             replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // c.replicas))
-        self.supervisor = Supervisor(replica, c.replicas, use_gpu, self._index, on_ready=self._ready)
+        self.supervisor = Supervisor(
+            replica, c.replicas, use_gpu, self._index, on_ready=self._ready, environment=replica_env
+        )
         self.progress(
             f"starting {c.replicas} replica(s) of {replica.model_dir} ({'GPU' if use_gpu else 'CPU'}) ..."
         )
@@ -93,10 +110,21 @@ class LocalCluster:
         if not c.with_router:
             await self.wait_for_replicas(c.replicas, ready_timeout_s)
             return self
-        self.router = RouterServer(c.router)
+        self.router = RouterServer(c.router, redis_credentials=router)
         await self.router.start()
         await self.wait_for_replicas(c.replicas, ready_timeout_s)
         return self
+
+    def _start_embedded_redis(self) -> dict[str, RedisCredentials]:
+        """A private Valkey with one ACL user per role (generated passwords): the router,
+        the replicas and this process each connect as their own."""
+        users, passwords = {}, {}
+        for role in ROLES:
+            path, passwords[role] = self._secrets.new(f"redis-{role}")
+            users[role] = RedisCredentials(USERS[role], path)
+        self.redis = EmbeddedRedis(aclfile=self._secrets.write("valkey.acl", acl_file(passwords))).start()
+        self.redis_url = self.redis.url
+        return users
 
     async def _init_ray(self, attempts: int = 3) -> None:
         """Connect to Ray (no --ray-address: a new local Ray, never one an earlier `ray start`
@@ -145,9 +173,11 @@ class LocalCluster:
         """Cold caches everywhere (experiments compare policies from the same start): replicas
         forget their prefixes, and the router's speculative entries, which would still point
         at the old holders, expire."""
+        auth = bearer_metadata(self.config.replica.token())
         for address in self.supervisor.addresses.values():
-            async with grpc.aio.insecure_channel(address) as channel:
-                await pb_grpc.ReplicaStub(channel).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
+            async with open_channel(address, self.config.router.tls) as channel:
+                stub = pb_grpc.ReplicaStub(channel)
+                await stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30, metadata=auth)
         if self.router is not None:
             await asyncio.sleep(self.router.core.overlay.ttl_s + 0.2)
 
@@ -163,6 +193,7 @@ class LocalCluster:
             await self._index.close()
         if self.redis:
             self.redis.close()
+        self._secrets.close()
         if self._owns_ray:
             ray.shutdown()
 

@@ -12,18 +12,19 @@ import grpc
 
 from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT
 from kvmesh.serving.index_connection import connect_redis
-from kvmesh.serving.options import read_env
 
 COLUMNS = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks",
            "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause")  # fmt: skip
 
 
-async def from_router(address: str, tls_ca: str | None, timeout: float = 10.0) -> list[dict]:
-    """One model: what a router knows (it asks nobody else)."""
-    token = read_env("auth-token")
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+async def from_router(
+    address: str, tls_ca: str | None, token: str | None = None, timeout: float = 10.0
+) -> list[dict]:
+    """One model: what a router knows (it asks nobody else); ``token``: the router's bearer token."""
+    metadata = bearer_metadata(token)
     if tls_ca:
         with open(tls_ca, "rb") as f:
             channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
@@ -109,7 +110,7 @@ def _state(row: dict) -> str:
     return f"{row['index_state']} ({cause})" if cause else row["index_state"]
 
 
-def main(address: str, redis_url: str | None, as_json: bool, tls_ca: str | None) -> int:
-    models = asyncio.run(from_index(redis_url) if redis_url else from_router(address, tls_ca))
+def main(address: str, redis_url: str | None, as_json: bool, tls_ca: str | None, token: str | None) -> int:
+    models = asyncio.run(from_index(redis_url) if redis_url else from_router(address, tls_ca, token))
     print(json.dumps(models, indent=2) if as_json else render(models))
     return 0

@@ -85,8 +85,10 @@ class Supervisor:
         start_timeout_s: float = 600.0,
         backoff_s: tuple[float, float] = (1.0, 60.0),
         on_ready: Callable[[str, str, float], None] | None = None,
+        environment: dict[str, str] | None = None,
     ):
         self.template = template  # every replica's config; the supervisor names each one
+        self.environment = environment or {}  # the replica processes' own (their Redis user)
         self.use_gpu = use_gpu
         self.index = index
         self.check_s = check_s
@@ -155,8 +157,9 @@ class Supervisor:
         started = time.monotonic()
         await self._name_released(slot.replica_id)
         cls = replica_actor_class(self.use_gpu).options(
-            name=self.actor_name(slot.replica_id), namespace=RAY_NAMESPACE, lifetime="detached"
-        )
+            name=self.actor_name(slot.replica_id), namespace=RAY_NAMESPACE, lifetime="detached",
+            **({"runtime_env": {"env_vars": self.environment}} if self.environment else {}),
+        )  # fmt: skip
         slot.actor, slot.state = cls.remote(self.config_of(slot.replica_id)), "starting"
         slot.address = await asyncio.wait_for(slot.actor.start.remote(), self.start_timeout_s)
         slot.state, slot.failures, slot.error = "ready", 0, ""

@@ -405,8 +405,8 @@ local function retire(keys, args)
 end
 
 -- Returns {slots no live incarnation owns (dead, or of a replica whose heartbeat lapsed), then
--- record as flat field/value list, remaining TTL ms for every live replica}; forgets ids
--- whose record is gone.
+-- record as flat field/value list, remaining TTL ms for every live replica}. Reads only: a
+-- router's user may not write the replicas' keys (ids whose record is gone: ``swept``).
 local function live_replicas(keys, args)
   local ns = keys[1]
   local out, dead = {{}}, {}
@@ -421,8 +421,6 @@ local function live_replicas(keys, args)
     if ttl > 0 and redis.call('GET', ns .. 'i' .. inc) == rid then
       out[#out + 1] = rec
       out[#out + 1] = ttl
-    elseif #rec == 0 then
-      forget(ns, rid)
     elseif slot then
       dead[#dead + 1] = slot
     end
@@ -438,8 +436,12 @@ end
 
 -- ARGV: when (server ms) a sweep pass that visited every block key began. Slots that died
 -- QUARANTINE_MS before then have no bits left: they are freed (handed out after GRACE_MS).
+-- Ids whose record is gone (evicted, deleted) are forgotten, their slot ended.
 local function swept(keys, args)
   local ns, began = keys[1], tonumber(args[1])
+  for _, rid in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
+    if redis.call('EXISTS', ns .. 'r:' .. rid) == 0 then forget(ns, rid) end
+  end
   local freed, dead = 0, redis.call('HGETALL', ns .. 'dead')
   local now = server_ms()
   for j = 1, #dead, 2 do
@@ -484,6 +486,6 @@ expose('register', register)
 expose('heartbeat', heartbeat)
 expose('deregister', deregister)
 expose('retire', retire)
-expose('live_replicas', live_replicas)
+expose('live_replicas', live_replicas, {'no-writes'})
 expose('settings', settings)
 expose('has_settings', has_settings, {'no-writes'})

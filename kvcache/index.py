@@ -24,7 +24,7 @@ import xxhash
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from kvmesh.kvcache.events import BlockRemoved, BlockStored, KVEvent
 from kvmesh.kvcache.index_api import (
@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_DEPLOYMENT",
     "INDEX_ERRORS",
     "FleetWork",
+    "IndexFunctionsMissing",
     "IndexSettingsError",
     "IndexView",
     "RedisPrefixIndex",
@@ -64,6 +65,11 @@ _SWEEP_COUNT = 500  # keys one sweep step scans on each server
 T = TypeVar("T")
 # What a call to the index raises when Redis is away, slow or refuses: callers degrade on these.
 INDEX_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class IndexFunctionsMissing(RedisError):
+    """The server has no index functions of this release and this client may not load them
+    (an index outage until the deployment's admin loads them)."""
 
 
 def function(name: str) -> str:
@@ -157,6 +163,7 @@ class RedisPrefixIndex(ShareHalves):
         self.block_key_length = len(self.tag(0)) + 8
         self._load_key = f"{self.ns}load".encode()
         self._loaded = False
+        self.may_load_library = True  # False once the server said this client's user may not
         self._clustered = isinstance(client, RedisCluster)
         self.members_max_age_s = members_max_age_s
         self._by_slot: dict[int, ReplicaRecord] = {}
@@ -197,22 +204,48 @@ class RedisPrefixIndex(ShareHalves):
         fcall = self.client.fcall_ro if read_only else self.client.fcall
         return await self._with_library(lambda: fcall(function(name), 1, self._ns_key, *args))
 
+    async def load_functions(self) -> bool:
+        """Load this release's index functions now (the deployment's admin does, at start, so
+        that routers and replicas whose users may not find them there); False where this
+        client's user may not."""
+        await self._load_library()
+        return self.may_load_library
+
     async def _load_library_once(self) -> None:
         if not self._loaded:
+            await self._load_library()
+
+    async def _load_library(self) -> None:
+        """FUNCTION LOAD this release's library (only it: another release's stays). Where this
+        client's Redis user may not (routers and replicas behind ACL users), the deployment's
+        admin loads it, and a call finds it missing only if the admin has not yet."""
+        try:
             await self.client.function_load(LIBRARY, replace=True)
-            self._loaded = True
+            self.may_load_library = True
+        except NoPermissionError:
+            self.may_load_library = False
+        self._loaded = True
+
+    async def _reload_library(self) -> None:
+        """The server lost the library (new, restarted, a node that joined): load it again."""
+        await self._load_library()
+        if not self.may_load_library:
+            raise IndexFunctionsMissing(
+                f"the index functions of this kvmesh release ({VERSION}) are not on the server, and this "
+                "process's Redis user may not load them: the deployment's admin user does (kvmesh up, the "
+                "chart's controller)"
+            )
 
     async def _with_library(self, send: Callable[[], Awaitable[T]]) -> T:
         """``send()``, loading the library first if this client has not, and again if the
-        server lost it (new, restarted, or a cluster node that joined). Only this release's
-        library is replaced: another release's, loaded beside it, keeps working."""
+        server lost it."""
         await self._load_library_once()
         try:
             return await send()
         except ResponseError as exc:
             if not _function_lost(exc):
                 raise
-            await self.client.function_load(LIBRARY, replace=True)
+            await self._reload_library()
             return await send()
 
     async def _pipeline(self, commands: list[tuple[str, ...]]) -> list:
@@ -227,7 +260,7 @@ class RedisPrefixIndex(ShareHalves):
             if any(not _function_lost(error) for error in refused):
                 raise next(error for error in refused if not _function_lost(error))
             if refused:
-                await self.client.function_load(LIBRARY, replace=True)
+                await self._reload_library()
             again = await self._send([commands[i] for i in failed], raise_on_error=True)
             for i, reply in zip(failed, again, strict=True):
                 replies[i] = reply
@@ -297,7 +330,7 @@ class RedisPrefixIndex(ShareHalves):
     async def _members(self) -> tuple[list[ReplicaRecord], list[int]]:
         """(live replicas, slots that no live incarnation owns); refreshes the slot map that
         lookups read."""
-        raw = await self._control("live_replicas")
+        raw = await self._control("live_replicas", read_only=True)
         records = []
         for flat, ttl in zip(raw[1::2], raw[2::2], strict=True):
             fields = _pairs(flat)

@@ -14,7 +14,9 @@ class ReplicaActor:
     """Ray async actor around ReplicaServer; create with ``replica_actor_class(...)``."""
 
     def __init__(self, config: ReplicaConfig):
-        self.server = ReplicaServer(config)
+        # A node's drain (kvmesh drain-replicas) ends this process once the replica drained:
+        # the supervisor sees it gone and starts a replacement where Ray can place it.
+        self.server = ReplicaServer(config, on_drained=lambda: os._exit(0))
 
     def config(self) -> ReplicaConfig:
         """The settings it runs with (a controller re-attaches only to replicas with its own)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.serving.api_config import APIConfig
+from kvmesh.serving.auth import read_token_file
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.limits import InputLimits
@@ -97,9 +98,19 @@ class ReplicaConfig:
         flag="replica-advertise-host",
         help="address routers dial (default: the listen address or node IP)",
     )
+    api_key_file: str | None = option(
+        None,
+        flag="replica-api-key-file",
+        help="file holding the bearer token the replicas require on gRPC and HTTP (health open); "
+        "kvmesh up generates one if unset; needed to listen beyond loopback",
+    )
     pod_metrics_port: int = option(
         -1,
         help="fixed port where one replica per host serves every local replica's metrics, labelled replica_id (-1: off)",
+    )
+    max_message_bytes: int = option(
+        16 << 20,
+        help="largest request a replica accepts (gRPC message, HTTP body); room for what a router relays",
     )
     heartbeat_s: float = option(1.0, flag="heartbeat-interval", help="seconds between a replica's heartbeats")
     ttl_s: float = option(
@@ -143,10 +154,16 @@ class ReplicaConfig:
             raise ValueError(
                 f"heartbeat_s must be positive and below ttl_s, got {self.heartbeat_s} and {self.ttl_s}"
             )
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
         if self.engine_stall_s <= 0:
             raise ValueError(f"engine_stall_s must be positive, got {self.engine_stall_s}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
+
+    def token(self) -> str | None:
+        """The bearer token this replica requires (read from its file now)."""
+        return read_token_file(self.api_key_file, "--replica-api-key-file") if self.api_key_file else None
 
     @property
     def serves_http(self) -> bool:

@@ -65,6 +65,7 @@ class EngineBackend:
         self.inflight = InflightLimit(config.max_num_seqs + config.max_queued_requests, "replica")
         self.owned = OwnedRequests()  # the engine's request ids, by caller connection and caller id
         self.incarnation: Callable[[], int] = lambda: 0  # the replica's index incarnation (set by its server)
+        self.draining = False  # set on drain: new requests are refused UNAVAILABLE (a router retries them)
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         self.inputs.check(request)
@@ -75,6 +76,8 @@ class EngineBackend:
 
     def admit(self, count: int = 1, policy: str = "") -> Ticket:
         """Slots for a request before anything is built for it (a batch: one per prompt)."""
+        if self.draining:
+            raise Unavailable("the replica is draining; retry on another replica")
         return self.inflight.take(count)
 
     def abort(self, request_id: str, owner: str = "") -> bool:

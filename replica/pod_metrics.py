@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.open_endpoint import METRICS_TYPE, start_open_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class PodMetrics:
         partial.replace(mine)  # atomic: the exporter never reads half a page
         if self.server is None:
             try:
-                self.server = await asyncio.start_server(self._serve, self.host, self.port)
+                self.server = await start_open_endpoint(self.host, self.port, {"/metrics": self._metrics})
             except OSError:
                 return  # another replica on this pod exports
             log.info(
@@ -119,21 +120,5 @@ class PodMetrics:
         pages[self.replica_id] = self.render().decode()  # its own, fresh
         return merge_metrics(pages)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
-            if path.split(b"?")[0] == b"/metrics":
-                body = await asyncio.to_thread(self.page)
-                head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-            else:
-                body, head = (
-                    b"only /metrics here\n",
-                    b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n",
-                )
-            writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def _metrics(self) -> tuple[int, str, bytes]:
+        return 200, METRICS_TYPE, await asyncio.to_thread(self.page)

@@ -11,16 +11,19 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from kvmesh.protos import pb_grpc
 from kvmesh.replica.async_engine import AsyncLLMEngine
 from kvmesh.replica.config import ReplicaConfig
+from kvmesh.replica.drain_socket import DrainSocket
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.engine_backend import EngineBackend
 from kvmesh.replica.grpc_service import ReplicaService
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing
+from kvmesh.serving.auth import TokenAuthInterceptor, is_loopback_host
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
@@ -45,8 +48,12 @@ def advertised_host(config: ReplicaConfig) -> str:
 
 
 class ReplicaServer:
-    def __init__(self, config: ReplicaConfig):
+    def __init__(self, config: ReplicaConfig, on_drained: Callable[[], None] | None = None):
+        """``on_drained``: called once a node's drain (``DrainSocket``) has been answered."""
         self.config = config
+        self.on_drained = on_drained
+        self.drain_socket: DrainSocket | None = None
+        self._stopping: asyncio.Future | None = None
         self.engine: AsyncLLMEngine | None = None
         self.backend: EngineBackend | None = None
         self.publisher: IndexPublisher | None = None
@@ -63,6 +70,11 @@ class ReplicaServer:
     async def start(self) -> str:
         """Load the model, serve gRPC, join the index; returns the gRPC address."""
         c = self.config
+        token = c.token()
+        if token is None and not is_loopback_host(c.host):
+            raise ValueError(
+                f"a replica listening on {c.host} must require a token: give --replica-api-key-file"
+            )
         if c.otlp_endpoint:
             tracing.configure(f"kvmesh-replica-{c.replica_id}", c.otlp_endpoint)
         if c.torch_threads:
@@ -95,6 +107,7 @@ class ReplicaServer:
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")],
             c.host, c.port, tls=c.tls, connections=c.connections,
+            interceptors=[TokenAuthInterceptor(token)] if token else (), max_message_bytes=c.max_message_bytes,
         )  # fmt: skip
         host = advertised_host(c)
         self.address = f"{host}:{self.grpc.port}"
@@ -103,7 +116,13 @@ class ReplicaServer:
             "process_started_at": self.started_at,  # unlike the incarnation, a resync keeps it
         }  # fmt: skip
         if c.serves_http:
-            app = build_app(backend, self.health, title="kvmesh replica")
+            app = build_app(
+                backend,
+                self.health,
+                auth_token=token,
+                max_body_bytes=c.max_message_bytes,
+                title="kvmesh replica",
+            )
             self.http = await start_http_server(app, c.host, c.http_port, c.tls, write_timeout_s)
             self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"
             info["http_address"] = self.http_address
@@ -115,6 +134,8 @@ class ReplicaServer:
         if c.pod_metrics_port > 0:
             self.pod_metrics = PodMetrics(c.replica_id, backend.render_metrics, c.host, c.pod_metrics_port)
             await self.pod_metrics.start()
+        self.drain_socket = DrainSocket(c.replica_id, self.stop, self.on_drained)
+        await self.drain_socket.start()
         self._loops.start(self._follow_engine(), "kvmesh-engine-health")
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
@@ -155,16 +176,30 @@ class ReplicaServer:
     async def stop(self, grace: float | None = None) -> None:
         """Drain: leave the index (routers stop choosing it), refuse new calls, let in-flight
         streams finish for up to ``grace`` seconds (default: the config's drain timeout), then
-        stop the engine."""
-        grace = self.config.drain_timeout_s if grace is None else grace
+        stop the engine. Once, however many ask (a node's drain and the supervisor may both)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.drain_timeout_s if grace is None else grace)
         self.draining = True
+        if self.backend:
+            self.backend.draining = True  # new requests: UNAVAILABLE, which routers retry elsewhere
+        if self.drain_socket:
+            self.drain_socket.close()
         await self._loops.stop()
         if self.pod_metrics:
             await self.pod_metrics.stop()
         if self.publisher:
             await self.publisher.stop()
             await self.publisher.index.close()
-        servers = [s.stop(grace) for s in (self.grpc, self.http) if s is not None]
+        if self.grpc:
+            await self.grpc.set_serving(False)
+        while self.backend and self.backend.inflight.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        servers = [s.stop(max(0.0, deadline - loop.time())) for s in (self.grpc, self.http) if s is not None]
         await asyncio.gather(*servers)
         if self.engine:
             await asyncio.to_thread(self.engine.shutdown)

@@ -4,11 +4,11 @@ their flags (and ``KVMESH_*`` environment defaults)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvmesh.router.index_health import IndexHealthConfig
 from kvmesh.router.policies import POLICIES
 from kvmesh.serving.api_config import APIConfig
+from kvmesh.serving.auth import read_token_file
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.limits import InputLimits
@@ -91,11 +91,18 @@ class RouterConfig:
     connections: ConnectionLimits = option(
         factory=ConnectionLimits, help="what a slow, stuck or vanished client may hold"
     )
-    auth_token: str | None = option(
-        None, secret=True, flag="api-key", env="auth-token",
-        help="bearer token clients must send (shows in ps: prefer --api-key-file or KVMESH_AUTH_TOKEN)",
-    )  # fmt: skip
-    auth_token_file: str | None = option(None, flag="api-key-file", help="a file holding that bearer token")
+    api_key_file: str | None = option(
+        None,
+        help="file holding the bearer token clients must send (gRPC metadata, HTTP header); default: none",
+    )
+    replica_api_key_file: str | None = option(
+        None,
+        help="file holding the bearer token the replicas require; the router presents it (default: --api-key-file's)",
+    )
+    metrics_port: int = option(
+        -1,
+        help="plain-HTTP port with only /metrics and /health, for scrapers and probes: no token, no TLS (-1: off)",
+    )
     otlp_endpoint: str | None = option(
         None,
         help="OpenTelemetry collector (OTLP/gRPC, e.g. http://otel-collector:4317) for traces; needs kvmesh[otel]",
@@ -115,22 +122,18 @@ class RouterConfig:
                 f"speculative_ttl_s must be at most {MAX_SPECULATIVE_TTL_S:g} s (the index frees a dead "
                 f"replica's slot a minute after its speculative entries could last), got {self.speculative_ttl_s:g}"
             )
-        if self.auth_token == "":
-            raise ValueError("the auth token must not be empty")
-        if self.auth_token and self.auth_token_file:
-            raise ValueError("give the API key once: --api-key (KVMESH_AUTH_TOKEN) or --api-key-file")
+        if self.metrics_port != -1:
+            _check_port("metrics_port", self.metrics_port)
 
-    def token(self) -> str | None:
-        """The bearer token clients must send, if any (read from its file when given one)."""
-        if not self.auth_token_file:
-            return self.auth_token
-        try:
-            token = Path(self.auth_token_file).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read --api-key-file {self.auth_token_file!r}: {exc.strerror}") from None
-        if not token:
-            raise ValueError(f"--api-key-file {self.auth_token_file!r} is empty")
-        return token
+    def client_token(self) -> str | None:
+        """The bearer token clients must send, if any (read from its file now)."""
+        return read_token_file(self.api_key_file, "--api-key-file") if self.api_key_file else None
+
+    def replica_token(self) -> str | None:
+        """The bearer token this router presents to the replicas."""
+        if self.replica_api_key_file:
+            return read_token_file(self.replica_api_key_file, "--replica-api-key-file")
+        return self.client_token()
 
     @property
     def serves_http(self) -> bool:

@@ -150,7 +150,9 @@ class RouterCore:
             if entry is None:
                 continue
             try:
-                reply = await entry.stub.Abort(pb.AbortRequest(request_id=own_id), timeout=5)
+                reply = await entry.stub.Abort(
+                    pb.AbortRequest(request_id=own_id), timeout=5, metadata=entry.auth
+                )
             except grpc.aio.AioRpcError as exc:
                 raise upstream_error(exc.code(), exc.details()) from None
             found = found or reply.found

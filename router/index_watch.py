@@ -120,7 +120,7 @@ class IndexWatch:
         try:
             if not await self.index.claim_resync(replica_id, self.config.resync_interval_s):
                 return  # another router asked already
-            await entry.stub.Resync(pb.ResyncRequest(reason=cause), timeout=30)
+            await entry.stub.Resync(pb.ResyncRequest(reason=cause), timeout=30, metadata=entry.auth)
             self.metrics.resyncs.labels(replica_id).inc()
             log.info("asked the replica to resync its index entries", extra={"replica_id": replica_id})
         except (grpc.aio.AioRpcError, *INDEX_ERRORS) as exc:

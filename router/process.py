@@ -21,9 +21,10 @@ from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor
 from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
-from kvmesh.serving.index_connection import connect_index
+from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.model_lock import reading_model
+from kvmesh.serving.open_endpoint import METRICS_TYPE, start_open_endpoint
 from kvmesh.serving.openai_app import build_app
 from kvmesh.serving.options import effective_config
 
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, redis_credentials: RedisCredentials | None = None):
+        """``redis_credentials``: its Redis user (default: from this process's environment)."""
         if not config.redis_url:
             raise ValueError("the router needs the prefix index's redis_url")
         self.config = config
@@ -43,7 +45,7 @@ class RouterServer:
         self.model = self._model_info(config.block_size) if config.block_size else None
         seed = self.model.hash_seed if self.model else None
         self.index = connect_index(
-            config.redis_url, self.model_id, config.block_size, seed, config.deployment
+            config.redis_url, self.model_id, config.block_size, seed, config.deployment, redis_credentials
         )
         self.fleet = (
             FleetLoad(self.index, speculative_ttl_s=config.speculative_ttl_s)
@@ -51,14 +53,16 @@ class RouterServer:
             else None
         )
         self.registry = ReplicaRegistry(
-            self.index, refresh_s=config.refresh_s, tls=config.tls, fleet=self.fleet
-        )
+            self.index, refresh_s=config.refresh_s, tls=config.tls, fleet=self.fleet,
+            replica_token=config.replica_token(),
+        )  # fmt: skip
         self.service = RouterService(
             None, json.dumps(effective_config(config)), config.connections.stream_write_timeout_s
         )
         self.core: RouterCore | None = None
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
+        self.open_endpoint: asyncio.Server | None = None  # /metrics and /health, no token
 
     def _model_info(self, block_size: int) -> ModelInfo:
         c = self.config
@@ -76,10 +80,12 @@ class RouterServer:
         size is known and a replica is live), then routing, then HTTP."""
         if self.config.otlp_endpoint:
             tracing.configure("kvmesh-router", self.config.otlp_endpoint)
-        token = self.config.token()
+        token = self.config.client_token()
         interceptors = [TokenAuthInterceptor(token)] if token else []
         if self.config.http_port > 0:  # HTTP listens only once routing can start: fail fast now
             check_free(self.config.host, self.config.http_port, "HTTP")
+        if self.config.metrics_port >= 0:  # probes see NOT ready from the start
+            self.open_endpoint = await self._start_open_endpoint()
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_RouterServicer_to_server, self.service, "kvmesh.v1.Router")],
             self.config.host,
@@ -124,6 +130,22 @@ class RouterServer:
             )  # fmt: skip
         log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
 
+    async def _start_open_endpoint(self) -> asyncio.Server:
+        async def metrics() -> tuple[int, str, bytes]:
+            return 200, METRICS_TYPE, self.core.render_metrics() if self.core else b""
+
+        async def health() -> tuple[int, str, bytes]:
+            body = self.health()
+            return 200 if body["status"] == "ok" else 503, "application/json", json.dumps(body).encode()
+
+        c = self.config
+        check_free(c.host, c.metrics_port, "metrics")
+        return await start_open_endpoint(c.host, c.metrics_port, {"/metrics": metrics, "/health": health})
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.open_endpoint.sockets[0].getsockname()[1] if self.open_endpoint else None
+
     async def _store_settings(self) -> None:
         try:
             await self.index.ensure_settings()
@@ -166,27 +188,31 @@ class RouterServer:
         return self.http.port if self.http else None
 
     def health(self) -> dict:
+        """/health: ok while this router routes (503 while draining, or with no live replica)."""
         live = len(self.registry.live()) if self.core else 0
-        return {"status": "ok" if live else "no live replica", "replicas": live}
+        draining = bool(self.core and self.core.draining)
+        return {"status": "draining" if draining else "ok" if live else "no live replica", "replicas": live}
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: health goes NOT_SERVING and new requests are refused at once, in-flight
-        streams get up to ``grace`` seconds (default: the config's drain timeout), then
-        everything closes."""
-        grace = self.config.drain_timeout_s if grace is None else grace
+        """Drain: health goes NOT_SERVING (and /health 503) and new requests are refused at
+        once; in-flight streams get what is left of ``grace`` seconds (default: the config's
+        drain timeout), which bounds the whole stop; then everything closes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.drain_timeout_s if grace is None else grace)
         if self.core:
             self.core.draining = True
         if self.grpc:
             await self.grpc.set_serving(False)
-            deadline = asyncio.get_running_loop().time() + grace
-            while self.core and self.core.active and asyncio.get_running_loop().time() < deadline:
+            while self.core and self.core.active and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             await self.service.cut_off()
             # No grace: during one the server accepts calls it never serves, and they end
             # CANCELLED; stopped at once, new calls see the listener gone (UNAVAILABLE).
             await self.grpc.stop(0)
         if self.http:
-            await self.http.stop(grace)
+            await self.http.stop(max(0.0, deadline - loop.time()))
+        if self.open_endpoint:
+            self.open_endpoint.close()
         if self.core:
             await self.core.stop()
         if self.fleet is not None:

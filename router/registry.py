@@ -23,6 +23,7 @@ from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import ReplicaState
+from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
 from kvmesh.serving.tls import TLSConfig, open_channel
@@ -36,6 +37,7 @@ class ReplicaEntry:
     channel: grpc.aio.Channel
     stub: pb_grpc.ReplicaStub
     live_until: float  # monotonic time its heartbeat expires, as of the last refresh
+    auth: tuple[tuple[str, str], ...] = ()  # metadata every call to it carries (its bearer token)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failed_until: float = 0.0
 
@@ -48,8 +50,10 @@ class ReplicaRegistry:
         failure_cooldown_s: float = 5.0,
         tls: TLSConfig | None = None,
         fleet: FleetLoad | None = None,
+        replica_token: str | None = None,
     ):
         self.index = index
+        self.auth = bearer_metadata(replica_token)
         self.fleet = fleet  # with shared load: every router's in-flight work, through the index
         self.tls = tls
         self.refresh_s = refresh_s
@@ -125,7 +129,9 @@ class ReplicaRegistry:
                 channel = open_channel(
                     rec.address, self.tls, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
                 )
-                entry = ReplicaEntry(rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0)
+                entry = ReplicaEntry(
+                    rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0, auth=self.auth
+                )
                 self.entries[rec.replica_id] = entry
             entry.record = rec
             entry.live_until = now + rec.heartbeat_ttl_ms / 1000

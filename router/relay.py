@@ -123,7 +123,7 @@ class Relay:
             "kvmesh.router.relay", trace, replica_id=entry.record.replica_id, attempt=attempt,
             predicted_cached_tokens=prediction.predicted * self.block_size,
         )  # fmt: skip
-        call = entry.stub.Generate(upstream, timeout=timeout, metadata=tracing.inject(span) or None)
+        call = entry.stub.Generate(upstream, timeout=timeout, metadata=(*entry.auth, *tracing.inject(span)))
         streamed, sent_at, outcome = False, time.monotonic(), "error"
         try:
             async for response in call:

@@ -1,12 +1,39 @@
-"""A bearer token on the router: checked in constant time before any work is done."""
+"""Bearer tokens on every kvmesh door (router and replicas): read from files, checked in
+constant time before any work is done."""
 
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 
 import grpc
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no token
+
+
+def read_token_file(path: str, flag: str) -> str:
+    """The token in ``path`` (surrounding whitespace dropped); ValueError naming ``flag`` when
+    the file cannot be read or is empty. Tokens live in files (a Secret volume), never in
+    flags, the environment or ``ps``."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {flag} {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path!r} is not text") from None
+    if not token:
+        raise ValueError(f"{flag} {path!r} is empty")
+    return token
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether only this machine can reach ``host`` (a name or address, no port)."""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata presenting ``token`` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def token_matches(header: str | None, token: str) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # Fixtures that start something: a test using one is marked ``servers`` automatically.
-SERVER_FIXTURES = {"redis_server", "valkey_server", "valkey_cluster", "ray_cluster"}
+SERVER_FIXTURES = {"redis_server", "valkey_server", "valkey_cluster", "ray_cluster", "acl_server"}
 
 
 def pytest_collection_modifyitems(items):
@@ -91,6 +91,23 @@ def redis_server(request):
 
     server = EmbeddedRedis(binary=request.param[1]).start()
     yield server
+    server.close()
+
+
+@pytest.fixture(scope="module", params=_redis_binaries(), ids=lambda b: b[0])
+def acl_server(request, tmp_path_factory):
+    """A real server per binary whose only users are the index's roles (default user off),
+    as ``kvmesh up`` and the chart run theirs: (server, {role: password})."""
+    import secrets
+
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.kvcache.index_acl import ROLES, acl_file
+
+    passwords = {role: secrets.token_urlsafe(16) for role in ROLES}
+    aclfile = tmp_path_factory.mktemp("acl") / "users.acl"
+    aclfile.write_text(acl_file(passwords))
+    server = EmbeddedRedis(binary=request.param[1], aclfile=str(aclfile)).start()
+    yield server, passwords
     server.close()
 
 

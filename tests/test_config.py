@@ -41,7 +41,7 @@ def test_every_field_of_every_config_is_declared_with_help():
     for config in (RouterConfig, ReplicaConfig, EngineConfig, ClusterConfig):
         for f in dataclasses.fields(config):
             assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no help"
-    assert len(TABLES["up"].flags) > 40 and "api-key" in TABLES["router"].flags
+    assert len(TABLES["up"].flags) > 40 and "api-key-file" in TABLES["router"].flags
 
 
 def test_flag_beats_environment_beats_default(monkeypatch, tmp_path):
@@ -103,23 +103,33 @@ def test_bad_values_are_usage_errors(monkeypatch, tmp_path):
         build(TABLES["router"], "--model", str(tmp_path), "--max-inflight", "-3")
 
 
-def test_secrets_come_from_the_environment_only_and_never_leave(monkeypatch, tmp_path):
-    with pytest.raises(SystemExit):  # argparse: unrecognized arguments: --auth-token
-        build(TABLES["router"], "--model", str(tmp_path), "--auth-token", "x")
-    monkeypatch.setenv("KVMESH_AUTH_TOKEN", "t0ken")
+def test_secrets_come_from_files_only_and_never_leave(monkeypatch, tmp_path):
+    from kvmesh.cluster.cli import build_parser
+
+    for flag in ("--api-key", "--auth-token"):  # a token on the command line shows in ps
+        with pytest.raises(SystemExit) as refused:  # (nor is --api-key taken for --api-key-file)
+            build_parser().parse_args(["router", "--model", str(tmp_path), flag, "x"])
+        assert refused.value.code == 2
+    monkeypatch.setenv("KVMESH_AUTH_TOKEN", "t0ken")  # nor is one read from the environment
     config = build(TABLES["router"], "--model", str(tmp_path), "--redis-url", "redis://u:pw@r:6379/0")[0]
-    assert config.auth_token == "t0ken"
+    assert config.client_token() is None and config.replica_token() is None
     shown = json.dumps(effective_config(config))
-    assert "t0ken" not in shown and "pw" not in shown and "redis://u:***@r:6379/0" in shown
-    # vLLM's spellings: --api-key (visible in ps) and --api-key-file
-    assert build(TABLES["router"], "--model", str(tmp_path), "--api-key", "k")[0].token() == "k"
+    assert "pw" not in shown and "redis://u:***@r:6379/0" in shown
     (tmp_path / "key").write_text("from-file\n")
-    monkeypatch.delenv("KVMESH_AUTH_TOKEN")
+    (tmp_path / "replica-key").write_text("replica-secret\n")
     by_file = build(TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"))[0]
-    assert by_file.token() == "from-file" and by_file.auth_token is None
-    monkeypatch.setenv("KVMESH_AUTH_TOKEN", "t0ken")
-    with pytest.raises(UsageError, match="give the API key once"):
-        build(TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"))
+    assert by_file.client_token() == "from-file" == by_file.replica_token()  # presented to replicas too
+    both = build(
+        TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"),
+        "--replica-api-key-file", str(tmp_path / "replica-key"),
+    )[0]  # fmt: skip
+    assert (both.client_token(), both.replica_token()) == ("from-file", "replica-secret")
+    assert "from-file" not in json.dumps(effective_config(both))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match=r"--api-key-file .* is empty"):
+        RouterConfig(str(tmp_path), api_key_file=str(tmp_path / "empty")).client_token()
+    with pytest.raises(ValueError, match="cannot read --replica-api-key-file"):
+        RouterConfig(str(tmp_path), replica_api_key_file=str(tmp_path / "missing")).replica_token()
 
 
 def test_up_shares_one_flag_between_the_router_and_every_replica(tmp_path):
@@ -185,7 +195,11 @@ def test_deployment_reaches_the_router_and_every_replica(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="--keep-replicas needs --deployment"):  # it could never re-attach
         build(TABLES["up"], "--model", str(tmp_path), "--keep-replicas")
     monkeypatch.setenv("KVMESH_DEPLOYMENT", "from-env")
+    with pytest.raises(UsageError, match="--replica-api-key-file"):  # a later router could not reach them
+        build(TABLES["up"], "--model", str(tmp_path), "--keep-replicas")
+    monkeypatch.setenv("KVMESH_REPLICA_API_KEY_FILE", str(tmp_path / "token"))
     (kept,) = build(TABLES["up"], "--model", str(tmp_path), "--keep-replicas")
+    assert kept.router.replica_api_key_file == kept.replica.api_key_file == str(tmp_path / "token")
     assert kept.keep_replicas and kept.router.deployment == kept.replica.deployment == "from-env"
 
 

@@ -95,19 +95,20 @@ NOT_VARIED = {
     "keep-replicas": "the launcher's own setting: test_supervisor restarts a controller that keeps them",
     "verbose": "logging only",
     "otlp-endpoint": "needs an OpenTelemetry collector; test_tracing checks the traces in-process",
-    "api-key": "a secret: never shown (the router test sends it from KVMESH_AUTH_TOKEN and checks it stays hidden)",
 }
 
 
 PER_RUN = {
     "model", "redis-url", "port", "http-port", "tls-cert", "tls-key", "tls-ca", "api-key-file",
-    "tokenizer", "chat-template", "pod-metrics-port",
+    "replica-api-key-file", "tokenizer", "chat-template", "pod-metrics-port", "metrics-port",
 }  # fmt: skip
 
 
-def per_run_values(pki, qwen3_dir, redis_url: str, token_file: str) -> dict[str, tuple]:
+def per_run_values(
+    pki, qwen3_dir, redis_url: str, token_file: str, replica_token_file: str
+) -> dict[str, tuple]:
     cert, key = pki["server"]
-    port, http_port, pod_metrics_port = free_port(), free_port(), free_port()
+    port, http_port, pod_metrics_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     return {
         **VALUES,
         "pod-metrics-port": (str(pod_metrics_port), pod_metrics_port),
@@ -119,6 +120,8 @@ def per_run_values(pki, qwen3_dir, redis_url: str, token_file: str) -> dict[str,
         "tls-key": (key, key),
         "tls-ca": (pki["ca"], pki["ca"]),
         "api-key-file": (token_file, token_file),
+        "replica-api-key-file": (replica_token_file, replica_token_file),
+        "metrics-port": (str(metrics_port), metrics_port),
         "tokenizer": (str(qwen3_dir), str(qwen3_dir)),
         "chat-template": (str(qwen3_dir / "chat_template.jinja"), str(qwen3_dir / "chat_template.jinja")),
     }
@@ -170,7 +173,10 @@ def test_every_flag_of_up_is_varied_or_excused():
 
 def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, valkey_server, tmp_path):
     (tmp_path / "key").write_text("k3y-from-a-file\n")
-    values = per_run_values(pki, qwen3_dir, valkey_server.url, str(tmp_path / "key"))
+    (tmp_path / "replica-key").write_text("replica-k3y\n")
+    values = per_run_values(
+        pki, qwen3_dir, valkey_server.url, str(tmp_path / "key"), str(tmp_path / "replica-key")
+    )
     argv = [KVMESH, "up", "--replicas", "2", *command_line(values, up_command.FLAGS.flags)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -194,7 +200,13 @@ def test_up_settings_arrive_in_the_router_and_in_every_replica(pki, qwen3_dir, v
         replica_configs = []
         for r in replicas:
             with grpc.secure_channel(r.address, credentials(pki)) as channel:
-                stats = pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+                replica = pb_grpc.ReplicaStub(channel)
+                with pytest.raises(grpc.RpcError) as refused:  # --replica-api-key-file is enforced
+                    replica.GetStats(pb.GetStatsRequest(), metadata=key, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                stats = replica.GetStats(
+                    pb.GetStatsRequest(), metadata=(("authorization", "Bearer replica-k3y"),), timeout=10
+                )
             replica_configs.append(json.loads(stats.effective_config))
             assert stats.num_blocks == 96 and stats.block_size == 32
         assert {c["replica_id"] for c in replica_configs} == {"replica-0", "replica-1"}
@@ -217,16 +229,16 @@ def test_router_settings_arrive_from_flags_and_environment(pki, qwen3_dir, tmp_p
     token and the Redis password never show."""
     with EmbeddedRedis(extra_args=["--requirepass", "pa55word"]) as redis:
         url = redis.url.replace("redis://", "redis://:pa55word@")
-        values = per_run_values(pki, qwen3_dir, url, "")
-        del values["api-key-file"]  # the token comes from KVMESH_AUTH_TOKEN here
+        (tmp_path / "key").write_text("t0ken-xyz\n")
+        (tmp_path / "replica-key").write_text("replica-t0ken\n")
+        values = per_run_values(pki, qwen3_dir, url, str(tmp_path / "key"), str(tmp_path / "replica-key"))
         names = list(router_command.FLAGS.flags)
-        assert set(names) - {"api-key", "api-key-file", "verbose", *NOT_VARIED} <= set(values)
+        assert set(names) - {"verbose", *NOT_VARIED} <= set(values)
         as_env = {n for i, n in enumerate(names) if i % 2 and n in values}
         env = {
             router_command.FLAGS.flags[n].env: "true" if values[n][0] is None else values[n][0]
             for n in as_env
         }
-        env["KVMESH_AUTH_TOKEN"] = "t0ken-xyz"
         argv = [KVMESH, "router", *command_line({n: v for n, v in values.items() if n not in as_env}, names)]
         import os
 

@@ -15,9 +15,11 @@ from reference import hf_greedy, prompts_of_lengths
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.node_drain import drain_local_replicas
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.policies import PrefixAware
 from kvmesh.router.process import RouterServer
+from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.metrics import read_samples
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
@@ -109,9 +111,10 @@ async def test_client_cancellation_frees_blocks_on_the_replica(cluster):
 
 async def replicas_idle(cluster) -> bool:
     """No replica runs anything or holds a block."""
+    auth = bearer_metadata(cluster.config.replica.token())  # kvmesh up gave its replicas a token
     for address in cluster.supervisor.addresses.values():
         async with grpc.aio.insecure_channel(address) as channel:
-            s = await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest())
+            s = await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), metadata=auth)
             if s.num_running or s.num_free_blocks != s.num_blocks:
                 return False
     return True
@@ -313,6 +316,38 @@ async def test_a_killed_replica_drops_out_and_is_replaced(cluster):
     assert cluster.supervisor.restarts >= 1
     samples = read_samples(cluster.router.core.render_metrics().decode())
     assert samples[("kvmesh_router_replica_restarts_total", (("replica", victim),))] >= 1  # a new process
+
+
+async def test_a_node_drain_loses_no_request(cluster):
+    """A Ray pod's preStop (kvmesh drain-replicas) with requests streaming and arriving: the
+    drained replica leaves the index, finishes what it runs, refuses what comes late (the
+    router retries it elsewhere) and exits; every request completes, and the supervisor
+    starts a replacement."""
+    router = cluster.router
+    assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 3))
+    victim, restarts = "replica-0", cluster.supervisor.restarts
+    prompts = prompts_of_lengths([40] * 24, salt=21)
+    early = [
+        asyncio.ensure_future(call(cluster, greedy(p, max_tokens=30, policy="round_robin")))
+        for p in prompts[:12]
+    ]
+    while router.core.active < 6:  # streaming on every replica
+        await asyncio.sleep(0.01)
+    drain = asyncio.ensure_future(drain_local_replicas(60, [victim]))
+    late = [
+        asyncio.ensure_future(call(cluster, greedy(p, max_tokens=30, policy="round_robin")))
+        for p in prompts[12:]
+    ]
+    results = await asyncio.gather(*early, *late)
+    assert await drain == ([victim], [])
+    finished = [complete(r) for r in results]
+    assert all(done.usage.completion_tokens == 30 for done in finished)
+    assert {done.replica_id for done in finished[:12]} >= {victim}  # it was serving when drained
+
+    async def replaced() -> bool:
+        return cluster.supervisor.restarts > restarts and len(router.registry.live()) == 3
+
+    assert await eventually(replaced, timeout=120)  # the supervisor started a replacement
 
 
 async def test_no_live_replica_is_unavailable(ray_cluster, qwen3_dir):

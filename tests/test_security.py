@@ -33,7 +33,7 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def secured(pki, qwen3_dir):
+async def secured(pki, qwen3_dir, tmp_path_factory):
     """A replica requiring client certificates, and a TLS router with a token in front."""
     tls = TLSConfig(
         cert=pki["server"][0],
@@ -57,7 +57,11 @@ async def secured(pki, qwen3_dir):
     # The router serves clients over TLS (they prove themselves with the token, not a
     # certificate) and presents the same certificate to the replicas, which require one.
     router_tls = dataclasses.replace(tls, client_auth=False)
-    router = RouterServer(local_router_config(qwen3_dir, redis_server.url, tls=router_tls, auth_token=TOKEN))
+    token_file = tmp_path_factory.mktemp("token") / "token"
+    token_file.write_text(TOKEN + "\n")
+    router = RouterServer(
+        local_router_config(qwen3_dir, redis_server.url, tls=router_tls, api_key_file=str(token_file))
+    )
     await router.start()
     for _ in range(100):
         if router.registry.live():
@@ -155,13 +159,19 @@ async def test_https_and_bearer_token_on_http(secured, pki):
 
 
 @module_loop
-async def test_redis_password_from_the_environment(monkeypatch):
+async def test_redis_password_from_a_file_named_in_the_environment(monkeypatch, tmp_path):
     with EmbeddedRedis(extra_args=["--requirepass", "pa55word"]) as server:
         anonymous = connect_index(server.url, "auth-model", 16, 1, "default")
         with pytest.raises(redis.exceptions.AuthenticationError):
             await anonymous.ensure_settings()
         await anonymous.close()
-        monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "pa55word")
+        (tmp_path / "password").write_text("pa55word\n")
+        monkeypatch.setenv("KVMESH_REDIS_PASSWORD", "pa55word")  # no longer read: a secret in the environment
+        from_env = connect_index(server.url, "auth-model", 16, 1, "default")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            await from_env.ensure_settings()
+        await from_env.close()
+        monkeypatch.setenv("KVMESH_REDIS_PASSWORD_FILE", str(tmp_path / "password"))
         index = connect_index(server.url, "auth-model", 16, 1, "default")
         await index.ensure_settings()
         assert await index.register("r0", "a:1", ttl_s=5) == 1

@@ -15,10 +15,11 @@ def check_model_folder(model_dir: str) -> None:
 
 
 def check_files(router: RouterConfig) -> None:
-    """The TLS files and the API key file are there and readable (one line, exit 2, if not)."""
+    """The TLS files and the token files are there and readable (one line, exit 2, if not)."""
     try:
         router.tls.check_files()
-        router.token()
+        router.client_token()
+        router.replica_token()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if router.otlp_endpoint:

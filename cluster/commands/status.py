@@ -15,9 +15,8 @@ class StatusConfig:
     address: str = option("127.0.0.1:50051", help="a router's gRPC address (ListReplicas)")
     redis_url: str | None = option(None, help="read the index instead: every model served through this Redis")
     json: bool = option(False, help="print JSON")
-    tls_ca: str | None = option(
-        None, help="CA to verify a TLS router with (KVMESH_AUTH_TOKEN is sent if set)"
-    )
+    tls_ca: str | None = option(None, help="CA to verify a TLS router with")
+    api_key_file: str | None = option(None, help="file holding the router's bearer token, if it requires one")
 
 
 FLAGS = FlagTable([StatusConfig])
@@ -35,12 +34,14 @@ def run(args: argparse.Namespace) -> int:
 
     from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.status import main as status_main
+    from kvmesh.serving.auth import read_token_file
     from kvmesh.serving.options import redacted_url
 
     (config,) = FLAGS.build(args)
     source = redacted_url(config.redis_url) if config.redis_url else f"the router at {config.address}"
     try:
-        return status_main(config.address, config.redis_url, config.json, config.tls_ca)
+        token = read_token_file(config.api_key_file, "--api-key-file") if config.api_key_file else None
+        return status_main(config.address, config.redis_url, config.json, config.tls_ca, token)
     except grpc.aio.AioRpcError as exc:
         raise UsageError(f"cannot read {source}: {exc.code().name}: {exc.details()}") from None
     except (RedisError, OSError, ValueError) as exc:

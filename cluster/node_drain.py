@@ -1,0 +1,41 @@
+"""Draining every replica on this machine before it goes (a Kubernetes node drain, a Ray
+worker pod's preStop): each is asked over its drain socket and answers once it drained."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from pathlib import Path
+
+from kvmesh.replica.drain_socket import DRAIN, DRAINED, drain_dir
+
+
+async def _drain_one(path: Path) -> bool:
+    """True once the replica answered ``drained``, or if it is gone already (a stale socket)."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    try:
+        writer.write(DRAIN)
+        await writer.drain()
+        return await reader.readline() == DRAINED
+    except ConnectionError:
+        return False
+    finally:
+        writer.close()
+
+
+async def drain_local_replicas(
+    timeout_s: float, replica_ids: Collection[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """Ask every local replica (or those named) to drain, all at once; (those drained, those
+    that were not within ``timeout_s``)."""
+    paths = sorted(p for p in drain_dir().glob("*.sock") if replica_ids is None or p.stem in replica_ids)
+    tasks = {path.stem: asyncio.ensure_future(_drain_one(path)) for path in paths}
+    if tasks:
+        await asyncio.wait(tasks.values(), timeout=timeout_s)
+    done = [name for name, task in tasks.items() if task.done() and not task.cancelled() and task.result()]
+    for task in tasks.values():
+        task.cancel()
+    return done, sorted(set(tasks) - set(done))

@@ -1,0 +1,135 @@
+"""The index behind ACL users (issue: "the index trusts every client"): each role can do its
+own work through the real index client, and is refused everything else, on Valkey and Redis 7."""
+
+import pytest
+from redis.exceptions import AuthenticationError, ResponseError
+
+from kvmesh.kvcache import BlockStored
+from kvmesh.kvcache.index import IndexFunctionsMissing, RedisPrefixIndex, connect, function, pack_hashes
+from kvmesh.kvcache.index_acl import ROLES, USERS, acl_file, acl_rules
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+CHAIN = [11, 12, 13]
+
+
+def refused():
+    """A refusal by the server's ACL: NOPERM, or (inside a function) Valkey's "ACL failure"
+    and Redis's "can't run / can't access"."""
+    return pytest.raises(ResponseError, match=r"(?i)no permissions|acl failure|can.t access|can.t run")
+
+
+def as_role(server_and_passwords, role: str, deployment: str) -> RedisPrefixIndex:
+    server, passwords = server_and_passwords
+    return RedisPrefixIndex.from_url(
+        server.url, "m", 16, 7, deployment, username=USERS[role], password=passwords[role]
+    )
+
+
+async def test_each_role_does_its_own_work(acl_server):
+    admin = as_role(acl_server, "admin", "work")
+    router, replica = as_role(acl_server, "router", "work"), as_role(acl_server, "replica", "work")
+    try:
+        assert await admin.load_functions()
+        assert not await router.load_functions() and not await replica.load_functions()
+        await replica.ensure_settings()
+        incarnation = await replica.register("r0", "10.0.0.1:5000", ttl_s=5)
+        await replica.publish("r0", incarnation, [BlockStored(tuple(CHAIN), None, 16, CHAIN[0])])
+        assert await replica.heartbeat("r0", incarnation, ttl_s=5, load={"num_running": 1})
+        await replica.sweep()
+        rinc = await router.register_router(ttl_s=5)
+        assert [r.replica_id for r in await router.live_replicas()] == ["r0"]
+        assert (await router.lookup(CHAIN)).get("r0") == 3
+        await router.speculate(rinc, [("r0", CHAIN[0], CHAIN)], ttl_s=1)
+        assert await router.claim_resync("r0", 1.0)
+        assert await router.router_heartbeat(rinc, ttl_s=5)
+        assert await replica.deregister("r0", incarnation)
+        assert await admin.retire("r0") is False  # the controller's duty (admin): nothing left to retire
+    finally:
+        for index in (admin, router, replica):
+            await index.close()
+
+
+async def test_a_router_cannot_pose_as_a_replica_or_change_the_server(acl_server):
+    admin, router = as_role(acl_server, "admin", "attack"), as_role(acl_server, "router", "attack")
+    try:
+        await admin.load_functions()
+        with refused():  # an impostor's address would get the prompts
+            await router.register("r0", "10.6.6.6:5000", ttl_s=5)
+        with refused():  # a function call is checked like the commands it runs
+            await router.client.fcall(
+                function("publish"), 1, router.tag(11), 0, router.tag(11), "+", pack_hashes(CHAIN)
+            )
+        assert await router.live_replicas() == []  # and nothing half-written
+        for command in (
+            ("FUNCTION", "FLUSH"),
+            ("FLUSHALL",),
+            ("CONFIG", "SET", "maxmemory", "1"),
+            ("KEYS", "*"),
+        ):
+            with refused():
+                await router.client.execute_command(*command)
+    finally:
+        await admin.close()
+        await router.close()
+
+
+async def test_a_replica_cannot_steer_routing_or_change_the_server(acl_server):
+    admin, replica = as_role(acl_server, "admin", "steer"), as_role(acl_server, "replica", "steer")
+    router = as_role(acl_server, "router", "steer")
+    try:
+        await admin.load_functions()
+        with refused():  # shared load and speculation are the routers'
+            await replica.register_router(ttl_s=5)
+        with refused():
+            await replica.client.fcall(function("speculate"), 1, replica.tag(11), 2000, 0, pack_hashes(CHAIN))
+        rinc = await router.register_router(ttl_s=5)  # a real router's incarnation, live
+        with refused():
+            await replica.client.fcall(function("reserve"), 1, replica.ns, rinc, "r0|n", 1)
+        with refused():
+            await replica.claim_resync("r0", 1.0)
+        for command in (("FUNCTION", "LOAD", "REPLACE", "#!lua name=x\n"), ("FLUSHDB",), ("ACL", "LIST")):
+            with refused():
+                await replica.client.execute_command(*command)
+    finally:
+        for index in (admin, router, replica):
+            await index.close()
+
+
+async def test_without_credentials_nothing_answers(acl_server):
+    server, passwords = acl_server
+    anonymous = connect(server.url)
+    wrong = connect(server.url, username=USERS["admin"], password=passwords["router"])
+    try:
+        with pytest.raises(AuthenticationError):
+            await anonymous.get("x")
+        with pytest.raises(AuthenticationError):
+            await wrong.get("x")
+    finally:
+        await anonymous.aclose()
+        await wrong.aclose()
+
+
+async def test_functions_only_the_admin_can_load_are_an_index_outage_until_it_does(acl_server):
+    admin, router = as_role(acl_server, "admin", "outage"), as_role(acl_server, "router", "outage")
+    try:
+        await admin.client.function_flush()
+        with pytest.raises(IndexFunctionsMissing, match="admin"):
+            await router.live_replicas()
+        assert await admin.load_functions()
+        assert await router.live_replicas() == []
+    finally:
+        await admin.close()
+        await router.close()
+
+
+async def test_acl_file_holds_hashes_not_passwords_and_refuses_gaps():
+    passwords = {role: f"pw-{role}-secret" for role in ROLES}
+    text = acl_file(passwords)
+    assert "user default off" in text and all(p not in text for p in passwords.values())
+    assert text.count("\nuser kvmesh-") == 3
+    with pytest.raises(ValueError, match="replica"):
+        acl_file({"admin": "a", "router": "b"})
+    with pytest.raises(ValueError, match="spaces"):
+        acl_file({**passwords, "router": "two words"})
+    with pytest.raises(ValueError, match="unknown"):
+        acl_rules("guest")
