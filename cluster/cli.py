@@ -15,22 +15,43 @@ from kvmesh.cluster.commands import (
     bench,
     demo,
     download_model,
+    drain_replicas,
     experiments,
+    make_secrets,
     make_tiny_model,
     report,
     router,
     simulate,
     status,
     up,
+    valkey_acl,
 )
 from kvmesh.cluster.errors import UsageError
 
 EXIT_USAGE = 2
-COMMANDS = (up, router, status, download_model, demo, bench, simulate, report, experiments, make_tiny_model)
+COMMANDS = (
+    up,
+    router,
+    status,
+    download_model,
+    make_secrets,
+    valkey_acl,
+    drain_replicas,
+    demo,
+    bench,
+    simulate,
+    report,
+    experiments,
+    make_tiny_model,
+)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but errors are one line (``kvmesh: error: ...``) instead of usage + error."""
+    """argparse, but errors are one line (``kvmesh: error: ...``) instead of usage + error,
+    and no abbreviations (``--api-key`` is not ``--api-key-file``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import ray
 
@@ -62,6 +63,11 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return self.router.address
+
+    @property
+    def secrets_folder(self) -> Path | None:
+        """Where the secrets it generated are (the replicas' token, the index users' passwords)."""
+        return self._secrets.folder
 
     @property
     def index(self) -> PrefixIndex:
@@ -218,6 +224,12 @@ async def serve_cluster(config: ClusterConfig) -> None:
                 flush=True,
             )
         print(f"  redis        {redacted_url(cluster.redis_url)}", flush=True)
+        if cluster.redis is not None:  # behind ACL users: say where a reader finds its password
+            print(
+                f"  index users  kvmesh-admin, kvmesh-router, kvmesh-replica; password files redis-<role> in "
+                f"{cluster.secrets_folder} (kvmesh status: KVMESH_REDIS_USERNAME and KVMESH_REDIS_PASSWORD_FILE)",
+                flush=True,
+            )
         print(f"  deployment   {config.deployment}", flush=True)
         print("  Ctrl-C to stop", flush=True)
         await wait_for_signal()

@@ -15,6 +15,10 @@ class LocalSecrets:
     def __init__(self):
         self._folder: Path | None = None
 
+    @property
+    def folder(self) -> Path | None:
+        return self._folder
+
     def write(self, name: str, value: str) -> str:
         """Store ``value`` as ``name`` (mode 0600); returns its path."""
         if self._folder is None:

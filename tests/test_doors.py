@@ -16,7 +16,8 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
 
-pytestmark = [pytest.mark.servers, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = pytest.mark.servers
+module_loop = pytest.mark.asyncio(loop_scope="module")  # the servers live for the module
 REPLICA_TOKEN, CLIENT_TOKEN = "replica-t0ken-1", "client-t0ken-2"
 REPLICA_METHODS = pb.DESCRIPTOR.services_by_name["Replica"].methods
 
@@ -68,6 +69,7 @@ async def call(stub, name: str, metadata) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize("name", [m.name for m in REPLICA_METHODS])
+@module_loop
 async def test_every_replica_method_refuses_without_the_token(doors, name):
     _, replica = doors
     async with grpc.aio.insecure_channel(replica.address) as channel:
@@ -82,6 +84,7 @@ async def test_every_replica_method_refuses_without_the_token(doors, name):
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
 
 
+@module_loop
 async def test_every_replica_http_route_refuses_without_the_token(doors):
     _, replica = doors
     app = replica.http.server.config.app.app  # inside the stalled-client guard
@@ -98,6 +101,7 @@ async def test_every_replica_http_route_refuses_without_the_token(doors):
         assert authorized.status_code == 200
 
 
+@module_loop
 async def test_scrapers_and_probes_need_no_token_and_get_nothing_else(doors):
     router, replica = doors
     async with httpx.AsyncClient(timeout=30) as http:
@@ -114,6 +118,7 @@ async def test_scrapers_and_probes_need_no_token_and_get_nothing_else(doors):
         assert inference.status_code == 401  # the inference port's metrics stay behind the token
 
 
+@module_loop
 async def test_the_router_presents_the_replicas_token(doors):
     router, _ = doors
     request = pb.GenerateRequest(
@@ -127,6 +132,7 @@ async def test_the_router_presents_the_replicas_token(doors):
     assert responses[-1].complete.replica_id == "door-0"
 
 
+@module_loop
 async def test_a_replica_bounds_what_one_message_may_carry(doors):
     _, replica = doors
     huge = pb.GenerateRequest(text="x" * (2 << 20), sampling=pb.SamplingParams(max_tokens=1))
@@ -139,7 +145,35 @@ async def test_a_replica_bounds_what_one_message_may_carry(doors):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+@module_loop
 async def test_a_replica_listens_beyond_loopback_only_behind_a_token(qwen3_dir, valkey_server):
     open_door = ReplicaServer(ReplicaConfig(str(qwen3_dir), "door-1", valkey_server.url, host="0.0.0.0"))
     with pytest.raises(ValueError, match="--replica-api-key-file"):
         await open_door.start()
+
+
+PROBE_RAY = "import ray, sys; ray.init(address=sys.argv[1]); print('connected')"
+
+
+def test_ray_refuses_a_client_without_the_clusters_token(ray_cluster, tmp_path):
+    """Ray's own door (GCS, which every Ray client and node dials) takes Ray's token: a
+    local Ray, as kvmesh up starts one, has token auth on by default."""
+    import os
+    import subprocess
+    import sys
+
+    gcs = ray_cluster.get_runtime_context().gcs_address
+
+    def probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", PROBE_RAY, gcs], capture_output=True, text=True, timeout=120, env=env
+        )
+
+    member = probe(dict(os.environ))  # with the cluster's token (~/.ray/auth_token)
+    assert member.returncode == 0 and "connected" in member.stdout, member.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    stranger = {**env, "HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}  # no ~/.ray/auth_token
+    for extra in ({}, {"RAY_AUTH_TOKEN": "not-the-clusters-token"}):
+        out = probe({**stranger, **extra})
+        assert out.returncode != 0 and "connected" not in out.stdout
+        assert "AuthenticationError" in out.stderr or "InvalidAuthToken" in out.stderr

@@ -145,11 +145,14 @@ async def test_a_broken_engine_is_replaced_in_parallel_and_the_watch_survives_er
 
 
 async def test_controller_killed_and_restarted_under_load_loses_no_request(
-    ray_cluster, qwen3_dir, valkey_server
+    ray_cluster, qwen3_dir, valkey_server, tmp_path
 ):
     gcs = ray.get_runtime_context().gcs_address
+    token = tmp_path / "replica-token"  # the chart's Secret file: the same for every controller
+    token.write_text("replica-t0ken\n")
     argv = [
         KVMESH, "up", "--no-router", "--keep-replicas", "--ray-address", gcs, "--redis-url", valkey_server.url,
+        "--replica-api-key-file", str(token),
         "--model", str(qwen3_dir), "--model-id", "outlive", "--replicas", "2", "--num-kv-blocks", "64",
         "--heartbeat-interval", "0.2", "--deployment", "default",  # fixed, as the chart's: the router's too
     ]  # fmt: skip
@@ -164,7 +167,11 @@ async def test_controller_killed_and_restarted_under_load_loses_no_request(
         return proc
 
     first = await asyncio.to_thread(controller)
-    router = RouterServer(local_router_config(qwen3_dir, valkey_server.url, model_id="outlive", http_port=-1))
+    router = RouterServer(
+        local_router_config(
+            qwen3_dir, valkey_server.url, model_id="outlive", http_port=-1, replica_api_key_file=str(token)
+        )
+    )
     await router.start()
     index = index_for(valkey_server.url, "outlive")
     try:
@@ -252,8 +259,9 @@ def test_a_ray_client_start_failure_is_tried_again_only_for_ray_client_addresses
     no_wait = asyncio.sleep
     monkeypatch.setattr(launcher.asyncio, "sleep", lambda seconds: no_wait(0))
     config = ClusterConfig.for_model(
-        str(qwen3_dir), 1, ray_address=address, router={"redis_url": REMOTE}, replica={"redis_url": REMOTE}
-    )
+        str(qwen3_dir), 1, ray_address=address, router={"redis_url": REMOTE},
+        replica={"redis_url": REMOTE, "api_key_file": "/run/secrets/kvmesh/replica-token"},
+    )  # fmt: skip
     cluster = launcher.LocalCluster(config)
     if calls == 1:
         with pytest.raises(ConnectionAbortedError):

@@ -31,7 +31,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/* A pod template's metadata: kvmesh's labels and the user's pod labels and annotations,
-     plus annotations of its own: (list . "component") or (list . "component" (dict ...)). */}}
+     plus annotations and labels of its own: (list . "component"),
+     (list . "component" (dict annotations...)) or (list . "component" (dict ...) (dict labels...)). */}}
 {{- define "kvmesh.podMetadata" -}}
 {{- $root := index . 0 -}}
 {{- $own := dict -}}
@@ -40,6 +41,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 labels:
   {{- include "kvmesh.labels" $root | nindent 2 }}
   app.kubernetes.io/component: {{ index . 1 }}
+  {{- if gt (len .) 3 }}
+  {{- toYaml (index . 3) | nindent 2 }}
+  {{- end }}
   {{- with $root.Values.podLabels }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -59,8 +63,21 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
+{{/* repository:tag, or repository@digest when a digest pins it: (dict "repository" ... "tag" ... "digest" ...). */}}
+{{- define "kvmesh.imageRef" -}}
+{{- if .digest -}}
+{{ .repository }}@{{ .digest }}
+{{- else -}}
+{{ .repository }}:{{ .tag }}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvmesh.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ include "kvmesh.imageRef" (dict "repository" .Values.image.repository "tag" (.Values.image.tag | default .Chart.AppVersion) "digest" .Values.image.digest) }}
+{{- end -}}
+
+{{- define "kvmesh.valkeyImage" -}}
+{{ include "kvmesh.imageRef" .Values.redis.bundled.image }}
 {{- end -}}
 
 {{- define "kvmesh.configmap" -}}{{ include "kvmesh.fullname" . }}-config{{- end -}}
@@ -104,30 +121,81 @@ redis://{{ include "kvmesh.redisHost" . }}:6379/0
 {{- end -}}
 {{- end -}}
 
-{{/* The Secret and key holding the Redis password, if any: "name/key" or "". */}}
+{{/* Secrets, all mounted as files (Secret volumes), never in env, args or a command line.
+     Each is the user's (existingSecret) or one the hook Job makes once (secrets-job.yaml). */}}
+
+{{/* The Secret holding the index users' passwords (keys admin, router, replica), or "" (an
+     external Redis without credentials). */}}
 {{- define "kvmesh.redisSecret" -}}
-{{- if and .Values.redis.bundled.enabled .Values.redis.bundled.auth.existingSecret -}}
-{{ .Values.redis.bundled.auth.existingSecret }}/{{ .Values.redis.bundled.auth.passwordKey }}
-{{- else if and (not .Values.redis.bundled.enabled) .Values.redis.external.existingSecret -}}
-{{ .Values.redis.external.existingSecret }}/{{ .Values.redis.external.passwordKey }}
+{{- if .Values.redis.bundled.enabled -}}
+{{ .Values.redis.bundled.auth.existingSecret | default (printf "%s-redis-auth" (include "kvmesh.fullname" .)) }}
+{{- else -}}
+{{ .Values.redis.external.existingSecret }}
 {{- end -}}
 {{- end -}}
 
-{{/* Environment of every kvmesh process: the shared ConfigMap, the Redis password and TLS
-     files (secrets only ever by reference), and the settings of one part for that part's
-     pods alone. Pass (list . "router"|"controller"|"ray"). */}}
+{{/* The index role of a part: the controller loads the index functions (admin), the router
+     pods are routers, the Ray pods host the replicas. */}}
+{{- define "kvmesh.redisRole" -}}
+{{- get (dict "router" "router" "controller" "admin" "ray" "replica") . -}}
+{{- end -}}
+
+{{/* The ACL user of a role: (list . role). The bundled Valkey's users are kvmesh-<role>. */}}
+{{- define "kvmesh.redisUser" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- if $root.Values.redis.bundled.enabled -}}
+kvmesh-{{ $role }}
+{{- else -}}
+{{ get $root.Values.redis.external.usernames $role }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvmesh.replicaTokenSecret" -}}
+{{ .Values.security.replicaAuth.existingSecret | default (printf "%s-replica-token" (include "kvmesh.fullname" .)) }}
+{{- end -}}
+
+{{/* The Ray token (RAY_AUTH_MODE=token), on every Ray pod and every Ray client (the controller). */}}
+{{- define "kvmesh.rayAuthSecret" -}}
+{{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "kvmesh.fullname" .)) }}
+{{- end -}}
+
+{{/* Where each secret is mounted: one folder per Secret volume. */}}
+{{- define "kvmesh.replicaTokenFile" -}}/etc/kvmesh/replica-token/token{{- end -}}
+{{- define "kvmesh.apiKeyFile" -}}/etc/kvmesh/api-key/token{{- end -}}
+{{- define "kvmesh.redisPasswordFile" -}}/etc/kvmesh/redis/password{{- end -}}
+{{- define "kvmesh.rayTokenFile" -}}/etc/kvmesh/ray/auth_token{{- end -}}
+
+{{/* The Secrets the hook Job makes (NAME=KEY,KEY ...): those the user does not give. */}}
+{{- define "kvmesh.generatedSecrets" -}}
+{{- $fullname := include "kvmesh.fullname" . -}}
+{{- $out := list -}}
+{{- if and .Values.ray.auth.enabled (not .Values.ray.auth.existingSecret) -}}
+{{- $out = append $out (printf "%s-ray-auth=auth_token" $fullname) -}}
+{{- end -}}
+{{- if not .Values.security.replicaAuth.existingSecret -}}
+{{- $out = append $out (printf "%s-replica-token=%s" $fullname .Values.security.replicaAuth.tokenKey) -}}
+{{- end -}}
+{{- if and .Values.redis.bundled.enabled (not .Values.redis.bundled.auth.existingSecret) -}}
+{{- $out = append $out (printf "%s-redis-auth=admin,router,replica" $fullname) -}}
+{{- end -}}
+{{- join " " $out -}}
+{{- end -}}
+
+{{/* Environment of every kvmesh process: the shared ConfigMap, the settings of one part for
+     that part's pods alone, and the paths (never the values) of its secrets. Pass
+     (list . "router"|"controller"|"ray"). */}}
 {{- define "kvmesh.env" -}}
 {{- $root := index . 0 -}}
 {{- $who := index . 1 -}}
 envFrom:
   - configMapRef:
       name: {{ include "kvmesh.configmap" $root }}
-{{- $secret := include "kvmesh.redisSecret" $root }}
+{{- $redis := include "kvmesh.redisSecret" $root }}
 {{- $tls := $root.Values.security.tls }}
-{{- $auth := $root.Values.security.auth }}
 {{- $router := eq $who "router" }}
 {{- $ray := and $root.Values.ray.auth.enabled (ne $who "router") }}
-{{- if or $secret $tls.enabled $router $ray $root.Values.extraEnv }}
+{{- if or $redis $tls.enabled $router $ray $root.Values.extraEnv }}
 env:
   {{- with $root.Values.extraEnv }}
   {{- toYaml . | nindent 2 }}
@@ -138,12 +206,9 @@ env:
   {{- if $router }}
   - {name: KVMESH_POLICY, value: {{ $root.Values.router.policy | quote }}}
   {{- end }}
-  {{- if $secret }}
-  - name: KVMESH_REDIS_PASSWORD
-    valueFrom:
-      secretKeyRef:
-        name: {{ index (splitList "/" $secret) 0 }}
-        key: {{ index (splitList "/" $secret) 1 }}
+  {{- if $redis }}
+  - {name: KVMESH_REDIS_USERNAME, value: {{ include "kvmesh.redisUser" (list $root (include "kvmesh.redisRole" $who)) | quote }}}
+  - {name: KVMESH_REDIS_PASSWORD_FILE, value: {{ include "kvmesh.redisPasswordFile" $root }}}
   {{- end }}
   {{- if $tls.enabled }}
   - {name: KVMESH_TLS_CERT, value: /etc/kvmesh/tls/tls.crt}
@@ -153,29 +218,73 @@ env:
   {{- /* the router authenticates clients by token; replicas require the router's certificate */}}
   - {name: KVMESH_TLS_CLIENT_AUTH, value: {{ ternary "false" (ternary "true" "false" $tls.clientAuth) (eq $who "router") | quote }}}
   {{- end }}
-  {{- if and $auth.existingSecret $router }}
-  - name: KVMESH_AUTH_TOKEN
-    valueFrom:
-      secretKeyRef:
-        name: {{ $auth.existingSecret }}
-        key: {{ $auth.tokenKey }}
-  {{- end }}
 {{- end }}
 {{- end -}}
 
-{{- define "kvmesh.tlsMount" -}}
-{{- if .Values.security.tls.enabled -}}
-- {name: tls, mountPath: /etc/kvmesh/tls, readOnly: true}
-{{- end -}}
+{{/* Ray token authentication, by file (RAY_AUTH_TOKEN_PATH): the token is never in env. */}}
+{{- define "kvmesh.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled }}
+- {name: RAY_AUTH_MODE, value: token}
+- {name: RAY_AUTH_TOKEN_PATH, value: {{ include "kvmesh.rayTokenFile" . }}}
+{{- end }}
 {{- end -}}
 
-{{- define "kvmesh.tlsVolume" -}}
-{{- if .Values.security.tls.enabled -}}
+{{/* The Secret volumes of a part and where its kvmesh container mounts them: each pod gets
+     only what its process reads (the router no Ray token, each part only its own index
+     password, via items). (list . "router"|"controller"|"ray"). */}}
+{{- define "kvmesh.secretMounts" -}}
+{{- $root := index . 0 -}}
+{{- $who := index . 1 -}}
+{{- if $root.Values.security.tls.enabled }}
+- {name: tls, mountPath: /etc/kvmesh/tls, readOnly: true}
+{{- end }}
+- {name: replica-token, mountPath: {{ dir (include "kvmesh.replicaTokenFile" $root) }}, readOnly: true}
+{{- if and (eq $who "router") $root.Values.security.auth.existingSecret }}
+- {name: api-key, mountPath: {{ dir (include "kvmesh.apiKeyFile" $root) }}, readOnly: true}
+{{- end }}
+{{- if include "kvmesh.redisSecret" $root }}
+- {name: redis-password, mountPath: {{ dir (include "kvmesh.redisPasswordFile" $root) }}, readOnly: true}
+{{- end }}
+{{- if and $root.Values.ray.auth.enabled (ne $who "router") }}
+- {name: ray-auth, mountPath: {{ dir (include "kvmesh.rayTokenFile" $root) }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "kvmesh.secretVolumes" -}}
+{{- $root := index . 0 -}}
+{{- $who := index . 1 -}}
+{{- if $root.Values.security.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ .Values.security.tls.existingSecret }}
+    secretName: {{ $root.Values.security.tls.existingSecret }}
     defaultMode: 0440
-{{- end -}}
+{{- end }}
+- name: replica-token
+  secret:
+    secretName: {{ include "kvmesh.replicaTokenSecret" $root }}
+    defaultMode: 0440
+    items: [{key: {{ $root.Values.security.replicaAuth.tokenKey }}, path: {{ base (include "kvmesh.replicaTokenFile" $root) }}}]
+{{- if and (eq $who "router") $root.Values.security.auth.existingSecret }}
+- name: api-key
+  secret:
+    secretName: {{ $root.Values.security.auth.existingSecret }}
+    defaultMode: 0440
+    items: [{key: {{ $root.Values.security.auth.tokenKey }}, path: {{ base (include "kvmesh.apiKeyFile" $root) }}}]
+{{- end }}
+{{- with include "kvmesh.redisSecret" $root }}
+- name: redis-password
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items: [{key: {{ include "kvmesh.redisRole" $who }}, path: {{ base (include "kvmesh.redisPasswordFile" $root) }}}]
+{{- end }}
+{{- if and $root.Values.ray.auth.enabled (ne $who "router") }}
+- name: ray-auth
+  secret:
+    secretName: {{ include "kvmesh.rayAuthSecret" $root }}
+    defaultMode: 0440
+    items: [{key: auth_token, path: {{ base (include "kvmesh.rayTokenFile" $root) }}}]
+{{- end }}
 {{- end -}}
 
 {{/* The model folder: model.path, or <mountPath>/<model.id with "/" as "--">. */}}
@@ -229,9 +338,7 @@ initContainers:
       - {name: HF_ENDPOINT, value: {{ . | quote }}}
       {{- end }}
       {{- if $d.tokenSecret.name }}
-      - name: HF_TOKEN
-        valueFrom:
-          secretKeyRef: {name: {{ $d.tokenSecret.name }}, key: {{ $d.tokenSecret.key }}}
+      - {name: HF_TOKEN_PATH, value: /etc/kvmesh/hf-token/token}  # a file, never the token in env
       {{- end }}
     resources:
       {{- toYaml $d.resources | nindent 6 }}
@@ -240,19 +347,67 @@ initContainers:
     volumeMounts:
       - {name: model, mountPath: {{ $root.Values.model.cache.mountPath }}}
       - {name: tmp, mountPath: /tmp}
+      {{- if $d.tokenSecret.name }}
+      - {name: hf-token, mountPath: /etc/kvmesh/hf-token, readOnly: true}
+      {{- end }}
 {{- end }}
 {{- end -}}
 
-{{/* Ray token authentication, on every Ray pod and every Ray client (the controller). */}}
-{{- define "kvmesh.rayAuthSecret" -}}
-{{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "kvmesh.fullname" .)) }}
+{{/* The hub token's Secret volume, in the pods whose init container downloads. */}}
+{{- define "kvmesh.downloadVolumes" -}}
+{{- $d := .Values.model.download -}}
+{{- if and $d.enabled $d.tokenSecret.name }}
+- name: hf-token
+  secret:
+    secretName: {{ $d.tokenSecret.name }}
+    defaultMode: 0440
+    items: [{key: {{ $d.tokenSecret.key }}, path: token}]
+{{- end }}
 {{- end -}}
 
-{{- define "kvmesh.rayAuthEnv" -}}
-{{- if .Values.ray.auth.enabled }}
-- {name: RAY_AUTH_MODE, value: token}
-- name: RAY_AUTH_TOKEN
-  valueFrom:
-    secretKeyRef: {name: {{ include "kvmesh.rayAuthSecret" . }}, key: auth_token}
-{{- end }}
+{{/* An emptyDir for /tmp, bounded: (sizeLimit). */}}
+{{- define "kvmesh.tmpVolume" -}}
+- name: tmp
+  emptyDir: {sizeLimit: {{ . }}}
+{{- end -}}
+
+{{/* Stop times. The router: its --drain-timeout bounds its whole stop, so it is what the
+     grace period leaves after the preStop sleep and a margin. A Ray worker: its preStop
+     (kvmesh drain-replicas) waits for its replicas to drain (--drain-timeout each) plus a
+     margin, and its grace period is that plus the time Ray takes to stop. */}}
+{{- define "kvmesh.routerDrainTimeout" -}}
+{{- sub (sub (int .Values.router.terminationGracePeriodSeconds) (int .Values.router.preStopSleepSeconds)) (int .Values.router.drainMarginSeconds) -}}
+{{- end -}}
+
+{{- define "kvmesh.replicaDrainWait" -}}
+{{- add (int .Values.replica.drainTimeoutSeconds) (int .Values.ray.drainMarginSeconds) -}}
+{{- end -}}
+
+{{- define "kvmesh.rayWorkerGrace" -}}
+{{- add (include "kvmesh.replicaDrainWait" . | int) (int .Values.ray.stopMarginSeconds) -}}
+{{- end -}}
+
+{{/* Ray's ports as rayStartParams (`ray start` on every node): every one fixed (Ray would
+     pick some at random), so that the NetworkPolicy can name them; GCS 6379, dashboard 8265
+     and client 10001 are KubeRay's defaults. */}}
+{{- define "kvmesh.rayStartPorts" -}}
+{{- $p := .Values.ray.ports -}}
+object-manager-port: {{ $p.objectManager | quote }}
+node-manager-port: {{ $p.nodeManager | quote }}
+dashboard-agent-grpc-port: {{ $p.dashboardAgentGrpc | quote }}
+dashboard-agent-listen-port: {{ $p.dashboardAgentListen | quote }}
+runtime-env-agent-port: {{ $p.runtimeEnvAgent | quote }}
+metrics-export-port: {{ $p.metricsExport | quote }}
+min-worker-port: {{ $p.minWorker | quote }}
+max-worker-port: {{ $p.maxWorker | quote }}
+{{- end -}}
+
+{{/* A NetworkPolicy peer: this release's pods of the given components (list . "router" ...). */}}
+{{- define "kvmesh.peers" -}}
+{{- $root := index . 0 -}}
+- podSelector:
+    matchExpressions:
+      - {key: app.kubernetes.io/name, operator: In, values: [{{ include "kvmesh.name" $root | quote }}]}
+      - {key: app.kubernetes.io/instance, operator: In, values: [{{ $root.Release.Name | quote }}]}
+      - {key: app.kubernetes.io/component, operator: In, values: [{{ rest . | join ", " }}]}
 {{- end -}}
