@@ -49,8 +49,17 @@ def check_gpus(replicas: int, gpus: float, local: bool, progress: Callable[[str]
 
 
 class LocalCluster:
-    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        config: ClusterConfig,
+        progress: Callable[[str], None] | None = None,
+        *,
+        open_replicas: bool = False,
+    ):
+        """``open_replicas``: replicas without a token (on loopback only), for the benchmarks
+        that put third-party routers, which cannot present kvmesh's token, in front of them."""
         self.config = config
+        self.open_replicas = open_replicas
         self.progress = progress or (lambda line: None)  # one line per step while starting
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.router.redis_url
@@ -59,10 +68,16 @@ class LocalCluster:
         self._index: PrefixIndex | None = None
         self._owns_ray = False
         self._secrets = LocalSecrets()  # what it generates where the user gave none
+        self.router_redis = RedisCredentials()  # the router's index user (set at start)
 
     @property
     def router_address(self) -> str:
         return self.router.address
+
+    def router_environment(self) -> dict[str, str]:
+        """What another router process of this deployment needs in its environment: its index
+        user (the replicas' token file: ``config.router.replica_api_key_file``)."""
+        return self.router_redis.environment()
 
     @property
     def secrets_folder(self) -> Path | None:
@@ -82,15 +97,19 @@ class LocalCluster:
         if not ray.is_initialized():
             await self._init_ray()
             self._owns_ray = True
-        if c.replica.api_key_file is None:  # every replica door takes a token: a fresh one
+        if c.replica.api_key_file is None and not self.open_replicas:  # every replica door takes a token
             c = c.with_replica_token(self._secrets.new("replica-token")[0])
         # An external Redis: this process and its router are who its environment says; the
         # replicas read their own (on Kubernetes, their pods' Secret).
-        admin = router = RedisCredentials.from_env()
+        admin = self.router_redis = RedisCredentials.from_env()
         replica_env: dict[str, str] = {}
         if self.redis_url is None:
             users = self._start_embedded_redis()
-            admin, router, replica_env = users["admin"], users["router"], users["replica"].environment()
+            admin, self.router_redis, replica_env = (
+                users["admin"],
+                users["router"],
+                users["replica"].environment(),
+            )
             c = c.with_redis(self.redis_url)
         self.config = c
         replica = c.replica
@@ -116,7 +135,7 @@ class LocalCluster:
         if not c.with_router:
             await self.wait_for_replicas(c.replicas, ready_timeout_s)
             return self
-        self.router = RouterServer(c.router, redis_credentials=router)
+        self.router = RouterServer(c.router, redis_credentials=self.router_redis)
         await self.router.start()
         await self.wait_for_replicas(c.replicas, ready_timeout_s)
         return self

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Collection
 from pathlib import Path
 
-from kvmesh.replica.drain_socket import DRAIN, DRAINED, drain_dir
+from kvmesh.replica.drain_socket import DRAIN, DRAINED, drain_dir, replica_of
 
 
 async def _drain_one(path: Path) -> bool:
@@ -15,6 +15,7 @@ async def _drain_one(path: Path) -> bool:
     try:
         reader, writer = await asyncio.open_unix_connection(str(path))
     except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # its process died without removing it
         return True
     try:
         writer.write(DRAIN)
@@ -31,11 +32,13 @@ async def drain_local_replicas(
 ) -> tuple[list[str], list[str]]:
     """Ask every local replica (or those named) to drain, all at once; (those drained, those
     that were not within ``timeout_s``)."""
-    paths = sorted(p for p in drain_dir().glob("*.sock") if replica_ids is None or p.stem in replica_ids)
-    tasks = {path.stem: asyncio.ensure_future(_drain_one(path)) for path in paths}
+    paths = sorted(
+        p for p in drain_dir().glob("*-*.sock") if replica_ids is None or replica_of(p) in replica_ids
+    )
+    tasks = {path: asyncio.ensure_future(_drain_one(path)) for path in paths}
     if tasks:
         await asyncio.wait(tasks.values(), timeout=timeout_s)
-    done = [name for name, task in tasks.items() if task.done() and not task.cancelled() and task.result()]
+    done = [path for path, task in tasks.items() if task.done() and not task.cancelled() and task.result()]
     for task in tasks.values():
         task.cancel()
-    return done, sorted(set(tasks) - set(done))
+    return [replica_of(p) for p in done], [replica_of(p) for p in paths if p not in done]

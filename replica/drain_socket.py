@@ -22,6 +22,11 @@ DRAIN = b"drain\n"
 DRAINED = b"drained\n"
 
 
+def replica_of(path: Path) -> str:
+    """The replica id a drain socket belongs to."""
+    return path.stem.split("-", 1)[1]
+
+
 def drain_dir() -> Path:
     """This machine's replica drain sockets (per user: another user's replicas are not ours)."""
     return Path(tempfile.gettempdir()) / f"kvmesh-replicas-{os.getuid()}"
@@ -33,15 +38,14 @@ class DrainSocket:
     ):
         """``drain()`` once, however many ask; ``after()`` once the first asker has its answer
         (a Ray actor's process exits there)."""
-        self.path = drain_dir() / f"{replica_id}.sock"
+        # by process: replicas of two deployments on one node may share an id
+        self.path = drain_dir() / f"{os.getpid()}-{replica_id}.sock"
         self._drain, self._after = drain, after
         self._server: asyncio.Server | None = None
         self._draining: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.path.parent.mkdir(mode=0o700, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # a replica of this id that died without removing it
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
 
     def close(self) -> None:

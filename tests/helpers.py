@@ -28,3 +28,17 @@ def local_router_config(model_dir, redis_url: str, **overrides):
 
     defaults = {"port": 0, "http_port": 0, "refresh_s": 0.1, "block_size": 16}
     return RouterConfig(str(model_dir), redis_url, **{**defaults, **overrides})
+
+
+def another_router(cluster, model_dir, **overrides):
+    """One more router of a ``LocalCluster``'s deployment, as a second router pod would be:
+    its own ports, the cluster's index user for routers and the replicas' token."""
+    from kvmesh.router.process import RouterServer
+
+    config = local_router_config(
+        model_dir,
+        cluster.redis_url,
+        replica_api_key_file=cluster.config.router.replica_api_key_file,
+        **overrides,
+    )
+    return RouterServer(config, redis_credentials=cluster.router_redis)

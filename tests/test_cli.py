@@ -1,6 +1,8 @@
 """The ``kvmesh`` console script: help, one-line usage errors, and the kvcache benchmark."""
 
+import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,10 +34,13 @@ def test_help_lists_commands():
         ("bench", "kvcache", "--repeats", "x"),
         ("router", "--model", "/m", "--redis-url", "redis://r", "--deployment", "two words"),
         ("up", "--model", "/m", "--deployment", ""),
+        ("router", "--model", "/m", "--redis-url", "redis://r", "--api-key", "inline-secret"),
+        ("valkey-acl", "--passwords-dir", "/nonexistent", "--out", "/tmp/x.acl"),
+        ("drain-replicas", "--timeout", "0"),
     ],
     ids=[
         "unknown-command", "no-command", "unknown-bench", "zero-repeats", "bad-int", "router-bad-deployment",
-        "up-empty-deployment",
+        "up-empty-deployment", "no-inline-api-key", "acl-without-passwords", "drain-zero-timeout",
     ],
 )  # fmt: skip
 def test_usage_errors_are_one_line_and_exit_2(args):
@@ -105,3 +110,31 @@ def test_nothing_the_user_made_is_deleted_or_flushed_without_force(tmp_path):
     assert (
         forced.returncode == 0 and (target / "config.json").is_file() and not (target / "notes.txt").exists()
     )
+
+
+def test_valkey_acl_writes_a_private_file_a_server_starts_with(tmp_path):
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.kvcache.index import connect
+
+    for role in ("admin", "router", "replica"):
+        (tmp_path / role).write_text(f"{role}-pw-123\n")
+    out = run("valkey-acl", "--passwords-dir", str(tmp_path), "--out", str(tmp_path / "users.acl"))
+    assert out.returncode == 0, out.stderr
+    acl = tmp_path / "users.acl"
+    assert acl.stat().st_mode & 0o777 == 0o600 and "router-pw-123" not in acl.read_text()
+    with EmbeddedRedis(aclfile=str(acl)) as server:
+
+        async def ping_as(user: str, password: str) -> bool:
+            client = connect(server.url, username=user, password=password)
+            try:
+                return await client.ping()
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(ping_as("kvmesh-router", "router-pw-123"))
+
+
+def test_drain_replicas_with_none_here_drains_nothing_and_says_so(tmp_path):
+    out = subprocess.run([KVMESH, "drain-replicas", "--timeout", "5"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "drained 0 replica(s)", out.stderr

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import pytest_asyncio
 import ray
-from helpers import eventually, local_router_config
+from helpers import another_router, eventually
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
@@ -20,7 +20,6 @@ from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.kvcache.index_api import ReplicaRecord
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.load import RequestWork
-from kvmesh.router.process import RouterServer
 from kvmesh.router.registry import ReplicaRegistry
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
@@ -77,7 +76,7 @@ async def test_kill_a_replica_with_50_requests_in_flight_through_two_routers(clu
     silently, and when the load stops the fleet's in-flight work is back to exactly zero."""
     before = await live(cluster)
     victim = "replica-1"
-    second = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1))
+    second = another_router(cluster, qwen3_dir, http_port=-1)
     await second.start()
     await eventually(lambda: _sees(second, 3))
     async with (
@@ -226,7 +225,7 @@ async def test_redis_away_for_10s_under_load(cluster):
 
 
 async def test_router_restart_under_load(cluster, qwen3_dir):
-    port_router = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1))
+    port_router = another_router(cluster, qwen3_dir, http_port=-1)
     await port_router.start()
     port = port_router.grpc.port
     await eventually(lambda: _sees(port_router, 3))
@@ -248,7 +247,7 @@ async def test_router_restart_under_load(cluster, qwen3_dir):
     await asyncio.sleep(1.0)
     await port_router.stop(grace=0.2)
     await asyncio.sleep(0.5)
-    again = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1, port=port))
+    again = another_router(cluster, qwen3_dir, http_port=-1, port=port)
     await again.start()
     await eventually(lambda: _sees(again, 3))
     restarted.set()
@@ -262,7 +261,7 @@ async def test_router_restart_under_load(cluster, qwen3_dir):
 async def test_a_stream_cut_off_by_the_drain_timeout_is_unavailable(cluster, qwen3_dir):
     """A request still streaming when the router's drain time runs out ends UNAVAILABLE (retry
     elsewhere), not CANCELLED (which a client reads as its own cancellation)."""
-    router = RouterServer(local_router_config(qwen3_dir, cluster.redis_url, http_port=-1))
+    router = another_router(cluster, qwen3_dir, http_port=-1)
     await router.start()
     await eventually(lambda: _sees(router, 3))
     async with grpc.aio.insecure_channel(router.address) as channel:

@@ -97,7 +97,8 @@ async def run(
         model_dir, replicas, engine={"num_kv_blocks": 512}, router={"port": 0, "http_port": 0}
     )
     panels = json.loads(DASHBOARD.read_text())["panels"]
-    async with LocalCluster(config) as cluster, httpx.AsyncClient(timeout=30) as http:
+    # open replicas (loopback): the bench reads their own counters and calls them directly
+    async with LocalCluster(config, open_replicas=True) as cluster, httpx.AsyncClient(timeout=30) as http:
         records = await cluster.index.live_replicas()
         targets = [cluster.http_url.removeprefix("http://")] + [
             r.fields["http_address"].removeprefix("http://") for r in records

@@ -96,9 +96,18 @@ class PortTaken(RunAgain):
 class RouterProcess:
     """One router in its own session; ready when its readiness URL answers 200."""
 
-    def __init__(self, contender: Contender, command: list[str], port: int, log_path: Path):
+    def __init__(
+        self,
+        contender: Contender,
+        command: list[str],
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ):
+        """``env``: added to its environment (a kvmesh router's index user)."""
         self.contender = contender
         self.command = command
+        self.env = env or {}
         self.url = f"http://127.0.0.1:{port}"
         # sglang-router's /health is 200 before any worker is; /readiness waits for one.
         self.ready_url = self.url + ("/readiness" if contender.router == "sglang" else "/health")
@@ -109,8 +118,9 @@ class RouterProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **self.env},
+            )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2) as http:
             while time.monotonic() < deadline:

@@ -240,7 +240,8 @@ class _Bench:
             contender, self.config.venv, port, workers, str(self.model), self.cluster.redis_url
         )
         stem = f"{contender.name.replace(' ', '-')}-{workload}-{rate:g}-{generator}-{repeat}"
-        async with RouterProcess(contender, command, port, self.scratch / f"{stem}.log") as router:
+        log = self.scratch / f"{stem}.log"
+        async with RouterProcess(contender, command, port, log, self.cluster.router_environment()) as router:
             overhead = await router_overhead(
                 self.http, router.url, self.replicas, self.model.name, self.config.overhead_pairs
             )
@@ -335,7 +336,11 @@ async def run(config: PeersConfig) -> dict:
     )
     progress(f"starting {config.replicas} replicas ({config.num_kv_blocks} KV blocks each) ...")
     rows: list[dict] = []
-    async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
+    # open replicas (loopback): the bench reads their own counters and calls them directly
+    async with (
+        LocalCluster(cluster_config, open_replicas=True) as cluster,
+        httpx.AsyncClient(timeout=120) as http,
+    ):
         replicas = await replicas_of(cluster)
         bench = _Bench(
             config,

@@ -75,7 +75,8 @@ async def added_latency(model_dir: str, samples: int) -> dict:
     )
     body = {"model": ModelInfo.from_folder(model_dir, None, 16, None).api_name, "prompt": prompt,
             "max_tokens": 1, "temperature": 0}  # fmt: skip
-    async with LocalCluster(config) as cluster:
+    # open replicas (loopback): the bench reads their own counters and calls them directly
+    async with LocalCluster(config, open_replicas=True) as cluster:
         # picked once the cluster is up: Ray and the replicas take ports while starting
         grpc_port, http_port, proxy_port = free_port(), free_port(), free_port()
         async with (
@@ -83,7 +84,7 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             RouterProcess(
                 Contender("kvmesh", "prefix"),
                 kvmesh_router_command(model_dir, cluster.redis_url, grpc_port, http_port),
-                http_port, scratch / "router.log",
+                http_port, scratch / "router.log", cluster.router_environment(),
             ) as router_process,
             grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as router_channel,
         ):  # fmt: skip

@@ -68,7 +68,7 @@ async def _one_run(
             model, cluster.redis_url, grpc_port, http_port, "--shared-load", "on" if shared else "off"
         )
         log = scratch / f"router-{routers}-{'shared' if shared else 'own'}-{i}.log"
-        processes.append(RouterProcess(contender, command, http_port, log))
+        processes.append(RouterProcess(contender, command, http_port, log, cluster.router_environment()))
     try:
         for p in processes:
             await p.start()
@@ -161,7 +161,11 @@ async def run(config: RoutersConfig) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="kvmesh-bench-routers-"))  # router logs, for failures
     rows = []
     rng = random.Random(config.seed)
-    async with LocalCluster(cluster_config) as cluster, httpx.AsyncClient(timeout=120) as http:
+    # open replicas (loopback): the bench reads their own counters and calls them directly
+    async with (
+        LocalCluster(cluster_config, open_replicas=True) as cluster,
+        httpx.AsyncClient(timeout=120) as http,
+    ):
         replicas = await replicas_of(cluster)
         for repeat in range(config.repeats):
             order = [(n, shared) for n in config.router_counts for shared in config.shared_modes]
