@@ -10,13 +10,14 @@ from pathlib import Path
 from kvmesh.replica.drain_socket import DRAIN, DRAINED, drain_dir, replica_of
 
 
-async def _drain_one(path: Path) -> bool:
-    """True once the replica answered ``drained``, or if it is gone already (a stale socket)."""
+async def _drain_one(path: Path) -> bool | None:
+    """True once the replica answered ``drained``; None if it is gone already (a stale
+    socket, removed now); False if it went away mid-drain."""
     try:
         reader, writer = await asyncio.open_unix_connection(str(path))
     except (ConnectionRefusedError, FileNotFoundError):
         path.unlink(missing_ok=True)  # its process died without removing it
-        return True
+        return None
     try:
         writer.write(DRAIN)
         await writer.drain()
@@ -31,14 +32,17 @@ async def drain_local_replicas(
     timeout_s: float, replica_ids: Collection[str] | None = None
 ) -> tuple[list[str], list[str]]:
     """Ask every local replica (or those named) to drain, all at once; (those drained, those
-    that were not within ``timeout_s``)."""
+    that were not within ``timeout_s``). Sockets whose process is gone are removed, not counted."""
     paths = sorted(
         p for p in drain_dir().glob("*-*.sock") if replica_ids is None or replica_of(p) in replica_ids
     )
     tasks = {path: asyncio.ensure_future(_drain_one(path)) for path in paths}
     if tasks:
         await asyncio.wait(tasks.values(), timeout=timeout_s)
-    done = [path for path, task in tasks.items() if task.done() and not task.cancelled() and task.result()]
+    outcome = {
+        path: task.result() if task.done() and not task.cancelled() else False for path, task in tasks.items()
+    }
     for task in tasks.values():
         task.cancel()
-    return [replica_of(p) for p in done], [replica_of(p) for p in paths if p not in done]
+    drained = [replica_of(p) for p, ok in outcome.items() if ok]
+    return drained, [replica_of(p) for p, ok in outcome.items() if ok is False]

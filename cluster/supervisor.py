@@ -215,6 +215,11 @@ class Supervisor:
         for slot in self.slots.values():
             if slot.state == "waiting" and now >= slot.retry_at:
                 self._start_in_background(slot, self._restart(slot))
+        with contextlib.suppress(*INDEX_ERRORS):
+            # One cheap function call, which (as the index's admin, the one user that may)
+            # loads the functions again on a server that restarted without them: routers and
+            # replicas wait for exactly that.
+            await self.index.has_settings()
         await self._publish()
 
     async def _why_unfit(self, slot: Slot) -> str | None:

@@ -260,14 +260,18 @@ async def test_router_and_every_replica_serve_openai_http_and_tokenize_alike(clu
     import httpx
 
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "a shared prefix, tokenized twice"}]}
+    replica_token = {"Authorization": f"Bearer {cluster.config.replica.token()}"}  # kvmesh up made one
     async with httpx.AsyncClient(timeout=30) as http:
         routed = (await http.post(f"{cluster.http_url}/tokenize", json=body)).json()
         addresses = [e.record.fields["http_address"] for e in cluster.router.registry.live()]
         assert len(set(addresses)) == 3
         for address in addresses:
-            assert (await http.post(f"{address}/tokenize", json=body)).json() == routed
+            tokenized = await http.post(f"{address}/tokenize", json=body, headers=replica_token)
+            assert tokenized.json() == routed
             done = await http.post(
-                f"{address}/v1/completions", json={"prompt": routed["tokens"], "max_tokens": 2}
+                f"{address}/v1/completions",
+                json={"prompt": routed["tokens"], "max_tokens": 2},
+                headers=replica_token,
             )
             assert done.json()["usage"]["prompt_tokens"] == routed["count"]
 

@@ -436,8 +436,8 @@ async def test_error_bodies_are_openais_shape(base_url):
         not_utf8 = await http.post(
             "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}
         )
-        huge = await http.post(
-            "/v1/completions", content=b"x" * (10 << 20), headers={"content-type": "application/json"}
+        huge = await http.post(  # over the router's 4 MiB and the replica's 16 MiB
+            "/v1/completions", content=b"x" * (17 << 20), headers={"content-type": "application/json"}
         )
         no_route = await http.get("/v1/nothing")
     for reply, status in ((bad_role, 400), (not_utf8, 400), (huge, 413), (no_route, 404)):
