@@ -8,8 +8,8 @@ flag shows the command's own field's (``kvmesh up --deployment``), else the firs
 and a field keeps its own default while neither the flag nor its environment variable is set.
 
 Precedence: the flag, then ``KVMESH_<FLAG>`` (``kvmesh.serving.options`` has the one rule
-for reading it), then the field's default. Secret fields come from the environment, or from
-a flag only where the field names one (``--api-key``, as vLLM users expect).
+for reading it), then the field's default. No flag carries a secret: tokens and passwords
+are files, and their flags name the file (``--api-key-file``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,11 @@ class Flag:
     default: Any
     help: str
     choices: tuple[str, ...] | None
-    secret: bool
-    env_flag: str  # the flag-style name of its environment variable
-    on_command_line: bool
     targets: list[Path] = field(default_factory=list)
 
     @property
     def env(self) -> str:
-        return env_name(self.env_flag)
+        return env_name(self.name)
 
     @property
     def dest(self) -> str:
@@ -105,10 +102,10 @@ class FlagTable:
             if flag is None:
                 flag = Flag(
                     name, kind, optional, not has_default, f.default if has_default else None, meta["help"],
-                    meta["choices"], meta["secret"], meta["env"] or name, not meta["secret"] or bool(meta["flag"]),
+                    meta["choices"],
                 )  # fmt: skip
                 self.flags[name] = flag
-            elif (flag.kind, flag.secret) != (kind, meta["secret"]):
+            elif flag.kind != kind:
                 raise TypeError(f"--{name} is declared with two types ({flag.kind} and {kind})")
             elif len(path) < min(len(t) for t in flag.targets) - 1:  # the command's own field
                 flag.help = meta["help"]
@@ -118,8 +115,6 @@ class FlagTable:
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         for flag in self.flags.values():
-            if not flag.on_command_line:
-                continue
             shown = (
                 "required; " if flag.required else "" if flag.default is None else f"default {flag.default}; "
             )
@@ -143,7 +138,7 @@ class FlagTable:
         for flag in self.flags.values():
             if hasattr(args, flag.dest):
                 value = getattr(args, flag.dest)
-            elif (text := read_env(flag.env_flag)) is not None:
+            elif (text := read_env(flag.name)) is not None:
                 try:
                     value = flag.parse(text)
                 except ValueError as exc:

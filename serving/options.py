@@ -10,8 +10,7 @@ Environment values follow one rule everywhere (flags included):
   - booleans are ``1/true/yes/on`` or ``0/false/no/off`` (any case), anything else is an error;
   - for an optional number (``int | None``), ``0`` and ``auto`` mean unset too: the chart
     writes ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own", ``KVMESH_BLOCK_SIZE=auto``.
-Secret fields (``secret=True``) come from the environment (or, where a field names a flag
-explicitly, from that flag too), and never appear in an effective config.
+No field holds a secret: tokens and passwords are files, and a field names the file.
 """
 
 from __future__ import annotations
@@ -32,16 +31,13 @@ def option(
     help: str,
     flag: str | None = None,
     choices: tuple[str, ...] | None = None,
-    secret: bool = False,
-    env: str | None = None,
     cli: bool = True,
     factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A config field: ``flag`` overrides the flag name derived from the field name, ``env``
-    the flag-style name of its environment variable (default: the flag's), ``cli=False``
-    keeps it off the command line (set by the launcher). ``secret=True`` keeps it out of
-    effective configs, and off the command line unless ``flag`` is given explicitly."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "secret": secret, "env": env, "cli": cli}
+    """A config field: ``flag`` overrides the flag name derived from the field name (and so
+    its ``KVMESH_<FLAG>`` variable); ``cli=False`` keeps it off the command line (set by the
+    launcher)."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -79,11 +75,9 @@ def redacted_url(url: str | None) -> str | None:
 
 
 def effective_config(config: Any) -> dict:
-    """A config as plain data for operators and tests: secrets left out, URL passwords masked."""
+    """A config as plain data for operators and tests, URL passwords masked."""
     out = {}
     for f in dataclasses.fields(config):
-        if f.metadata.get("secret"):
-            continue
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             value = effective_config(value)
