@@ -42,3 +42,14 @@ def another_router(cluster, model_dir, **overrides):
         **overrides,
     )
     return RouterServer(config, redis_credentials=cluster.router_redis)
+
+
+async def started_router(router):
+    """``router`` started, once it sees a live replica (its registry refreshed at once, not
+    on its timer)."""
+    await router.start()
+    for _ in range(100):
+        if router.registry.live():
+            break
+        await router.registry.refresh()
+    return router

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import local_router_config
+from helpers import local_router_config, started_router
 
 from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.protos import pb, pb_grpc
@@ -41,11 +41,7 @@ async def doors(qwen3_dir, valkey_server, tmp_path_factory):
             api_key_file=str(folder / "client"), replica_api_key_file=str(folder / "replica"),
         )
     )  # fmt: skip
-    await router.start()
-    for _ in range(100):
-        if router.registry.live():
-            break
-        await router.registry.refresh()
+    await started_router(router)
     yield router, replica
     await router.stop(grace=0.5)
     await replica.stop(grace=0.5)

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import redis.exceptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import local_router_config
+from helpers import local_router_config, started_router
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 from kvmesh.protos import pb, pb_grpc
@@ -62,11 +62,7 @@ async def secured(pki, qwen3_dir, tmp_path_factory):
     router = RouterServer(
         local_router_config(qwen3_dir, redis_server.url, tls=router_tls, api_key_file=str(token_file))
     )
-    await router.start()
-    for _ in range(100):
-        if router.registry.live():
-            break
-        await router.registry.refresh()
+    await started_router(router)
     yield router, replica
     await router.stop(grace=0.5)
     await replica.stop(grace=0.5)
