@@ -12,6 +12,7 @@ import grpc
 
 from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.step_costs import TERMS as COST_TERMS
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT
 from kvmesh.serving.index_connection import connect_redis
@@ -62,6 +63,7 @@ async def from_index(redis_url: str) -> list[dict]:
                     "num_blocks": int(r.load("num_blocks")), "num_cached_free_blocks": int(r.load("num_cached_free_blocks")),
                     "prefix_hit_rate": r.load("prefix_hit_rate"), "tokens_per_s": r.load("tokens_per_s"),
                     "heartbeat_age_s": round(now - r.load("heartbeat_at", now), 1),
+                    "step_costs": {term: r.load(f"cost_{term}") for term in COST_TERMS},
                 }
                 for r in sorted(await index.live_replicas(), key=lambda r: r.replica_id)
             ]  # fmt: skip
@@ -88,6 +90,7 @@ def render(models: list[dict]) -> str:
         lines.append(
             f"  {'replica':<14}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
             f"{'tok/s':>8}{'hb age':>8}"
+            + ("  step cost: base ms, us/prompt tok, us/decode seq" if _costs(m) else "")
         )
         for r in m["replicas"]:
             blocks = f"{r['num_free_blocks']}/{r['num_blocks']}"
@@ -95,6 +98,7 @@ def render(models: list[dict]) -> str:
                 f"  {r['replica_id']:<14}{r['address']:<22}{r.get('http_address') or '-':<30}{r['incarnation']:>5}"
                 f"{r['num_running']:>5}{r['num_waiting']:>5}{blocks:>19}{r['tokens_per_s']:>8.1f}{r['heartbeat_age_s']:>7.1f}s"
                 + (f"  index {_state(r)}" if r.get("index_state") else "")
+                + (_cost_columns(r["step_costs"]) if r.get("step_costs") else "")
             )
         for replica_id, slot in sorted(m["controller"].items()):
             if slot["state"] != "ready":
@@ -103,6 +107,15 @@ def render(models: list[dict]) -> str:
                     f"  {replica_id}: {slot['state']} ({slot['failures']} failed starts{retry}) {slot['error']}"
                 )
     return "\n".join(lines)
+
+
+def _costs(model: dict) -> bool:
+    return any(r.get("step_costs") for r in model["replicas"])
+
+
+def _cost_columns(costs: dict[str, float]) -> str:
+    """A replica's measured step costs (its heartbeat), in the units people read them in."""
+    return f"  {costs['base_s'] * 1e3:7.2f} {costs['prefill_token_s'] * 1e6:8.2f} {costs['decode_seq_s'] * 1e6:8.1f}"
 
 
 def _state(row: dict) -> str:

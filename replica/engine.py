@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import random
+import time
 import uuid
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from kvmesh.replica.models.loader import decoder_spec, load_hf_config
 from kvmesh.replica.request import Request, RequestOutput, Status
 from kvmesh.replica.sampler import Pick, RequestFailed, TokenLogprob
 from kvmesh.replica.scheduler import Scheduler
+from kvmesh.replica.step_costs import StepCostFit, step_features
 from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.sampling import SamplingParams, check_vocabulary
 
@@ -60,6 +62,7 @@ class EngineStats:
     prompt_tokens: int  # admitted prompt tokens, all requests so far
     generation_tokens: int  # sampled tokens, all requests so far
     kv: KVCacheStats
+    step_costs: dict[str, float]  # what a step costs here, measured (replica/step_costs.py)
 
 
 class LLMEngine:
@@ -82,6 +85,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(self.config.seed)
+        self.step_costs = StepCostFit()
+        self.clock = time.perf_counter  # what step costs are measured with
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.num_failed_requests = 0
@@ -193,7 +198,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
+        features, started = step_features(scheduled), self.clock()
         picks = self._run(scheduled)
+        self.step_costs.observe(*features, self.clock() - started)
         for request, pick in zip(scheduled, picks, strict=True):
             if isinstance(pick, RequestFailed):  # nothing it computed in this step is kept
                 outputs.append(self._fail(request, pick))
@@ -328,6 +335,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             kv=self.block_manager.stats(),
+            step_costs=self.step_costs.costs(),
         )
 
     def reset_prefix_cache(self) -> None:

@@ -122,3 +122,12 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        costs = GaugeMetricFamily(
+            "kvmesh_replica_step_cost_seconds",
+            "What one engine step costs here, fitted online: base per step, per prompt token, per decoding "
+            "sequence, per context token (replica/step_costs.py)",
+            labels=["model_name", "term"],
+        )
+        for term, value in s.step_costs.items():
+            costs.add_metric([self.model_name, term.removesuffix("_s")], value)
+        yield costs

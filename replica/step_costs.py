@@ -1,0 +1,91 @@
+"""What one engine step costs on this replica, measured online.
+
+Every step is one sample of
+
+    seconds = base + prefill_token * (prompt tokens computed) + decode_seq * (sequences decoding)
+                   + context_token * (tokens of context the scheduled sequences attend to)
+
+(the terms of ``cluster/experiments/cost_model.py``). ``StepCostFit`` keeps a least-squares fit
+of the four costs over exponentially decayed sums (a ``half_life`` of steps: a replica that
+slows down reports it within a few hundred steps), pulled toward a prior where the samples
+say nothing (an idle replica, or one that never decoded), robust to outliers (a sample far
+from the prediction, a GC pause or a first compile, counts with a Huber weight), and never
+negative. A replica on hardware twice as slow reports costs twice as high.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TERMS = ("base_s", "prefill_token_s", "decode_seq_s", "context_token_s")
+# Before any step: a documented prior, an H100-class replica with an 8B model (cost_model.py's
+# preset), with the weight of PRIOR_STEPS steps.
+PRIOR = (0.006, 1 / 30_000, 0.00005, 128 * 1024 / 3.0e12)
+PRIOR_STEPS = 0.25
+HUBER_K = 3.0  # a residual beyond 3 typical residuals weighs less, in proportion
+
+
+class StepCostFit:
+    def __init__(self, half_life_steps: float = 500.0, prior: tuple[float, ...] = PRIOR):
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        self.prior = np.asarray(prior, dtype=float)
+        # Each term scaled to ~1 at typical sizes, so the ridge toward the prior treats them alike.
+        self._scale = np.array([1.0, 1e3, 10.0, 1e4])
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
+        self._abs_residual = 0.0  # decayed mean |residual| (seconds): what "typical" is
+        self._weight = 0.0
+        self.steps = 0
+        self._theta = self.prior.copy()
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, seconds: float) -> None:
+        """One step's sample (a step that computed nothing, or took no time, says nothing)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or prefill_tokens + decode_seqs == 0:
+            return
+        x = np.array([1.0, prefill_tokens, decode_seqs, context_tokens]) / self._scale
+        residual = seconds - float(x @ (self._theta * self._scale))
+        typical = self._abs_residual / self._weight if self._weight else abs(residual)
+        w = 1.0 if abs(residual) <= HUBER_K * typical or typical == 0 else HUBER_K * typical / abs(residual)
+        self._xx = self.decay * self._xx + w * np.outer(x, x)
+        self._xy = self.decay * self._xy + w * x * seconds
+        self._abs_residual = self.decay * self._abs_residual + abs(residual)
+        self._weight = self.decay * self._weight + 1.0
+        self.steps += 1
+        self._theta = self._solve()
+
+    def _solve(self) -> np.ndarray:
+        ridge = PRIOR_STEPS * np.eye(4)
+        prior = self.prior * self._scale
+        scaled = np.linalg.solve(self._xx + ridge, self._xy + ridge @ prior)
+        return np.maximum(scaled, 0.0) / self._scale
+
+    def costs(self) -> dict[str, float]:
+        """The four costs in seconds (the prior's before the first step)."""
+        return {term: float(value) for term, value in zip(TERMS, self._theta, strict=True)}
+
+    def typical_step_s(self) -> float:
+        """The fit at the average step it has seen (recent steps weigh more): well determined
+        even where single terms are not (few prefills, say). 0 before the first step."""
+        if not self._xx[0, 0]:
+            return 0.0
+        mean = self._xx[0] / self._xx[0, 0] * self._scale
+        return float(mean @ self._theta)
+
+    def predict(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        x = np.array([1.0, prefill_tokens, decode_seqs, context_tokens])
+        return float(x @ self._theta)
+
+
+def step_features(scheduled) -> tuple[int, int, int]:
+    """(prompt tokens computed, sequences decoding, context tokens attended) of one scheduled
+    batch (sequences with their ``num_scheduled_tokens`` set for this step)."""
+    prefill = decode = context = 0
+    for seq in scheduled:
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            prefill += seq.num_scheduled_tokens
+        else:
+            decode += 1
+        context += seq.num_computed_tokens + seq.num_scheduled_tokens
+    return prefill, decode, context

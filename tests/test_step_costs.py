@@ -1,0 +1,147 @@
+"""A replica's own step costs, fitted online: the fit recovers known costs through noise and
+outliers, follows a replica that slows down, never goes negative, and a real engine whose
+every step does twice the work reports about twice the costs."""
+
+import asyncio
+import random
+
+import pytest
+from reference import prompts_of_lengths
+
+from kvmesh.replica.engine import LLMEngine
+from kvmesh.replica.step_costs import PRIOR, TERMS, StepCostFit
+from kvmesh.serving.sampling import SamplingParams
+
+TRUE = (0.004, 2e-5, 1e-4, 2e-7)
+
+
+def synthetic_steps(n: int, costs=TRUE, seed: int = 0, outliers: float = 0.0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        prefill = rng.choice([0, 0, 0, rng.randint(16, 2048)])
+        decode, context = rng.randint(1, 64), rng.randint(0, 60_000)
+        seconds = (costs[0] + costs[1] * prefill + costs[2] * decode + costs[3] * context) * rng.uniform(
+            0.95, 1.05
+        )
+        if rng.random() < outliers:
+            seconds *= 20  # a GC pause, a first compile
+        yield prefill, decode, context, seconds
+
+
+def test_the_prior_until_the_first_step_then_the_measured_costs():
+    fit = StepCostFit()
+    assert tuple(fit.costs().values()) == pytest.approx(PRIOR)
+    for step in synthetic_steps(3000):
+        fit.observe(*step)
+    for term, true in zip(TERMS, TRUE, strict=True):
+        assert fit.costs()[term] == pytest.approx(true, rel=0.1), term
+
+
+def test_outliers_move_the_fit_little():
+    fit = StepCostFit()
+    for step in synthetic_steps(3000, outliers=0.02):
+        fit.observe(*step)
+    assert fit.predict(512, 16, 20_000) == pytest.approx(
+        TRUE[0] + TRUE[1] * 512 + TRUE[2] * 16 + TRUE[3] * 20_000, rel=0.15
+    )
+    clean = StepCostFit()
+    for step in synthetic_steps(3000):
+        clean.observe(*step)
+    assert fit.typical_step_s() == pytest.approx(clean.typical_step_s(), rel=0.1)
+
+
+def test_a_replica_that_slows_down_is_followed_within_a_few_half_lives():
+    fit = StepCostFit(half_life_steps=200)
+    for step in synthetic_steps(1000):
+        fit.observe(*step)
+    before = fit.predict(512, 16, 20_000)
+    for step in synthetic_steps(1500, costs=tuple(2 * c for c in TRUE), seed=1):
+        fit.observe(*step)
+    assert fit.predict(512, 16, 20_000) / before == pytest.approx(2.0, rel=0.1)
+
+
+def test_costs_are_never_negative_and_empty_steps_say_nothing():
+    fit = StepCostFit()
+    for i in range(200):  # steps whose time falls as the batch grows: a negative slope, clipped
+        fit.observe(0, 1 + i % 50, 0, 0.01 - 0.0001 * (i % 50))
+    assert all(value >= 0 for value in fit.costs().values())
+    steps = fit.steps
+    fit.observe(0, 0, 0, 1.0)
+    fit.observe(10, 0, 10, float("nan"))
+    assert fit.steps == steps
+
+
+def _serve(engine: LLMEngine, salt: int) -> None:
+    for prompt in prompts_of_lengths([64, 96, 128, 48], salt=salt):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    while engine.requests:
+        engine.step()
+
+
+class SteppingClock:
+    """A clock that advances ``step_s`` between a step's two readings: a device whose every
+    step takes exactly that long, whatever this machine's load."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s, self.reading = 0.0, step_s, 0
+
+    def __call__(self) -> float:
+        self.reading += 1
+        if self.reading % 2 == 0:
+            self.now += self.step_s
+        return self.now
+
+
+def test_an_engine_whose_steps_take_twice_as_long_reports_twice_the_cost(qwen3_dir):
+    fast = LLMEngine(qwen3_dir, num_kv_blocks=128, block_size=16, max_num_seqs=8)
+    slow = LLMEngine(qwen3_dir, num_kv_blocks=128, block_size=16, max_num_seqs=8)
+    fast.clock, slow.clock = SteppingClock(0.005), SteppingClock(0.010)
+    for engine in (fast, slow):
+        _serve(engine, salt=0)
+        assert engine.stats().step_costs != dict(zip(TERMS, PRIOR, strict=True))  # measured, not the prior
+    assert fast.step_costs.typical_step_s() == pytest.approx(0.005, rel=0.05)
+    assert slow.step_costs.typical_step_s() / fast.step_costs.typical_step_s() == pytest.approx(2.0, rel=0.05)
+
+
+@pytest.mark.servers
+@pytest.mark.asyncio
+async def test_a_replica_publishes_its_costs_in_heartbeats_status_and_metrics(qwen3_dir, valkey_server):
+    import grpc
+    import httpx
+
+    from kvmesh.cluster import status
+    from kvmesh.protos import pb, pb_grpc
+    from kvmesh.replica.config import EngineConfig, ReplicaConfig
+    from kvmesh.replica.process import ReplicaServer
+    from kvmesh.serving.metrics import read_samples
+
+    replica = ReplicaServer(
+        ReplicaConfig(
+            str(qwen3_dir), "costs-0", valkey_server.url, deployment="costs", heartbeat_s=0.2,
+            engine=EngineConfig(num_kv_blocks=64),
+        )
+    )  # fmt: skip
+    await replica.start()
+    try:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=list(range(5, 60))), sampling=pb.SamplingParams(max_tokens=8)
+        )
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            [r async for r in pb_grpc.ReplicaStub(channel).Generate(request, timeout=60)]
+        measured = replica.engine.stats().step_costs
+        assert measured != dict(zip(TERMS, PRIOR, strict=True))
+        await asyncio.sleep(0.6)  # a heartbeat or two
+        (model,) = [m for m in await status.from_index(valkey_server.url) if m["deployment"] == "costs"]
+        (row,) = model["replicas"]
+        assert row["step_costs"]["base_s"] == pytest.approx(measured["base_s"], rel=0.2)
+        assert "step cost" in status.render([model])
+        async with httpx.AsyncClient() as http:
+            samples = read_samples((await http.get(f"{replica.http_address}/metrics")).text)
+        (base,) = [
+            v
+            for (name, labels), v in samples.items()
+            if name == "kvmesh_replica_step_cost_seconds" and ("term", "base") in labels
+        ]
+        assert base == pytest.approx(replica.engine.stats().step_costs["base_s"], rel=0.5)
+    finally:
+        await replica.stop(grace=0.2)
