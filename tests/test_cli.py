@@ -92,6 +92,12 @@ def test_bench_engine_quick_writes_json(tmp_path):
     t, f = result["throughput"], result["ttft"]
     assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
     assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
+    # the simulator's model, from the engine's own online fit: a 2k-token prefill costs what it took
+    from kvmesh.cluster.experiments.cost_model import CostModel
+
+    model = CostModel(**result["cost_model"])
+    assert model.base_s > 0 and model.prefill_token_s > 0
+    assert 0.2 < model.step_seconds(2000, 0, 2000) / (f["cold_ttft_ms"] / 1e3) < 5
     assert {x["target"] for x in result["targets"]} == {
         "throughput vs transformers generate",
         "TTFT cold / cached (1.75k of 2k cached)",

@@ -13,6 +13,7 @@ comparison with transformers on the same GPU and in the same dtype (flash-attn w
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -22,6 +23,7 @@ import torch
 
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.replica import LLMEngine, SamplingParams
+from kvmesh.replica.step_costs import StepCostFit
 
 MODEL = dict(
     arch="qwen3", hidden=512, layers=4, heads=8, kv_heads=4, vocab_size=1024, max_position_embeddings=4096
@@ -122,26 +124,20 @@ def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -
 
 
 def calibrate(engine: LLMEngine, rng: random.Random) -> dict:
-    """Fit the simulator's cost model to this engine: t = base + a*prefill_tokens +
-    b*decode_seqs + c*context_tokens, least squares over prefill and decode measurements."""
-    import numpy as np
-
-    rows, times = [], []
+    """The simulator's cost model for this engine: t = base + a*prefill_tokens +
+    b*decode_seqs + c*context_tokens, from prefill and decode steps of known shapes, fitted by
+    the engine's own online fit (``replica/step_costs.py``, what replicas send in their
+    heartbeats), started fresh and without decay for the calibration."""
+    engine.step_costs = StepCostFit(half_life_steps=math.inf)
     vocab = engine.vocab_size
     for n in (128, 512, 1024, 2000):
         engine.reset_prefix_cache()
-        prefill, _ = _step_time(engine, [[rng.randrange(3, vocab) for _ in range(n)]], 1)
-        rows.append([1, n, 0, n])
-        times.append(prefill)
+        _step_time(engine, [[rng.randrange(3, vocab) for _ in range(n)]], 1)
     for batch in (1, 8, 32):
         for context in (64, 512):
             engine.reset_prefix_cache()
-            prompts = [[rng.randrange(3, vocab) for _ in range(context)] for _ in range(batch)]
-            _, step = _step_time(engine, prompts, 8)
-            rows.append([1, 0, batch, batch * (context + 4)])
-            times.append(step)
-    coef, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times), rcond=None)
-    base, prefill_token, decode_seq, context_token = (max(0.0, float(c)) for c in coef)
+            _step_time(engine, [[rng.randrange(3, vocab) for _ in range(context)] for _ in range(batch)], 8)
+    base, prefill_token, decode_seq, context_token = engine.step_costs.costs().values()
     return {
         "name": "calibrated-cpu",
         "base_s": base,
