@@ -36,13 +36,13 @@ class DrainSocket:
     def __init__(
         self, replica_id: str, drain: Callable[[], Awaitable[None]], after: Callable[[], None] | None = None
     ):
-        """``drain()`` once, however many ask; ``after()`` once the first asker has its answer
-        (a Ray actor's process exits there)."""
+        """``drain()`` for each asker (it must run once however many ask, as
+        ``ReplicaServer.stop`` does); ``after()`` once the first asker has its answer (a Ray
+        actor's process exits there)."""
         # by process: replicas of two deployments on one node may share an id
         self.path = drain_dir() / f"{os.getpid()}-{replica_id}.sock"
         self._drain, self._after = drain, after
         self._server: asyncio.Server | None = None
-        self._draining: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -59,9 +59,7 @@ class DrainSocket:
         try:
             line = await asyncio.wait_for(reader.readline(), 10)
             if line == DRAIN:
-                if self._draining is None:  # one drain however many ask
-                    self._draining = asyncio.create_task(self._drain(), name="kvmesh-replica-drain")
-                await asyncio.shield(self._draining)
+                await self._drain()
                 writer.write(DRAINED)
                 await writer.drain()
                 after, self._after = self._after, None

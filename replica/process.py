@@ -62,7 +62,6 @@ class ReplicaServer:
         self.http: HttpServer | None = None
         self.address = ""
         self.http_address = ""
-        self.draining = False
         self.unhealthy: str | None = None  # why the engine cannot serve, while it cannot
         self.started_at = time.time()
         self._loops = BackgroundLoops()
@@ -140,6 +139,10 @@ class ReplicaServer:
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
 
+    @property
+    def draining(self) -> bool:
+        return self._stopping is not None
+
     def health(self) -> dict:
         """HTTP /health (and the supervisor's check): ok while the engine serves; 503 once
         draining (routers then stop sending) or while the engine cannot serve."""
@@ -184,7 +187,6 @@ class ReplicaServer:
     async def _stop(self, grace: float | None) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.config.drain_timeout_s if grace is None else grace)
-        self.draining = True
         if self.backend:
             self.backend.draining = True  # new requests: UNAVAILABLE, which routers retry elsewhere
         if self.drain_socket:
