@@ -227,8 +227,10 @@ class RedisPrefixIndex(ShareHalves):
         self._loaded = True
 
     async def _reload_library(self) -> None:
-        """The server lost the library (new, restarted, a node that joined): load it again."""
-        await self._load_library()
+        """The server lost the library (new, restarted, a node that joined): load it again,
+        unless this client's user was refused once already (no 20 KB resent per failed call)."""
+        if self.may_load_library:
+            await self._load_library()
         if not self.may_load_library:
             raise IndexFunctionsMissing(
                 f"the index functions of this kvmesh release ({VERSION}) are not on the server, and this "
