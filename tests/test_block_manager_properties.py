@@ -3,7 +3,11 @@
 Two machines share the invariant checks:
   - ``ChunkedLedger`` drives chunked prefill, decode, preemption, abort and reset;
   - ``LedgerVsArticle`` runs the article's algorithm (the benchmark's reference ledger)
-    in lockstep and demands the same hits, admissions and free counts.
+    in lockstep and demands the same hits, admissions and free counts. It adds kvmesh's one
+    deliberate difference to the article: a block whose parent hash is evicted stops being
+    hittable too (the article keeps such orphans and can revive them when the parent is
+    computed again; a shared index finds a replica's depth by bisection, which needs what is
+    hittable closed under parents).
 After every step: ref counts equal the number of block tables holding each block, free and
 used blocks partition the pool, no block appears twice in a table, replaying every KV
 event gives ``cached_hashes()``, every cached block's chain is cached up to it with the root
@@ -26,6 +30,29 @@ CHUNKS = [[0, 1, 2, 3, 0, 1], [0, 1], [2, 2, 2], [3], [1, 0, 3, 2, 1]]
 prompts = st.lists(st.sampled_from(range(len(CHUNKS))), min_size=1, max_size=5).map(
     lambda ids: [t for i in ids for t in CHUNKS[i]]
 )
+
+
+class PrefixClosedReference(ReferenceBlockManager):
+    """The article's ledger, keeping what is hittable closed under parents (as kvmesh does)."""
+
+    def _take_free_block(self):
+        evicted = self.blocks[self.free_block_ids[0]]
+        if evicted.hash != -1 and self.hash_to_block_id.get(evicted.hash) == evicted.block_id:
+            self._forget_descendants(evicted.hash)
+        return super()._take_free_block()
+
+    def _forget_descendants(self, h: int) -> None:
+        gone = [h]
+        while gone:
+            parent = gone.pop()
+            for child in self.blocks:
+                if child.parent == parent and self.hash_to_block_id.get(child.hash) == child.block_id:
+                    del self.hash_to_block_id[child.hash]
+                    gone.append(child.hash)
+
+    def _register(self, block, h, token_ids, parent):
+        if parent == -1 or parent in self.hash_to_block_id:
+            super()._register(block, h, token_ids, parent)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -165,7 +192,7 @@ class LedgerVsArticle(LedgerMachine):
     @initialize(num_blocks=st.integers(1, 20), block_size=st.integers(2, 4))
     def init(self, num_blocks, block_size):
         self.setup(num_blocks, block_size)
-        self.ref = ReferenceBlockManager(num_blocks, block_size)
+        self.ref = PrefixClosedReference(num_blocks, block_size)
         self.ref_live: list[Sequence] = []
 
     @rule(tokens=prompts)

@@ -35,6 +35,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
+        self.parent = -1  # the hash it was chained on (-1: first block)
         self.token_ids: list[int] = []
 
 
@@ -72,15 +73,20 @@ class ReferenceBlockManager:
         self.used_block_ids.add(block_id)
         return block
 
-    def _register(self, block: Block, h: int, token_ids: list[int]) -> None:
+    def _take_free_block(self) -> Block:
+        """A fresh block: the head of the free list (whatever it cached is overwritten)."""
+        return self._allocate_block(self.free_block_ids[0])
+
+    def _register(self, block: Block, h: int, token_ids: list[int], parent: int) -> None:
         """The newest holder of a hash wins (an older duplicate is simply no longer found)."""
-        block.hash, block.token_ids = h, token_ids
+        block.hash, block.parent, block.token_ids = h, parent, token_ids
         self.hash_to_block_id[h] = block.block_id
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         h = -1
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
+            parent = h
             h = compute_hash(token_ids, h) if len(token_ids) == self.block_size else -1
             if i < num_cached_blocks:
                 block_id = self.hash_to_block_id[h]
@@ -88,24 +94,22 @@ class ReferenceBlockManager:
                 if block_id in self.used_block_ids:
                     self.blocks[block_id].ref_count += 1
                 else:
-                    self._register(self._allocate_block(block_id), h, token_ids)
+                    self._register(self._allocate_block(block_id), h, token_ids, parent)
             else:
-                block_id = self.free_block_ids[0]
-                block = self._allocate_block(block_id)
+                block = self._take_free_block()
+                block_id = block.block_id
                 if h != -1:
-                    self._register(block, h, token_ids)
+                    self._register(block, h, token_ids, parent)
             seq.block_table.append(block_id)
 
     def may_append(self, seq: Sequence) -> None:
         block_table = seq.block_table
         if len(seq) % self.block_size == 1:
-            block_id = self.free_block_ids[0]
-            self._allocate_block(block_id)
-            block_table.append(block_id)
+            block_table.append(self._take_free_block().block_id)
         elif len(seq) % self.block_size == 0:
             token_ids = seq.block(seq.num_blocks - 1)
             prefix = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
-            self._register(self.blocks[block_table[-1]], compute_hash(token_ids, prefix), token_ids)
+            self._register(self.blocks[block_table[-1]], compute_hash(token_ids, prefix), token_ids, prefix)
 
     def can_append(self, seq: Sequence) -> bool:
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
