@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict
 
 import grpc
 
 from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.step_costs import TERMS as COST_TERMS
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT
 from kvmesh.serving.index_connection import connect_redis
+from kvmesh.serving.step_costs import StepCosts
 
 COLUMNS = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks",
            "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause")  # fmt: skip
@@ -63,7 +64,7 @@ async def from_index(redis_url: str) -> list[dict]:
                     "num_blocks": int(r.load("num_blocks")), "num_cached_free_blocks": int(r.load("num_cached_free_blocks")),
                     "prefix_hit_rate": r.load("prefix_hit_rate"), "tokens_per_s": r.load("tokens_per_s"),
                     "heartbeat_age_s": round(now - r.load("heartbeat_at", now), 1),
-                    "step_costs": {term: r.load(f"cost_{term}") for term in COST_TERMS},
+                    "step_costs": asdict(StepCosts.from_fields(r.load)) if "cost_base_s" in r.fields else {},
                 }
                 for r in sorted(await index.live_replicas(), key=lambda r: r.replica_id)
             ]  # fmt: skip

@@ -47,16 +47,17 @@ class ReplicaActor:
         return os.getpid()
 
     async def inject_step_delay(self, seconds: float) -> None:
-        """Fault injection (tests, chaos drills): every engine step takes ``seconds`` longer."""
+        """Fault injection (tests, chaos drills): every engine step takes ``seconds`` longer,
+        inside its timed compute, as on slower hardware (its measured step costs show it)."""
 
         def slow_down(engine) -> None:
-            step = type(engine).step
+            run = engine._run
 
-            def delayed_step(self_=engine):
+            def delayed_run(scheduled):
                 time.sleep(seconds)
-                return step(self_)
+                return run(scheduled)
 
-            engine.step = delayed_step
+            engine._run = delayed_run
 
         await self.server.engine.call(slow_down)
 

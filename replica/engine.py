@@ -33,6 +33,7 @@ from kvmesh.replica.scheduler import Scheduler
 from kvmesh.replica.step_costs import StepCostFit, step_features
 from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.sampling import SamplingParams, check_vocabulary
+from kvmesh.serving.step_costs import StepCosts
 
 log = logging.getLogger(__name__)
 Prompt = str | SequenceABC[int]
@@ -62,7 +63,8 @@ class EngineStats:
     prompt_tokens: int  # admitted prompt tokens, all requests so far
     generation_tokens: int  # sampled tokens, all requests so far
     kv: KVCacheStats
-    step_costs: dict[str, float]  # what a step costs here, measured (replica/step_costs.py)
+    step_costs: StepCosts  # what a step costs here, measured (replica/step_costs.py)
+    step_cost_samples: int  # steps that fit has seen
 
 
 class LLMEngine:
@@ -336,6 +338,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             kv=self.block_manager.stats(),
             step_costs=self.step_costs.costs(),
+            step_cost_samples=self.step_costs.steps,
         )
 
     def reset_prefix_cache(self) -> None:

@@ -11,6 +11,7 @@ kvmesh's own: requests by outcome (errors included), cached and finished prompt 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +23,7 @@ from kvmesh.serving.metrics import (
     ServerMetrics,
     token_buckets,
 )
+from kvmesh.serving.step_costs import TERMS
 
 if TYPE_CHECKING:
     from kvmesh.replica.engine import EngineStats
@@ -128,6 +130,6 @@ class _EngineCollector:
             "sequence, per context token (replica/step_costs.py)",
             labels=["model_name", "term"],
         )
-        for term, value in s.step_costs.items():
+        for term, value in zip(TERMS, astuple(s.step_costs), strict=True):
             costs.add_metric([self.model_name, term.removesuffix("_s")], value)
         yield costs

@@ -113,6 +113,8 @@ class ReplicaServer:
         info = {
             "model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed,
             "process_started_at": self.started_at,  # unlike the incarnation, a resync keeps it
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the router prices steps by it
+            "max_num_seqs": engine.config.max_num_seqs,
         }  # fmt: skip
         if c.serves_http:
             app = build_app(

@@ -201,5 +201,6 @@ class IndexPublisher:
             "num_cached_free_blocks": stats.kv.num_cached_free_blocks,
             "tokens_per_s": round(rate, 1),
             "prefix_hit_rate": round(stats.kv.prefix_hit_rate, 4),
-            **{f"cost_{term}": f"{value:.4g}" for term, value in stats.step_costs.items()},
+            **stats.step_costs.as_fields(),
+            "cost_steps": stats.step_cost_samples,
         }

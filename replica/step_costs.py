@@ -5,7 +5,7 @@ Every step is one sample of
     seconds = base + prefill_token * (prompt tokens computed) + decode_seq * (sequences decoding)
                    + context_token * (tokens of context the scheduled sequences attend to)
 
-(the terms of ``cluster/experiments/cost_model.py``). ``StepCostFit`` keeps a least-squares fit
+(``serving/step_costs.py``, the model every part prices work with). ``StepCostFit`` keeps a least-squares fit
 of the four costs over exponentially decayed sums (a ``half_life`` of steps: a replica that
 slows down reports it within a few hundred steps), pulled toward a prior where the samples
 say nothing (an idle replica, or one that never decoded), robust to outliers (a sample far
@@ -16,21 +16,22 @@ negative. A replica on hardware twice as slow reports costs twice as high.
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 
 import numpy as np
 
-TERMS = ("base_s", "prefill_token_s", "decode_seq_s", "context_token_s")
-# Before any step: a documented prior, an H100-class replica with an 8B model (cost_model.py's
-# preset), with the weight of PRIOR_STEPS steps.
-PRIOR = (0.006, 1 / 30_000, 0.00005, 128 * 1024 / 3.0e12)
+from kvmesh.serving.step_costs import PRIOR, StepCosts
+
+# Before any step the fit is the documented prior (an H100-class replica with an 8B model),
+# with the weight of PRIOR_STEPS steps.
 PRIOR_STEPS = 0.25
 HUBER_K = 3.0  # a residual beyond 3 typical residuals weighs less, in proportion
 
 
 class StepCostFit:
-    def __init__(self, half_life_steps: float = 500.0, prior: tuple[float, ...] = PRIOR):
+    def __init__(self, half_life_steps: float = 500.0, prior: StepCosts = PRIOR):
         self.decay = 0.5 ** (1.0 / half_life_steps)
-        self.prior = np.asarray(prior, dtype=float)
+        self.prior = np.asarray(astuple(prior), dtype=float)
         # Each term scaled to ~1 at typical sizes, so the ridge toward the prior treats them alike.
         self._scale = np.array([1.0, 1e3, 10.0, 1e4])
         self._xx = np.zeros((4, 4))
@@ -61,9 +62,9 @@ class StepCostFit:
         scaled = np.linalg.solve(self._xx + ridge, self._xy + ridge @ prior)
         return np.maximum(scaled, 0.0) / self._scale
 
-    def costs(self) -> dict[str, float]:
+    def costs(self) -> StepCosts:
         """The four costs in seconds (the prior's before the first step)."""
-        return {term: float(value) for term, value in zip(TERMS, self._theta, strict=True)}
+        return StepCosts(*(float(value) for value in self._theta))
 
     def typical_step_s(self) -> float:
         """The fit at the average step it has seen (recent steps weigh more): well determined

@@ -16,6 +16,7 @@ from typing import ClassVar
 import xxhash
 
 from kvmesh.kvcache.hashing import token_buffer
+from kvmesh.serving.step_costs import PRIOR, StepCosts
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class RouteRequest:
     @property
     def num_blocks(self) -> int:
         return len(self.block_hashes)
+
+
+# A replica's chunked-prefill budget when its record does not say (replica/config.py's default).
+DEFAULT_STEP_TOKENS = 2048
 
 
 @dataclass
@@ -44,6 +49,8 @@ class ReplicaState:
     num_free_blocks: int = 0
     num_blocks: int = 0
     recent_blocks: float = 0.0  # uncached prefill routed to it lately (decaying), for tie-breaks
+    costs: StepCosts = PRIOR  # what a step costs there, measured (its heartbeat)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens one of its steps computes at most (chunked prefill)
 
     @property
     def load(self) -> int:
@@ -150,36 +157,56 @@ class Session(Policy):
 
 @dataclass
 class PrefixAware(Policy):
-    """Cost-based prefix routing (Dynamo-style), with a bounded-load hot-spot guard.
+    """Routes to the replica with the least predicted time to first token (TTFT), under a
+    bounded-load hot-spot guard.
 
-    cost = prefill_weight * (prompt blocks the replica does not hold)
-           + prefill it still owes requests routed to it (blocks)
-           + decode_weight * decode it still owes them (blocks) + waiting_weight * its queue.
+    On each replica, priced by that replica's own measured step costs (its heartbeat; before
+    it has measured them, its measured peers' median, or the prior of ``serving/step_costs.py``
+    when none has)::
+
+        ttft  = wait + step + uncached * prefill_token
+        wait  = queued * prefill_token + queued / step_tokens * step
+        step  = base + decode_seq * sequences it runs + context_token * context tokens it holds
+
+    ``queued``: the prefill tokens routed to it and not yet computed (every router's, with
+    shared load), which its scheduler serves first; ``uncached``: the prompt tokens it does
+    not hold. A replica twice as slow prices everything twice as high, so it gets half the
+    work once queues form; a burst on one prefix stays on its holder until waiting there costs
+    more than a cold prefill elsewhere.
+
     Guard: a replica already holding more than ``hot_spot_factor`` times its fair share of
     in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
-    shared system prompt can never pile every request on one replica. Equal costs (a
-    prefix nobody holds, idle replicas) go to the replica that got the least prefill work
-    lately, then by rendezvous hashing of the first block: at low load a heavy-tailed
-    stream of cold prompts still spreads evenly, and repeat visits agree.
+    shared system prompt can never pile every request on one replica while predictions lag
+    (costs and queues are as of the last heartbeat and reservation). Ties: replicas holding
+    as much of the prompt and predicted within one step of the best (a TTFT is counted in
+    steps; measured costs of like replicas differ by noise) go to the one that got the least
+    prefill work lately, then by rendezvous hashing of the first block: at low load a stream
+    of cold prompts spreads over like replicas (more distinct prefixes stay cached), and
+    repeat visits agree.
     """
 
-    prefill_weight: float = 16.0
-    decode_weight: float = 0.25
-    waiting_weight: float = 8.0
+    block_size: int = 16
     # 1.25 x + 2 moved shared prefixes off their holder in small bursts (cold copies elsewhere);
     # 1.5 x + 3 raised every simulated hit rate without a worse tail (docs/experiments.md)
     hot_spot_factor: float = 1.5
     hot_spot_slack: float = 3.0
     name: ClassVar[str] = "prefix"
 
-    def cost(self, request: RouteRequest, r: ReplicaState) -> float:
-        uncached = request.num_blocks - min(r.matched_blocks, request.num_blocks)
-        return (
-            self.prefill_weight * uncached
-            + r.inflight_prefill_blocks
-            + self.decode_weight * r.inflight_decode_blocks
-            + self.waiting_weight * r.num_waiting
-        )
+    def step_seconds(self, r: ReplicaState) -> float:
+        """One step on ``r`` now, before any prompt tokens."""
+        context = (r.num_blocks - r.num_free_blocks) * self.block_size
+        return r.costs.step_seconds(0, max(r.inflight_requests, r.num_running), context)
+
+    def wait_seconds(self, r: ReplicaState, step_s: float) -> float:
+        """Until ``r`` has computed the prefill queued there."""
+        queued = r.inflight_prefill_blocks * self.block_size
+        return queued * r.costs.prefill_token_s + queued / r.step_tokens * step_s
+
+    def ttft(self, request: RouteRequest, r: ReplicaState) -> float:
+        """Predicted seconds to ``request``'s first token on ``r``."""
+        step_s = self.step_seconds(r)
+        uncached = (request.num_blocks - min(r.matched_blocks, request.num_blocks)) * self.block_size
+        return self.wait_seconds(r, step_s) + step_s + uncached * r.costs.prefill_token_s
 
     def cap(self, replicas: Sequence[ReplicaState]) -> float:
         """The guard's cap: the fair share of in-flight requests (this one included) times the factor."""
@@ -198,21 +225,27 @@ class PrefixAware(Policy):
             else bytes(token_buffer(request.token_ids[:64]))
         )
         tiebreak = {r.replica_id: i for i, r in enumerate(rendezvous(key, replicas))}
-        ordered = sorted(
-            replicas,
-            key=lambda r: (
-                r.inflight_requests + 1 > cap,
-                self.cost(request, r),
-                round(r.recent_blocks),
-                tiebreak[r.replica_id],
+        priced = sorted(
+            (
+                (r.inflight_requests + 1 > cap, self.ttft(request, r), tiebreak[r.replica_id], r)
+                for r in replicas
             ),
+            key=lambda t: t[:3],
         )
-        return [r.replica_id for r in ordered]
+        over, best_s, _, best = priced[0]
+        depth = min(best.matched_blocks, request.num_blocks)
+        bound = best_s + self.step_seconds(best)
+        tied = [
+            t for t in priced
+            if t[0] == over and t[1] <= bound and min(t[3].matched_blocks, request.num_blocks) == depth
+        ]  # fmt: skip
+        first = min(tied, key=lambda t: (round(t[3].recent_blocks), t[2]))[3]
+        return [first.replica_id] + [t[3].replica_id for t in priced if t[3] is not first]
 
     def branch(self, request, replicas, chosen):
         """prefix_hit: it holds the deepest prefix; load_fallback: nobody holds any;
         hot_spot_guard: every deepest holder was over the guard's cap; load_over_prefix:
-        a deeper holder cost more (its queue outweighed the prefill saved)."""
+        a deeper holder was predicted slower (its queue outweighed the prefill saved)."""
         depth = {r.replica_id: min(r.matched_blocks, request.num_blocks) for r in replicas}
         best = max(depth.values())
         if best == 0:
@@ -237,6 +270,6 @@ def make_policy(name: str, block_size: int = 16, seed: int | None = None) -> Pol
     cls = POLICIES[name]
     if cls in (RandomChoice, PowerOfTwo):
         return cls(seed=seed)
-    if cls is ConsistentHash:
+    if cls in (ConsistentHash, PrefixAware):
         return cls(block_size=block_size)
     return cls()

@@ -22,10 +22,11 @@ from kvmesh.protos import pb_grpc
 from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
-from kvmesh.router.policies import ReplicaState
+from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
+from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, StepCosts, median_costs
 from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ReplicaEntry:
     auth: tuple[tuple[str, str], ...] = ()  # metadata every call to it carries (its bearer token)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failed_until: float = 0.0
+    costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
 
 
 class ReplicaRegistry:
@@ -61,6 +63,7 @@ class ReplicaRegistry:
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
+        self.peer_costs = PRIOR  # what a replica that has not measured its costs yet is priced at
         self._back_until = 0.0  # after the index returns: replicas it does not list yet are kept until then
         self._loops = BackgroundLoops()
         self._listeners: list = []
@@ -134,12 +137,15 @@ class ReplicaRegistry:
                 )
                 self.entries[rec.replica_id] = entry
             entry.record = rec
+            measured = rec.load("cost_steps") >= MEASURED_AFTER_STEPS
+            entry.costs = StepCosts.from_fields(rec.load) if measured else None
             entry.live_until = now + rec.heartbeat_ttl_ms / 1000
         for gone in set(self.entries) - seen:
             if now < self._back_until:  # the index just came back: not re-registered yet
                 self.entries[gone].live_until = self._back_until
                 continue
             self._retired.append(self.entries.pop(gone))
+        self.peer_costs = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
         await self._close_idle_retired()
 
     async def _close_idle_retired(self) -> None:
@@ -182,6 +188,9 @@ class ReplicaRegistry:
                 num_waiting=int(e.record.load("num_waiting")),
                 num_free_blocks=int(e.record.load("num_free_blocks")),
                 num_blocks=int(e.record.load("num_blocks")),
+                costs=e.costs or self.peer_costs,
+                step_tokens=int(e.record.load("max_num_batched_tokens", DEFAULT_STEP_TOKENS))
+                or DEFAULT_STEP_TOKENS,
             )
             for e in self.live()
         ]

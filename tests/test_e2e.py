@@ -83,6 +83,22 @@ async def test_shared_prefix_lands_together_under_prefix_and_spreads_under_round
     assert len(spread) == 3
 
 
+async def test_the_simulator_replays_a_real_run_with_the_costs_its_replicas_measured(cluster):
+    """``kvmesh experiments --fidelity`` at the smallest scale: a real run, the replicas' step
+    costs from their heartbeats as the simulator's model, the same requests simulated."""
+    from kvmesh.cluster.experiments import fidelity
+
+    for i in range(12):  # every replica measures its costs (>= 32 steps each)
+        complete(await call(cluster, greedy(prompts_of_lengths([40], salt=100 + i)[0], policy="round_robin")))
+    (row,) = await fidelity.measure(cluster, ("shared_prefix",), (6.0,), 16, log=lambda _: None)
+    assert row["errors"] == 0 and row["requests"] == 16
+    assert row["cost_model"]["base_s"] != 0.006  # measured, not the prior
+    assert row["cost_model"]["kv_tokens_per_replica"] == 512 * 16
+    assert row["real"]["ttft_p90_ms"] > 0 and row["simulated"]["ttft_p90_ms"] > 0
+    assert abs(row["hit_rate_error"]) <= 0.15, row  # 16 requests: only gross errors are real
+    assert "shared_prefix 6/s" in fidelity.section([row], 60.0)
+
+
 async def test_a_burst_sharing_one_new_prefix_is_not_piled_on_one_replica(cluster):
     shared = prompts_of_lengths([300], salt=4)[0]
     router = cluster.router

@@ -98,7 +98,10 @@ def route(blocks: int) -> RouteRequest:
         ([ReplicaState("a", matched_blocks=4), ReplicaState("b")], "prefix_hit"),
         ([ReplicaState("a"), ReplicaState("b")], "load_fallback"),
         ([ReplicaState("a", matched_blocks=4, inflight_requests=12), ReplicaState("b")], "hot_spot_guard"),
-        ([ReplicaState("a", matched_blocks=1, num_waiting=5), ReplicaState("b")], "load_over_prefix"),
+        (
+            [ReplicaState("a", matched_blocks=1, inflight_prefill_blocks=100), ReplicaState("b")],
+            "load_over_prefix",
+        ),
     ],
 )
 def test_prefix_policy_says_why_it_chose(states, branch):

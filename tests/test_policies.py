@@ -1,6 +1,7 @@
 """Routing policies as pure functions: no servers, just requests and replica states."""
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from kvmesh.router.policies import (
     make_policy,
 )
 from kvmesh.router.speculative import SpeculativeOverlay
+from kvmesh.serving.step_costs import StepCosts
 
 BS = 16
 
@@ -95,14 +97,61 @@ def test_prefix_prefers_the_longest_cached_prefix():
     assert PrefixAware().rank(request(prompt(1)), reps)[1] == "a"
 
 
-def test_prefix_weighs_load_against_cache():
-    req = request(prompt(1))  # 10 blocks
-    reps = [ReplicaState("hot", matched_blocks=10, inflight_prefill_blocks=200), ReplicaState("idle")]
-    assert PrefixAware().rank(req, reps)[0] == "idle"  # recomputing 10 blocks beats 200 queued
-    reps[0].inflight_prefill_blocks = 100
-    assert PrefixAware().rank(req, reps)[0] == "hot"  # but not 100: a cached block is worth 16 queued
-    reps[0].inflight_prefill_blocks, reps[0].inflight_decode_blocks = 0, 800
-    assert PrefixAware().rank(req, reps)[0] == "idle"  # decode load counts too, at a lower weight
+# Costs chosen so the arithmetic below is easy to follow: 1 ms per prompt token, 10 ms a step.
+SIMPLE = StepCosts(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.0, context_token_s=0.0)
+
+
+def test_prefix_burst_spills_exactly_when_waiting_costs_more_than_a_cold_prefill():
+    """A burst on one prefix, nothing finishing: each request queues one uncached block on
+    the holder. It stays there while waiting behind the queue costs less than computing the
+    whole prompt elsewhere, and spills at the first request for which it costs more."""
+    p = PrefixAware(block_size=BS, hot_spot_factor=1e9)  # the guard is tested on its own
+    idle_elsewhere = dataclasses.replace(SIMPLE, base_s=0.011)  # 1 ms slower a step: no exact tie
+    holder = ReplicaState("holder", costs=SIMPLE, step_tokens=10**9)  # queued steps cost ~nothing
+    other = ReplicaState("other", costs=idle_elsewhere, step_tokens=10**9)
+    shared = prompt(3, n=9 * BS)  # 9 blocks, 8 of them held
+    # On the holder: queued blocks * 16 ms + one step (10 ms) + its last block (16 ms);
+    # elsewhere: one step (11 ms) + 9 blocks (144 ms). Waiting wins while queued * 16 < 129 ms.
+    expected_stay = next(q for q in range(100) if q * 16 + 10 + 16 > 11 + 144)
+    for q in range(expected_stay + 3):
+        req = request(shared[:-1] + [q])
+        holder.matched_blocks = 8
+        holder.inflight_prefill_blocks = q
+        assert p.rank(req, [holder, other])[0] == ("holder" if q < expected_stay else "other"), q
+    assert expected_stay == 9
+
+
+def test_prefix_a_replica_twice_as_slow_gets_a_third_of_the_work():
+    """Two replicas, one measured twice as slow on every term, a stream of cold prompts more
+    than both can serve: each drains its queue at its own speed, and the policy's predictions
+    send the fast one twice the work. (Below saturation the fast one takes more than its
+    share, which is what the fastest first token asks for.)"""
+    fast = ReplicaState("fast", costs=SIMPLE)
+    slow = ReplicaState("slow", costs=StepCosts(*(2 * c for c in dataclasses.astuple(SIMPLE))))
+    p, placed, clock = PrefixAware(block_size=BS), collections.Counter(), 0.0
+    for i in range(600):
+        clock_step = 0.03  # a 4-block prompt every 30 ms: 64 ms of prefill on the fast one
+        for r in (fast, slow):  # each computes its queue at its own speed meanwhile
+            done = clock_step / (BS * r.costs.prefill_token_s)
+            r.inflight_prefill_blocks = max(0.0, r.inflight_prefill_blocks - done)
+        clock += clock_step
+        chosen = {"fast": fast, "slow": slow}[p.rank(request(prompt(i, n=4 * BS)), [fast, slow])[0]]
+        chosen.inflight_prefill_blocks += 4
+        placed[chosen.replica_id] += 1
+    assert placed["fast"] / sum(placed.values()) == pytest.approx(2 / 3, abs=0.04), placed
+
+
+def test_prefix_priced_by_each_replicas_own_queue_and_costs():
+    """The prediction is the replica's wait plus its own step and prefill: nothing else."""
+    p = PrefixAware(block_size=BS)
+    r = ReplicaState(
+        "r", matched_blocks=2, inflight_prefill_blocks=5, inflight_requests=3, num_blocks=100,
+        num_free_blocks=60, costs=StepCosts(0.01, 0.001, 0.002, 1e-5), step_tokens=40,
+    )  # fmt: skip
+    step = 0.01 + 0.002 * 3 + 1e-5 * 40 * BS  # base, 3 sequences, 40 blocks of context
+    queued = 5 * BS
+    expected = queued * 0.001 + queued / 40 * step + step + 8 * BS * 0.001  # 8 of 10 blocks uncached
+    assert p.ttft(request(prompt(1)), r) == pytest.approx(expected)
 
 
 def test_prefix_cold_prompts_spread_but_repeat_visits_agree():
@@ -113,7 +162,8 @@ def test_prefix_cold_prompts_spread_but_repeat_visits_agree():
 
 
 def test_prefix_hot_spot_guard_with_speculative_entries():
-    """30 concurrent requests, one shared prefix, nothing finishes: at most half on one replica."""
+    """30 concurrent requests, one shared prefix, nothing finishes: waiting behind one-block
+    prefills stays cheaper than a cold prefill elsewhere, so only the guard spreads them."""
     p, overlay = PrefixAware(), SpeculativeOverlay(ttl_s=60)
     shared = prompt(1, n=512)
     reps = {r.replica_id: r for r in replicas(3)}
@@ -129,7 +179,7 @@ def test_prefix_hot_spot_guard_with_speculative_entries():
         reps[choice].inflight_prefill_blocks += req.num_blocks - reps[choice].matched_blocks
         reps[choice].inflight_decode_blocks += 1
         placed[choice] += 1
-    assert max(placed.values()) <= 15
+    assert max(placed.values()) <= p.cap_of(29, 3) < 30
     assert placed.most_common(1)[0][1] >= 8  # still mostly where the prefix is
 
 

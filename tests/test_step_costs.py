@@ -4,13 +4,15 @@ every step does twice the work reports about twice the costs."""
 
 import asyncio
 import random
+from dataclasses import astuple
 
 import pytest
 from reference import prompts_of_lengths
 
 from kvmesh.replica.engine import LLMEngine
-from kvmesh.replica.step_costs import PRIOR, TERMS, StepCostFit
+from kvmesh.replica.step_costs import StepCostFit
 from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, TERMS, StepCosts, median_costs
 
 TRUE = (0.004, 2e-5, 1e-4, 2e-7)
 
@@ -30,11 +32,11 @@ def synthetic_steps(n: int, costs=TRUE, seed: int = 0, outliers: float = 0.0):
 
 def test_the_prior_until_the_first_step_then_the_measured_costs():
     fit = StepCostFit()
-    assert tuple(fit.costs().values()) == pytest.approx(PRIOR)
+    assert astuple(fit.costs()) == pytest.approx(astuple(PRIOR))
     for step in synthetic_steps(3000):
         fit.observe(*step)
     for term, true in zip(TERMS, TRUE, strict=True):
-        assert fit.costs()[term] == pytest.approx(true, rel=0.1), term
+        assert getattr(fit.costs(), term) == pytest.approx(true, rel=0.1), term
 
 
 def test_outliers_move_the_fit_little():
@@ -64,7 +66,7 @@ def test_costs_are_never_negative_and_empty_steps_say_nothing():
     fit = StepCostFit()
     for i in range(200):  # steps whose time falls as the batch grows: a negative slope, clipped
         fit.observe(0, 1 + i % 50, 0, 0.01 - 0.0001 * (i % 50))
-    assert all(value >= 0 for value in fit.costs().values())
+    assert all(value >= 0 for value in astuple(fit.costs()))
     steps = fit.steps
     fit.observe(0, 0, 0, 1.0)
     fit.observe(10, 0, 10, float("nan"))
@@ -98,7 +100,7 @@ def test_an_engine_whose_steps_take_twice_as_long_reports_twice_the_cost(qwen3_d
     fast.clock, slow.clock = SteppingClock(0.005), SteppingClock(0.010)
     for engine in (fast, slow):
         _serve(engine, salt=0)
-        assert engine.stats().step_costs != dict(zip(TERMS, PRIOR, strict=True))  # measured, not the prior
+        assert engine.stats().step_costs != PRIOR  # measured, not the prior
     assert fast.step_costs.typical_step_s() == pytest.approx(0.005, rel=0.05)
     assert slow.step_costs.typical_step_s() / fast.step_costs.typical_step_s() == pytest.approx(2.0, rel=0.05)
 
@@ -129,11 +131,11 @@ async def test_a_replica_publishes_its_costs_in_heartbeats_status_and_metrics(qw
         async with grpc.aio.insecure_channel(replica.address) as channel:
             [r async for r in pb_grpc.ReplicaStub(channel).Generate(request, timeout=60)]
         measured = replica.engine.stats().step_costs
-        assert measured != dict(zip(TERMS, PRIOR, strict=True))
+        assert measured != PRIOR
         await asyncio.sleep(0.6)  # a heartbeat or two
         (model,) = [m for m in await status.from_index(valkey_server.url) if m["deployment"] == "costs"]
         (row,) = model["replicas"]
-        assert row["step_costs"]["base_s"] == pytest.approx(measured["base_s"], rel=0.2)
+        assert row["step_costs"]["base_s"] == pytest.approx(measured.base_s, rel=0.2)
         assert "step cost" in status.render([model])
         async with httpx.AsyncClient() as http:
             samples = read_samples((await http.get(f"{replica.http_address}/metrics")).text)
@@ -142,6 +144,45 @@ async def test_a_replica_publishes_its_costs_in_heartbeats_status_and_metrics(qw
             for (name, labels), v in samples.items()
             if name == "kvmesh_replica_step_cost_seconds" and ("term", "base") in labels
         ]
-        assert base == pytest.approx(replica.engine.stats().step_costs["base_s"], rel=0.5)
+        assert base == pytest.approx(replica.engine.stats().step_costs.base_s, rel=0.5)
     finally:
         await replica.stop(grace=0.2)
+
+
+def test_the_median_of_peers_and_the_prior_when_nobody_measured():
+    a, b, c = StepCosts(1, 2, 3, 4), StepCosts(3, 1, 5, 0), StepCosts(2, 9, 4, 1)
+    assert median_costs([a, b, c]) == StepCosts(2, 2, 4, 1)
+    assert median_costs([]) == PRIOR
+
+
+def published(costs: StepCosts) -> StepCosts:
+    """What a router reads back of ``costs`` sent in a heartbeat (4 significant digits)."""
+    return StepCosts.from_fields(lambda name, default: float(costs.as_fields().get(name, default)))
+
+
+@pytest.mark.asyncio
+async def test_the_router_prices_a_replica_that_has_not_measured_like_its_measured_peers():
+    """A replica just started reports the prior pulled toward a few warm-up steps: the router
+    prices it like the replicas that have measured (else a fleet of slow CPUs would send all
+    work to the newcomer whose prior says H100), and by its own costs once it has measured."""
+    from kvmesh.kvcache.memory_index import MemoryPrefixIndex
+    from kvmesh.router.registry import ReplicaRegistry
+
+    index = MemoryPrefixIndex()
+    slow = StepCosts(0.05, 4e-4, 1e-3, 1e-6)
+    for rid, costs, steps in (
+        ("old-0", slow, 500),
+        ("old-1", slow, 900),
+        ("new", PRIOR, MEASURED_AFTER_STEPS - 1),
+    ):
+        await index.register(rid, f"127.0.0.1:{len(rid)}", 10.0, {**costs.as_fields(), "cost_steps": steps})
+    registry = ReplicaRegistry(index)
+    try:
+        await registry.refresh()
+        states = {s.replica_id: s for s in registry.states({})}
+        assert states["new"].costs == states["old-0"].costs == published(slow)
+        assert await index.heartbeat("new", 3, 10.0, {"cost_steps": MEASURED_AFTER_STEPS})
+        await registry.refresh()
+        assert {s.replica_id: s for s in registry.states({})}["new"].costs == published(PRIOR)
+    finally:
+        await registry.stop()

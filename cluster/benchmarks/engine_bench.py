@@ -17,6 +17,7 @@ import math
 import random
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -137,13 +138,9 @@ def calibrate(engine: LLMEngine, rng: random.Random) -> dict:
         for context in (64, 512):
             engine.reset_prefix_cache()
             _step_time(engine, [[rng.randrange(3, vocab) for _ in range(context)] for _ in range(batch)], 8)
-    base, prefill_token, decode_seq, context_token = engine.step_costs.costs().values()
     return {
         "name": "calibrated-cpu",
-        "base_s": base,
-        "prefill_token_s": prefill_token,
-        "decode_seq_s": decode_seq,
-        "context_token_s": context_token,
+        **asdict(engine.step_costs.costs()),
         "kv_tokens_per_replica": engine.block_manager.num_blocks * engine.block_size,
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,

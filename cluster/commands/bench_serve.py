@@ -30,7 +30,7 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list) -> i
     from kvmesh.cluster.experiments.report import summarize, write_run
     from kvmesh.cluster.launcher import LocalCluster
 
-    cluster = None
+    cluster, measured = None, {}
     address = args.address
     if not address:
         router = {"port": 0, "http_port": -1, "block_size": args.block_size}
@@ -44,17 +44,33 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list) -> i
             address, requests, policy=args.policy or "", concurrency=args.concurrency,
             use_arrival_times=bool(args.rate or args.trace_time), progress=not args.quiet,
         )  # fmt: skip
+        if cluster:
+            measured = await fleet_cost_model(cluster, block_size)
     finally:
         if cluster:
             await cluster.stop()
     meta = {
         "workload": name, "policy": args.policy, "rate": args.rate, "trace_time": args.trace_time,
         "speedup": args.speedup, "requests": len(requests), "hit_rate_ceiling": ceiling, "address": address,
+        **measured,
     }  # fmt: skip
     write_run(Path(args.out), meta, records)
     print(json.dumps(summarize(records, ceiling=ceiling), indent=2))
     print(f"\nwrote {args.out}")
     return 0
+
+
+async def fleet_cost_model(cluster, block_size: int) -> dict:
+    """``{"cost_model": ...}``: the step costs the cluster's replicas measured, from their
+    heartbeats (``kvmesh simulate --cost-model RUN`` replays with it); empty if none has."""
+    from kvmesh.cluster.experiments.cost_model import from_heartbeats
+
+    await cluster.router.registry.refresh()
+    records = [entry.record for entry in cluster.router.registry.live()]
+    try:
+        return {"cost_model": from_heartbeats(records, block_size).as_dict()}
+    except ValueError:
+        return {}
 
 
 async def _router_block_size(address: str) -> int:

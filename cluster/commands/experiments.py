@@ -22,6 +22,10 @@ def register(commands) -> None:
         "--routers-grid", action="store_true",
         help="only the many-routers grid in the simulator (its section of experiments.md, sim_routers.json)",
     )  # fmt: skip
+    exp.add_argument(
+        "--fidelity", action="store_true",
+        help="only the simulator against a real 4-replica cluster (its section of experiments.md, fidelity.json)",
+    )  # fmt: skip
     exp.set_defaults(handler=usage_errors(experiments))
 
 
@@ -33,4 +37,8 @@ def experiments(args: argparse.Namespace) -> int:
         from kvmesh.cluster.experiments.routers_grid import main as grid_main
 
         return grid_main(args.out_dir, args.quick)
+    if args.fidelity:
+        from kvmesh.cluster.experiments.fidelity import main as fidelity_main
+
+        return fidelity_main(args.out_dir, args.quick, args.cache_dir)
     return suite_main(args.out_dir, args.quick, not args.no_real, args.cache_dir)

@@ -1,19 +1,21 @@
-"""How long one engine iteration takes, for the simulator.
-
-    t = base + prefill_token * (tokens computed for prompts this step)
-             + decode_seq * (sequences decoding this step)
-             + context_token * (tokens of context all scheduled sequences attend to)
-
-The first two terms are compute, the last is KV reads (memory-bound attention). A model
-comes from a preset or from ``kvmesh bench engine``'s calibration section (measured on the
-machine that ran it).
+"""How long one engine iteration takes, for the simulator: the model every kvmesh part prices
+work with (``serving/step_costs.py``: base, per prefill token, per decoding sequence, per
+context token), plus what a replica holds (KV capacity, batch limits). A model comes from a
+preset, from ``kvmesh bench engine``'s calibration section (measured on the machine that ran
+it), or from the costs replicas sent in their heartbeats during a real run.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
+
+from kvmesh.kvcache.index_api import ReplicaRecord
+from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, StepCosts, median_costs
 
 
 @dataclass(frozen=True)
@@ -28,45 +30,73 @@ class CostModel:
     max_num_batched_tokens: int = 8192
     source: str = ""
 
+    @cached_property
+    def step_costs(self) -> StepCosts:
+        return StepCosts(self.base_s, self.prefill_token_s, self.decode_seq_s, self.context_token_s)
+
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        return (
-            self.base_s
-            + self.prefill_token_s * prefill_tokens
-            + self.decode_seq_s * decode_seqs
-            + self.context_token_s * context_tokens
-        )
+        return self.step_costs.step_seconds(prefill_tokens, decode_seqs, context_tokens)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-# An H100-SXM-class replica serving an 8B Llama-3 in bf16. From public numbers, not measured
-# here: ~30k prompt tokens/s prefill (about 45% MFU of ~990 dense TFLOP/s at 16 GFLOP per
-# token); a decode step reads the 16 GB of weights at ~3 TB/s (~6 ms) plus 128 KiB of KV per
-# context token; ~55 GB left for KV after weights and activations = ~420k tokens.
+# An H100-SXM-class replica serving an 8B Llama-3 in bf16: the step costs are the prior every
+# replica starts from (serving/step_costs.py, public figures); ~55 GB left for KV after
+# weights and activations = ~420k tokens.
 H100_LLAMA3_8B = CostModel(
     name="h100-llama3-8b",
-    base_s=0.006,
-    prefill_token_s=1 / 30_000,
-    decode_seq_s=0.00005,
-    context_token_s=128 * 1024 / 3.0e12,
+    **asdict(PRIOR),
     kv_tokens_per_replica=420_000,
     max_num_seqs=256,
     max_num_batched_tokens=8192,
-    source="public H100 / Llama-3-8B figures, see cost_model.py",
+    source="public H100 / Llama-3-8B figures, see serving/step_costs.py",
 )
-
 PRESETS = {H100_LLAMA3_8B.name: H100_LLAMA3_8B}
 
 
+def from_heartbeats(records: Sequence[ReplicaRecord], block_size: int, name: str = "heartbeats") -> CostModel:
+    """The model of a real fleet, from its replicas' records: each step-cost term's median over
+    the replicas that have measured theirs (what the router prices an unmeasured one at), their
+    KV pool and batch limits."""
+    measured = [
+        StepCosts.from_fields(r.load) for r in records if r.load("cost_steps") >= MEASURED_AFTER_STEPS
+    ]
+    if not measured:
+        raise ValueError("no replica has measured its step costs yet (serve some requests first)")
+
+    def median_of(field: str, default: float) -> int:
+        return int(statistics.median(r.load(field, default) for r in records))
+
+    return CostModel(
+        name=name,
+        **asdict(median_costs(measured)),
+        kv_tokens_per_replica=median_of("num_blocks", 0) * block_size,
+        max_num_seqs=median_of("max_num_seqs", 256),
+        max_num_batched_tokens=median_of("max_num_batched_tokens", 8192),
+        source=f"step costs {len(measured)} replicas measured, sent in their heartbeats",
+    )
+
+
 def load_cost_model(spec: str) -> CostModel:
-    """A preset name, or a JSON file: a CostModel dict or a ``kvmesh bench engine`` result."""
+    """A preset name, or a JSON file: a CostModel dict, a ``kvmesh bench engine`` result, or a
+    ``kvmesh bench serve`` run (its replicas' heartbeats at the end of the run)."""
     if spec in PRESETS:
         return PRESETS[spec]
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"cost model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
-    data = json.loads(path.read_text())
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # a run: JSON lines, its first one {"meta": ...}
+        try:
+            data = json.loads(text.partition("\n")[0])
+        except json.JSONDecodeError:
+            raise ValueError(f"{spec}: neither JSON nor a kvmesh run") from None
+        data = data.get("meta", {}) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{spec}: not a cost model")
     data = data.get("cost_model", data)
     try:
         return CostModel(**data)

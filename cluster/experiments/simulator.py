@@ -19,10 +19,11 @@ as the clock reaches it), and a finished request leaves one row of numbers, so m
 bounded by what is in flight and cached, not by the trace's length. A replica whose batch
 is only decoding, with nobody waiting, runs many identical iterations as one "window"
 (closed-form duration) up to the first finish or block boundary. A prefix-policy decision
-does not rank every replica: replicas holding nothing of the prompt differ only by load, so
-each router keeps them ordered by the load part of its policy's cost (``LoadOrder``), and
-the policy ranks the holders plus the cheapest tied non-holders; the choice is the one the
-full ranking makes (tested).
+does not rank every replica: every simulated replica runs one cost model, so those holding
+nothing of the prompt differ only by load (their predicted TTFTs are the load part plus the
+same prefill); each router keeps them ordered by the load part (``LoadOrder``), and the
+policy ranks the holders plus the non-holders that could tie with the cheapest; the choice
+is the one the full ranking makes (tested).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from kvmesh.router.policies import Policy, PrefixAware, ReplicaState, RouteReque
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving.sampling import SamplingParams
 
-_NO_BLOCKS = RouteRequest((), ())  # a policy's cost of it is the load part alone
+_NO_BLOCKS = RouteRequest((), ())  # a policy's predicted TTFT of it is the load part alone
 
 
 @dataclass
@@ -93,16 +94,16 @@ class Results:
 
 
 class LoadOrder:
-    """One router's replicas sorted by (load part of its policy's cost, recent work): the
-    order its prefix policy ranks replicas that hold nothing of a prompt, kept up to date as
-    loads change (a sorted list: an update moves one entry, in C)."""
+    """One router's replicas sorted by the load part of its policy's predicted TTFT: the order
+    its prefix policy ranks replicas that hold nothing of a prompt, kept up to date as loads
+    change (a sorted list: an update moves one entry, in C)."""
 
     def __init__(self, num_replicas: int):
-        self.keys = [(0.0, -math.inf, r) for r in range(num_replicas)]
+        self.keys = [(0.0, r) for r in range(num_replicas)]
         self.sorted = sorted(self.keys)
 
-    def update(self, replica: int, cost: float, recent_key: float) -> None:
-        new = (cost, recent_key, replica)
+    def update(self, replica: int, cost: float) -> None:
+        new = (cost, replica)
         old = self.keys[replica]
         if new != old:
             del self.sorted[bisect_left(self.sorted, old)]
@@ -220,7 +221,8 @@ class Simulation:
         if heartbeat_s:
             self._beats = [((r + 0.5) / replicas * heartbeat_s, r) for r in range(replicas)]
             heapq.heapify(self._beats)
-        self._queues = [(0, 0)] * replicas  # (running, waiting) as the routers last saw them
+        # (running, waiting, free blocks) as the routers last saw them
+        self._queues = [(0, 0, num_blocks)] * replicas
         self.results = Results()
         self.rejected = 0
         self._events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, replica, version)
@@ -229,6 +231,8 @@ class Simulation:
         self._progress = progress
         self.decode_windows = decode_windows
         self._arrivals = 0
+        for r in range(replicas):  # an idle replica's prediction is not 0: one step
+            self._reorder(r, self.routers)
 
     # ------------------------------------------------------------------ main loop
 
@@ -276,23 +280,24 @@ class Simulation:
 
     def _state(self, router: RouterView, r: int, matched: int, now: float) -> ReplicaState:
         load = self._seen(router, r)
-        running, waiting = self._queues[r]
+        running, waiting, free = self._queues[r]
         return ReplicaState(
-            self._ids[r], matched, load.requests, load.prefill_blocks, load.decode_blocks,
-            running, waiting, num_blocks=self._num_blocks, recent_blocks=router.own[r].recent.value(now),
+            self._ids[r], matched, load.requests, load.prefill_blocks, load.decode_blocks, running, waiting,
+            free, self._num_blocks, router.own[r].recent.value(now), self.cost.step_costs,
+            self.cost.max_num_batched_tokens,
         )  # fmt: skip
 
     def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
         """Replica ``r``'s load changed as ``routers`` see it: move it in their load orders.
-        The load part of the cost depends on the counts a router sees and its policy's
-        weights only, so routers sharing both (shared load) price it once."""
+        The load part of the prediction depends on the counts a router sees and its policy
+        only, so routers sharing both (shared load) price it once."""
         costs: dict[tuple[int, type], float] = {}
         for router in routers:
             if router.order is not None:
                 seen = (id(self._seen(router, r)), type(router.policy))
                 if seen not in costs:
-                    costs[seen] = router.policy.cost(_NO_BLOCKS, self._state(router, r, 0, 0.0))
-                router.order.update(r, costs[seen], router.own[r].recent.order_key())
+                    costs[seen] = router.policy.ttft(_NO_BLOCKS, self._state(router, r, 0, 0.0))
+                router.order.update(r, costs[seen])
 
     def _affected(self, router: RouterView) -> Sequence[RouterView]:
         """The routers that see a change to ``router``'s counts."""
@@ -300,7 +305,9 @@ class Simulation:
 
     def _see_queues(self, replica: SimReplica) -> None:
         """The routers learn the replica's queue lengths (at a heartbeat, or live)."""
-        queues = (len(replica.scheduler.running), len(replica.scheduler.waiting))
+        queues = (
+            len(replica.scheduler.running), len(replica.scheduler.waiting), replica.scheduler.block_manager.num_free_blocks
+        )  # fmt: skip
         if queues != self._queues[replica.index]:
             self._queues[replica.index] = queues
             self._reorder(replica.index, self.routers)
@@ -327,20 +334,23 @@ class Simulation:
         self, router: RouterView, matched: dict[int, int], cap: float, now: float
     ) -> list[int]:
         """The replicas holding none of the prompt that the full ranking could put first: the
-        cheapest under the guard's cap (all of them, when every one is over it), with every
-        replica tied with it on the policy's key before the rendezvous tie-break."""
+        cheapest under the guard's cap (all of them, when every one is over it) and every one
+        the policy counts as tied with it (predicted within one step of it; a hair more here,
+        as a superset of candidates changes nothing)."""
+        policy = router.policy
         for guarded in (True, False):
-            tied, best = [], None
-            for cost, _, r in router.order.sorted:
+            tied, bound = [], -math.inf
+            for cost, r in router.order.sorted:
                 if r in matched or (guarded and self._seen(router, r).requests + 1 > cap):
                     continue
-                key = (cost, round(router.own[r].recent.value(now)))
-                if best is not None and key != best:
+                if tied and cost > bound:
                     break
-                best = key
-                tied.append(r)
+                if not tied or cost == tied[0][0]:
+                    step_s = policy.step_seconds(self._state(router, r, 0, now))
+                    bound = max(bound, (cost + step_s) * (1 + 1e-9))
+                tied.append((cost, r))
             if tied:
-                return tied
+                return [r for _, r in tied]
         return []
 
     def _arrive(self, i: int, spec: WorkloadRequest, now: float) -> None:
