@@ -224,6 +224,49 @@ def test_cost_model_presets_and_files(tmp_path):
     assert load_cost_model(str(f)) == FLAT
     with pytest.raises(ValueError, match="neither a preset"):
         load_cost_model("tpu-v9")
+    run = tmp_path / "run.jsonl"  # kvmesh bench serve's: the fleet's measured model in its meta line
+    run.write_text(
+        json.dumps({"meta": {"workload": "x", "cost_model": FLAT.as_dict()}}) + '\n{"request_id": "1"}\n'
+    )
+    assert load_cost_model(str(run)) == FLAT
+    for junk in ("not json\n{}", "[1, 2]"):
+        (tmp_path / "junk").write_text(junk)
+        with pytest.raises(ValueError, match="cost model|kvmesh run"):
+            load_cost_model(str(tmp_path / "junk"))
+
+
+def test_a_fleets_model_from_its_heartbeats_is_the_median_of_the_replicas_that_measured():
+    """What ``kvmesh bench serve`` and ``--fidelity`` simulate with: the router's own reading of
+    the replicas' records (an unmeasured one is left out, as the router prices it by the rest)."""
+    from kvmesh.cluster.experiments.cost_model import from_heartbeats
+    from kvmesh.kvcache.index_api import ReplicaRecord
+    from kvmesh.serving.step_costs import StepCosts
+
+    def record(rid, costs, steps, blocks=160):
+        fields = {**costs.as_fields(), "cost_steps": str(steps), "num_blocks": str(blocks),
+                  "max_num_seqs": "64", "max_num_batched_tokens": "2048"}  # fmt: skip
+        return ReplicaRecord(rid, "127.0.0.1:1", 1, 1000, fields)
+
+    fleet = [
+        record("a", StepCosts(0.02, 3e-4, 1e-3, 1e-6), 400),
+        record("b", StepCosts(0.04, 5e-4, 2e-3, 2e-6), 400),
+        record("c", StepCosts(0.03, 4e-4, 3e-3, 0.0), 900),
+        record("new", StepCosts(0.006, 3e-5, 5e-5, 4e-8), 3),  # the prior, barely moved
+    ]
+    model = from_heartbeats(fleet, block_size=16)
+    assert (model.base_s, model.prefill_token_s, model.decode_seq_s, model.context_token_s) == (
+        0.03,
+        4e-4,
+        2e-3,
+        1e-6,
+    )
+    assert (model.kv_tokens_per_replica, model.max_num_seqs, model.max_num_batched_tokens) == (
+        160 * 16,
+        64,
+        2048,
+    )
+    with pytest.raises(ValueError, match="measured"):
+        from_heartbeats(fleet[3:], block_size=16)
 
 
 def test_simulate_cli_writes_every_policy(tmp_path):
