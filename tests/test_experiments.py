@@ -231,7 +231,7 @@ def test_cost_model_presets_and_files(tmp_path):
     assert load_cost_model(str(run)) == FLAT
     for junk in ("not json\n{}", "[1, 2]"):
         (tmp_path / "junk").write_text(junk)
-        with pytest.raises(ValueError, match="cost model|kvmesh run"):
+        with pytest.raises(ValueError, match=r"cost model|kvmesh run"):
             load_cost_model(str(tmp_path / "junk"))
 
 
