@@ -189,8 +189,7 @@ class ReplicaRegistry:
                 num_free_blocks=int(e.record.load("num_free_blocks")),
                 num_blocks=int(e.record.load("num_blocks")),
                 costs=e.costs or self.peer_costs,
-                step_tokens=int(e.record.load("max_num_batched_tokens", DEFAULT_STEP_TOKENS))
-                or DEFAULT_STEP_TOKENS,
+                step_tokens=_step_tokens(e.record),
             )
             for e in self.live()
         ]
@@ -250,3 +249,9 @@ class ReplicaRegistry:
         if entry:
             entry.failed_until = time.monotonic() + self.failure_cooldown_s
             log.warning("replica call failed, cooling down", extra={"replica_id": replica_id})
+
+
+def _step_tokens(record: ReplicaRecord) -> int:
+    """A replica's chunked-prefill budget from its record (never trusted to be sane)."""
+    tokens = int(record.load("max_num_batched_tokens", DEFAULT_STEP_TOKENS))
+    return tokens if tokens > 0 else DEFAULT_STEP_TOKENS

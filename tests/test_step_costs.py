@@ -166,21 +166,24 @@ async def test_the_router_prices_a_replica_that_has_not_measured_like_its_measur
     prices it like the replicas that have measured (else a fleet of slow CPUs would send all
     work to the newcomer whose prior says H100), and by its own costs once it has measured."""
     from kvmesh.kvcache.memory_index import MemoryPrefixIndex
+    from kvmesh.router.policies import DEFAULT_STEP_TOKENS
     from kvmesh.router.registry import ReplicaRegistry
 
     index = MemoryPrefixIndex()
     slow = StepCosts(0.05, 4e-4, 1e-3, 1e-6)
-    for rid, costs, steps in (
-        ("old-0", slow, 500),
-        ("old-1", slow, 900),
-        ("new", PRIOR, MEASURED_AFTER_STEPS - 1),
+    for rid, costs, steps, budget in (
+        ("old-0", slow, 500, 512),
+        ("old-1", slow, 900, -5),  # a record is never trusted to be sane
+        ("new", PRIOR, MEASURED_AFTER_STEPS - 1, 4096),
     ):
-        await index.register(rid, f"127.0.0.1:{len(rid)}", 10.0, {**costs.as_fields(), "cost_steps": steps})
+        fields = {**costs.as_fields(), "cost_steps": steps, "max_num_batched_tokens": budget}
+        await index.register(rid, f"127.0.0.1:{len(rid)}", 10.0, fields)
     registry = ReplicaRegistry(index)
     try:
         await registry.refresh()
         states = {s.replica_id: s for s in registry.states({})}
         assert states["new"].costs == states["old-0"].costs == published(slow)
+        assert [states[r].step_tokens for r in ("old-0", "old-1", "new")] == [512, DEFAULT_STEP_TOKENS, 4096]
         assert await index.heartbeat("new", 3, 10.0, {"cost_steps": MEASURED_AFTER_STEPS})
         await registry.refresh()
         assert {s.replica_id: s for s in registry.states({})}["new"].costs == published(PRIOR)
