@@ -7,6 +7,7 @@ when it ends; ``recent`` decays, for tie-breaks between otherwise equal replicas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -20,6 +21,12 @@ class DecayingSum:
 
     def value(self, now: float) -> float:
         return self._value * 0.5 ** ((now - self._at) / self.half_life_s) if self._value else 0.0
+
+    def order_key(self) -> float:
+        """A number that orders sums by their value at any one moment (they all halve at the
+        same rate, so the order never changes between additions): log2 of the value,
+        carried to a common time origin."""
+        return math.log2(self._value) + self._at / self.half_life_s if self._value > 0 else -math.inf
 
     def add(self, amount: float, now: float) -> None:
         self._value = self.value(now) + amount

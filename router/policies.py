@@ -157,35 +157,43 @@ class Session(Policy):
 
 @dataclass
 class PrefixAware(Policy):
-    """Routes to the replica with the least predicted time to first token (TTFT), under a
-    bounded-load hot-spot guard.
+    """Routes by predicted time to first token (TTFT) plus what a recomputed prefix costs the
+    fleet, under a bounded-load hot-spot guard.
 
-    On each replica, priced by that replica's own measured step costs (its heartbeat; before
-    it has measured them, its measured peers' median, or the prior of ``serving/step_costs.py``
-    when none has)::
+    On each replica, priced by that replica's own measured step costs (its heartbeat; like
+    replicas at their median, see ``router/registry.py``)::
 
         ttft  = wait + step + uncached * prefill_token
         wait  = queued * prefill_token + queued / step_tokens * step
         step  = base + decode_seq * sequences it runs + context_token * context tokens it holds
+        score = ttft + recompute_weight * uncached * prefill_token
 
     ``queued``: the prefill tokens routed to it and not yet computed (every router's, with
     shared load), which its scheduler serves first; ``uncached``: the prompt tokens it does
-    not hold. A replica twice as slow prices everything twice as high, so it gets half the
-    work once queues form; a burst on one prefix stays on its holder until waiting there costs
-    more than a cold prefill elsewhere.
+    not hold. A replica twice as slow prices everything twice as high, so under saturation it
+    gets half the work of one twice as fast.
+
+    ``recompute_weight``: a prompt computed where it is not cached costs more than this
+    request's wait. The time its prefill takes delays every request that queues behind it
+    there, and the copy it makes displaces other prefixes from that cache; both fall on
+    later requests, which a request's own TTFT does not see. Charged as 15 more times the
+    prefill's own time, measured in the simulator (docs/experiments.md, "Pricing"): at 0 (pure
+    TTFT) the shared-prefix suite loses up to 13 points of hit rate and its p90 TTFT
+    quadruples; 1-3 recover most; 7-31 are equal within noise except Mooncake on 8 replicas,
+    where 15 is best. A burst on one prefix stays on its holder until waiting there costs more
+    than 16 times the prefill it saves.
 
     Guard: a replica already holding more than ``hot_spot_factor`` times its fair share of
     in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
     shared system prompt can never pile every request on one replica while predictions lag
-    (costs and queues are as of the last heartbeat and reservation). Ties: replicas holding
-    as much of the prompt and predicted within one step of the best (a TTFT is counted in
-    steps; measured costs of like replicas differ by noise) go to the one that got the least
-    prefill work lately, then by rendezvous hashing of the first block: at low load a stream
-    of cold prompts spreads over like replicas (more distinct prefixes stay cached), and
-    repeat visits agree.
+    (costs and queues are as of the last heartbeat and reservation). Equal scores (a prefix
+    nobody holds, like replicas idle) go to the replica that got the least prefill work
+    lately, then by rendezvous hashing of the first block: at low load a stream of cold
+    prompts spreads evenly (more distinct prefixes stay cached), and repeat visits agree.
     """
 
     block_size: int = 16
+    recompute_weight: float = 15.0
     # 1.25 x + 2 moved shared prefixes off their holder in small bursts (cold copies elsewhere);
     # 1.5 x + 3 raised every simulated hit rate without a worse tail (docs/experiments.md)
     hot_spot_factor: float = 1.5
@@ -202,11 +210,20 @@ class PrefixAware(Policy):
         queued = r.inflight_prefill_blocks * self.block_size
         return queued * r.costs.prefill_token_s + queued / r.step_tokens * step_s
 
+    def uncached_tokens(self, request: RouteRequest, r: ReplicaState) -> int:
+        return (request.num_blocks - min(r.matched_blocks, request.num_blocks)) * self.block_size
+
     def ttft(self, request: RouteRequest, r: ReplicaState) -> float:
         """Predicted seconds to ``request``'s first token on ``r``."""
         step_s = self.step_seconds(r)
-        uncached = (request.num_blocks - min(r.matched_blocks, request.num_blocks)) * self.block_size
-        return self.wait_seconds(r, step_s) + step_s + uncached * r.costs.prefill_token_s
+        return (
+            self.wait_seconds(r, step_s) + step_s + self.uncached_tokens(request, r) * r.costs.prefill_token_s
+        )
+
+    def score(self, request: RouteRequest, r: ReplicaState) -> float:
+        """What sending ``request`` to ``r`` costs, in seconds: lower is better."""
+        recompute = self.recompute_weight * self.uncached_tokens(request, r) * r.costs.prefill_token_s
+        return self.ttft(request, r) + recompute
 
     def cap(self, replicas: Sequence[ReplicaState]) -> float:
         """The guard's cap: the fair share of in-flight requests (this one included) times the factor."""
@@ -225,27 +242,21 @@ class PrefixAware(Policy):
             else bytes(token_buffer(request.token_ids[:64]))
         )
         tiebreak = {r.replica_id: i for i, r in enumerate(rendezvous(key, replicas))}
-        priced = sorted(
-            (
-                (r.inflight_requests + 1 > cap, self.ttft(request, r), tiebreak[r.replica_id], r)
-                for r in replicas
+        ordered = sorted(
+            replicas,
+            key=lambda r: (
+                r.inflight_requests + 1 > cap,
+                self.score(request, r),
+                round(r.recent_blocks),
+                tiebreak[r.replica_id],
             ),
-            key=lambda t: t[:3],
         )
-        over, best_s, _, best = priced[0]
-        depth = min(best.matched_blocks, request.num_blocks)
-        bound = best_s + self.step_seconds(best)
-        tied = [
-            t for t in priced
-            if t[0] == over and t[1] <= bound and min(t[3].matched_blocks, request.num_blocks) == depth
-        ]  # fmt: skip
-        first = min(tied, key=lambda t: (round(t[3].recent_blocks), t[2]))[3]
-        return [first.replica_id] + [t[3].replica_id for t in priced if t[3] is not first]
+        return [r.replica_id for r in ordered]
 
     def branch(self, request, replicas, chosen):
         """prefix_hit: it holds the deepest prefix; load_fallback: nobody holds any;
         hot_spot_guard: every deepest holder was over the guard's cap; load_over_prefix:
-        a deeper holder was predicted slower (its queue outweighed the prefill saved)."""
+        a deeper holder scored worse (its queue outweighed the prefill saved)."""
         depth = {r.replica_id: min(r.matched_blocks, request.num_blocks) for r in replicas}
         best = max(depth.values())
         if best == 0:

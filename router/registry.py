@@ -26,7 +26,7 @@ from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
-from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, StepCosts, median_costs
+from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, StepCosts, median_costs, priced_costs
 from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class ReplicaEntry:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failed_until: float = 0.0
     costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
+    priced: StepCosts = PRIOR  # what the policy prices it at (its own, or like its peers)
 
 
 class ReplicaRegistry:
@@ -146,6 +147,8 @@ class ReplicaRegistry:
                 continue
             self._retired.append(self.entries.pop(gone))
         self.peer_costs = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
+        for entry in self.entries.values():
+            entry.priced = priced_costs(entry.costs, self.peer_costs)
         await self._close_idle_retired()
 
     async def _close_idle_retired(self) -> None:
@@ -188,7 +191,7 @@ class ReplicaRegistry:
                 num_waiting=int(e.record.load("num_waiting")),
                 num_free_blocks=int(e.record.load("num_free_blocks")),
                 num_blocks=int(e.record.load("num_blocks")),
-                costs=e.costs or self.peer_costs,
+                costs=e.priced,
                 step_tokens=_step_tokens(e.record),
             )
             for e in self.live()

@@ -51,6 +51,24 @@ TERMS = tuple(f.name for f in fields(StepCosts))
 MEASURED_AFTER_STEPS = 32
 
 
+# Like replicas' fits differ by noise (a few %): a replica whose step costs within this of
+# its peers' median is priced at the median, so like replicas price alike (cold prompts then
+# spread over them by recent work, instead of all going to the fit that came out lowest); one
+# slower or faster than that keeps its own. Compared on one reference step (prompt tokens,
+# decoding sequences, context tokens).
+LIKE_PEERS = 0.25
+REFERENCE_STEP = (512, 16, 16_384)
+
+
+def priced_costs(own: StepCosts | None, peers: StepCosts) -> StepCosts:
+    """What the router prices a replica at: its peers' median unless it has measured costs
+    of its own that differ from it by more than ``LIKE_PEERS``."""
+    if own is None:
+        return peers
+    ratio = own.step_seconds(*REFERENCE_STEP) / max(peers.step_seconds(*REFERENCE_STEP), 1e-12)
+    return peers if abs(ratio - 1) <= LIKE_PEERS else own
+
+
 def median_costs(measured: Sequence[StepCosts]) -> StepCosts:
     """Each term's median over replicas (what a replica that has not measured yet is priced
     at: like its peers); the prior when none has measured."""

@@ -101,24 +101,26 @@ def test_prefix_prefers_the_longest_cached_prefix():
 SIMPLE = StepCosts(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.0, context_token_s=0.0)
 
 
-def test_prefix_burst_spills_exactly_when_waiting_costs_more_than_a_cold_prefill():
+def test_prefix_burst_spills_exactly_when_waiting_costs_more_than_the_recompute_it_saves():
     """A burst on one prefix, nothing finishing: each request queues one uncached block on
     the holder. It stays there while waiting behind the queue costs less than computing the
-    whole prompt elsewhere, and spills at the first request for which it costs more."""
+    whole prompt elsewhere (its own time plus the recompute weight's share for the fleet),
+    and spills at the first request for which it costs more."""
     p = PrefixAware(block_size=BS, hot_spot_factor=1e9)  # the guard is tested on its own
     idle_elsewhere = dataclasses.replace(SIMPLE, base_s=0.011)  # 1 ms slower a step: no exact tie
     holder = ReplicaState("holder", costs=SIMPLE, step_tokens=10**9)  # queued steps cost ~nothing
     other = ReplicaState("other", costs=idle_elsewhere, step_tokens=10**9)
     shared = prompt(3, n=9 * BS)  # 9 blocks, 8 of them held
-    # On the holder: queued blocks * 16 ms + one step (10 ms) + its last block (16 ms);
-    # elsewhere: one step (11 ms) + 9 blocks (144 ms). Waiting wins while queued * 16 < 129 ms.
-    expected_stay = next(q for q in range(100) if q * 16 + 10 + 16 > 11 + 144)
+    # On the holder: queued blocks * 16 ms + one step (10 ms) + its last block (16 ms, charged
+    # 1 + w times); elsewhere: one step (11 ms) + 9 blocks (144 ms, 1 + w times).
+    w = p.recompute_weight
+    expected_stay = next(q for q in range(1000) if q * 16 + 10 + 16 * (1 + w) > 11 + 144 * (1 + w))
     for q in range(expected_stay + 3):
         req = request(shared[:-1] + [q])
         holder.matched_blocks = 8
         holder.inflight_prefill_blocks = q
         assert p.rank(req, [holder, other])[0] == ("holder" if q < expected_stay else "other"), q
-    assert expected_stay == 9
+    assert expected_stay == 129  # with w = 15: a cached block is worth 16 queued ones
 
 
 def test_prefix_a_replica_twice_as_slow_gets_a_third_of_the_work():
@@ -142,7 +144,8 @@ def test_prefix_a_replica_twice_as_slow_gets_a_third_of_the_work():
 
 
 def test_prefix_priced_by_each_replicas_own_queue_and_costs():
-    """The prediction is the replica's wait plus its own step and prefill: nothing else."""
+    """The prediction is the replica's wait plus its own step and prefill, nothing else; the
+    score adds the recompute weight's share of that prefill."""
     p = PrefixAware(block_size=BS)
     r = ReplicaState(
         "r", matched_blocks=2, inflight_prefill_blocks=5, inflight_requests=3, num_blocks=100,
@@ -152,6 +155,7 @@ def test_prefix_priced_by_each_replicas_own_queue_and_costs():
     queued = 5 * BS
     expected = queued * 0.001 + queued / 40 * step + step + 8 * BS * 0.001  # 8 of 10 blocks uncached
     assert p.ttft(request(prompt(1)), r) == pytest.approx(expected)
+    assert p.score(request(prompt(1)), r) == pytest.approx(expected + 15 * 8 * BS * 0.001)
 
 
 def test_prefix_cold_prompts_spread_but_repeat_visits_agree():

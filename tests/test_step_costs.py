@@ -164,7 +164,9 @@ def published(costs: StepCosts) -> StepCosts:
 async def test_the_router_prices_a_replica_that_has_not_measured_like_its_measured_peers():
     """A replica just started reports the prior pulled toward a few warm-up steps: the router
     prices it like the replicas that have measured (else a fleet of slow CPUs would send all
-    work to the newcomer whose prior says H100), and by its own costs once it has measured."""
+    work to the newcomer whose prior says H100), one whose costs differ from theirs by noise
+    at their median too (like replicas price alike), and one that has measured costs of its
+    own far from theirs at its own."""
     from kvmesh.kvcache.memory_index import MemoryPrefixIndex
     from kvmesh.router.policies import DEFAULT_STEP_TOKENS
     from kvmesh.router.registry import ReplicaRegistry
@@ -175,6 +177,7 @@ async def test_the_router_prices_a_replica_that_has_not_measured_like_its_measur
         ("old-0", slow, 500, 512),
         ("old-1", slow, 900, -5),  # a record is never trusted to be sane
         ("new", PRIOR, MEASURED_AFTER_STEPS - 1, 4096),
+        ("near", StepCosts(*(1.1 * c for c in astuple(slow))), 700, 2048),  # like its peers, by noise
     ):
         fields = {**costs.as_fields(), "cost_steps": steps, "max_num_batched_tokens": budget}
         await index.register(rid, f"127.0.0.1:{len(rid)}", 10.0, fields)
@@ -182,8 +185,9 @@ async def test_the_router_prices_a_replica_that_has_not_measured_like_its_measur
     try:
         await registry.refresh()
         states = {s.replica_id: s for s in registry.states({})}
-        assert states["new"].costs == states["old-0"].costs == published(slow)
+        assert states["new"].costs == states["near"].costs == states["old-0"].costs == published(slow)
         assert [states[r].step_tokens for r in ("old-0", "old-1", "new")] == [512, DEFAULT_STEP_TOKENS, 4096]
+        # measured and 9x faster than its peers: priced at its own costs
         assert await index.heartbeat("new", 3, 10.0, {"cost_steps": MEASURED_AFTER_STEPS})
         await registry.refresh()
         assert {s.replica_id: s for s in registry.states({})}["new"].costs == published(PRIOR)

@@ -20,10 +20,10 @@ bounded by what is in flight and cached, not by the trace's length. A replica wh
 is only decoding, with nobody waiting, runs many identical iterations as one "window"
 (closed-form duration) up to the first finish or block boundary. A prefix-policy decision
 does not rank every replica: every simulated replica runs one cost model, so those holding
-nothing of the prompt differ only by load (their predicted TTFTs are the load part plus the
-same prefill); each router keeps them ordered by the load part (``LoadOrder``), and the
-policy ranks the holders plus the non-holders that could tie with the cheapest; the choice
-is the one the full ranking makes (tested).
+nothing of the prompt differ only by load (their scores are the load part plus the same
+prefill); each router keeps them ordered by the load part (``LoadOrder``), and the policy
+ranks the holders plus the cheapest tied non-holders; the choice is the one the full ranking
+makes (tested).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from kvmesh.router.policies import Policy, PrefixAware, ReplicaState, RouteReque
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving.sampling import SamplingParams
 
-_NO_BLOCKS = RouteRequest((), ())  # a policy's predicted TTFT of it is the load part alone
+_NO_BLOCKS = RouteRequest((), ())  # a policy's score of it is the load part alone
 
 
 @dataclass
@@ -94,16 +94,16 @@ class Results:
 
 
 class LoadOrder:
-    """One router's replicas sorted by the load part of its policy's predicted TTFT: the order
-    its prefix policy ranks replicas that hold nothing of a prompt, kept up to date as loads
-    change (a sorted list: an update moves one entry, in C)."""
+    """One router's replicas sorted by (load part of its policy's score, recent work): the
+    order its prefix policy ranks replicas that hold nothing of a prompt, kept up to date as
+    loads change (a sorted list: an update moves one entry, in C)."""
 
     def __init__(self, num_replicas: int):
-        self.keys = [(0.0, r) for r in range(num_replicas)]
+        self.keys = [(0.0, -math.inf, r) for r in range(num_replicas)]
         self.sorted = sorted(self.keys)
 
-    def update(self, replica: int, cost: float) -> None:
-        new = (cost, replica)
+    def update(self, replica: int, cost: float, recent_key: float) -> None:
+        new = (cost, recent_key, replica)
         old = self.keys[replica]
         if new != old:
             del self.sorted[bisect_left(self.sorted, old)]
@@ -231,7 +231,7 @@ class Simulation:
         self._progress = progress
         self.decode_windows = decode_windows
         self._arrivals = 0
-        for r in range(replicas):  # an idle replica's prediction is not 0: one step
+        for r in range(replicas):  # an idle replica's score is not 0: one step
             self._reorder(r, self.routers)
 
     # ------------------------------------------------------------------ main loop
@@ -296,8 +296,8 @@ class Simulation:
             if router.order is not None:
                 seen = (id(self._seen(router, r)), type(router.policy))
                 if seen not in costs:
-                    costs[seen] = router.policy.ttft(_NO_BLOCKS, self._state(router, r, 0, 0.0))
-                router.order.update(r, costs[seen])
+                    costs[seen] = router.policy.score(_NO_BLOCKS, self._state(router, r, 0, 0.0))
+                router.order.update(r, costs[seen], router.own[r].recent.order_key())
 
     def _affected(self, router: RouterView) -> Sequence[RouterView]:
         """The routers that see a change to ``router``'s counts."""
@@ -334,23 +334,20 @@ class Simulation:
         self, router: RouterView, matched: dict[int, int], cap: float, now: float
     ) -> list[int]:
         """The replicas holding none of the prompt that the full ranking could put first: the
-        cheapest under the guard's cap (all of them, when every one is over it) and every one
-        the policy counts as tied with it (predicted within one step of it; a hair more here,
-        as a superset of candidates changes nothing)."""
-        policy = router.policy
+        cheapest under the guard's cap (all of them, when every one is over it), with every
+        replica tied with it on the policy's key before the rendezvous tie-break."""
         for guarded in (True, False):
-            tied, bound = [], -math.inf
-            for cost, r in router.order.sorted:
+            tied, best = [], None
+            for cost, _, r in router.order.sorted:
                 if r in matched or (guarded and self._seen(router, r).requests + 1 > cap):
                     continue
-                if tied and cost > bound:
+                key = (cost, round(router.own[r].recent.value(now)))
+                if best is not None and key != best:
                     break
-                if not tied or cost == tied[0][0]:
-                    step_s = policy.step_seconds(self._state(router, r, 0, now))
-                    bound = max(bound, (cost + step_s) * (1 + 1e-9))
-                tied.append((cost, r))
+                best = key
+                tied.append(r)
             if tied:
-                return [r for _, r in tied]
+                return tied
         return []
 
     def _arrive(self, i: int, spec: WorkloadRequest, now: float) -> None:
