@@ -178,10 +178,11 @@ class PrefixAware(Policy):
     there, and the copy it makes displaces other prefixes from that cache; both fall on
     later requests, which a request's own TTFT does not see. Charged as 15 more times the
     prefill's own time, measured in the simulator (docs/experiments.md, "Pricing"): at 0 (pure
-    TTFT) the shared-prefix suite loses up to 13 points of hit rate and its p90 TTFT
-    quadruples; 1-3 recover most; 7-31 are equal within noise except Mooncake on 8 replicas,
-    where 15 is best. A burst on one prefix stays on its holder until waiting there costs more
-    than 16 times the prefill it saves.
+    TTFT) the shared-prefix suite loses up to 13 points of hit rate and its p90 TTFT triples;
+    1 has the best p90 on the hot-spot and cache-pressure cells but loses 2.8 points of hit
+    rate on Mooncake (8 replicas); 3-31 keep every hit rate, 15 the best on Mooncake. A burst
+    on one prefix stays on its holder until waiting there costs more than 16 times the prefill
+    it saves.
 
     Guard: a replica already holding more than ``hot_spot_factor`` times its fair share of
     in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
