@@ -26,7 +26,7 @@ from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
-from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, StepCosts, median_costs, priced_costs
+from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs, median_costs, priced_costs
 from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class ReplicaEntry:
     failed_until: float = 0.0
     costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
     priced: StepCosts = PRIOR  # what the policy prices it at (its own, or like its peers)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
 
 
 class ReplicaRegistry:
@@ -64,7 +65,6 @@ class ReplicaRegistry:
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
-        self.peer_costs = PRIOR  # what a replica that has not measured its costs yet is priced at
         self._back_until = 0.0  # after the index returns: replicas it does not list yet are kept until then
         self._loops = BackgroundLoops()
         self._listeners: list = []
@@ -138,17 +138,17 @@ class ReplicaRegistry:
                 )
                 self.entries[rec.replica_id] = entry
             entry.record = rec
-            measured = rec.load("cost_steps") >= MEASURED_AFTER_STEPS
-            entry.costs = StepCosts.from_fields(rec.load) if measured else None
+            entry.costs = measured_costs(rec.load)
+            entry.step_tokens = _step_tokens(rec)
             entry.live_until = now + rec.heartbeat_ttl_ms / 1000
         for gone in set(self.entries) - seen:
             if now < self._back_until:  # the index just came back: not re-registered yet
                 self.entries[gone].live_until = self._back_until
                 continue
             self._retired.append(self.entries.pop(gone))
-        self.peer_costs = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
+        peers = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
         for entry in self.entries.values():
-            entry.priced = priced_costs(entry.costs, self.peer_costs)
+            entry.priced = priced_costs(entry.costs, peers)
         await self._close_idle_retired()
 
     async def _close_idle_retired(self) -> None:
@@ -192,7 +192,7 @@ class ReplicaRegistry:
                 num_free_blocks=int(e.record.load("num_free_blocks")),
                 num_blocks=int(e.record.load("num_blocks")),
                 costs=e.priced,
-                step_tokens=_step_tokens(e.record),
+                step_tokens=e.step_tokens,
             )
             for e in self.live()
         ]

@@ -60,6 +60,12 @@ LIKE_PEERS = 0.25
 REFERENCE_STEP = (512, 16, 16_384)
 
 
+def measured_costs(load: Callable[[str, float], float]) -> StepCosts | None:
+    """A record's step costs once its replica has measured them (``cost_steps`` >=
+    ``MEASURED_AFTER_STEPS``), else None."""
+    return StepCosts.from_fields(load) if load("cost_steps", 0.0) >= MEASURED_AFTER_STEPS else None
+
+
 def priced_costs(own: StepCosts | None, peers: StepCosts) -> StepCosts:
     """What the router prices a replica at: its peers' median unless it has measured costs
     of its own that differ from it by more than ``LIKE_PEERS``."""

@@ -45,7 +45,7 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list) -> i
             use_arrival_times=bool(args.rate or args.trace_time), progress=not args.quiet,
         )  # fmt: skip
         if cluster:
-            measured = await fleet_cost_model(cluster, block_size)
+            measured = await _fleet_cost_model(cluster, block_size)
     finally:
         if cluster:
             await cluster.stop()
@@ -60,15 +60,13 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list) -> i
     return 0
 
 
-async def fleet_cost_model(cluster, block_size: int) -> dict:
+async def _fleet_cost_model(cluster, block_size: int) -> dict:
     """``{"cost_model": ...}``: the step costs the cluster's replicas measured, from their
     heartbeats (``kvmesh simulate --cost-model RUN`` replays with it); empty if none has."""
-    from kvmesh.cluster.experiments.cost_model import from_heartbeats
+    from kvmesh.cluster.experiments.cost_model import from_cluster
 
-    await cluster.router.registry.refresh()
-    records = [entry.record for entry in cluster.router.registry.live()]
     try:
-        return {"cost_model": from_heartbeats(records, block_size).as_dict()}
+        return {"cost_model": (await from_cluster(cluster, block_size))[0].as_dict()}
     except ValueError:
         return {}
 

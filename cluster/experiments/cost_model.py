@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from kvmesh.kvcache.index_api import ReplicaRecord
-from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, StepCosts, median_costs
+from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs, median_costs
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,7 @@ def from_heartbeats(records: Sequence[ReplicaRecord], block_size: int, name: str
     """The model of a real fleet, from its replicas' records: each step-cost term's median over
     the replicas that have measured theirs (what the router prices an unmeasured one at), their
     KV pool and batch limits."""
-    measured = [
-        StepCosts.from_fields(r.load) for r in records if r.load("cost_steps") >= MEASURED_AFTER_STEPS
-    ]
+    measured = [costs for r in records if (costs := measured_costs(r.load)) is not None]
     if not measured:
         raise ValueError("no replica has measured its step costs yet (serve some requests first)")
 
@@ -76,6 +74,14 @@ def from_heartbeats(records: Sequence[ReplicaRecord], block_size: int, name: str
         max_num_batched_tokens=median_of("max_num_batched_tokens", 8192),
         source=f"step costs {len(measured)} replicas measured, sent in their heartbeats",
     )
+
+
+async def from_cluster(cluster, block_size: int) -> tuple[CostModel, int]:
+    """(``from_heartbeats`` of a running ``LocalCluster``'s live replicas as its router reads
+    them now, how many replicas are live)."""
+    await cluster.router.registry.refresh()
+    records = [entry.record for entry in cluster.router.registry.live()]
+    return from_heartbeats(records, block_size), len(records)
 
 
 def load_cost_model(spec: str) -> CostModel:

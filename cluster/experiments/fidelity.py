@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvmesh.cluster.benchmarks.common import target
 from kvmesh.cluster.experiments import workloads as wl
-from kvmesh.cluster.experiments.cost_model import CostModel, from_heartbeats
+from kvmesh.cluster.experiments.cost_model import CostModel, from_cluster
 from kvmesh.cluster.experiments.report import markdown_table, write_section
 from kvmesh.cluster.experiments.simulator import Simulation
 
@@ -93,10 +93,8 @@ async def measure(
                 cluster.router_address, requests_, policy="prefix", concurrency=256, use_arrival_times=True
             )
             real = summarize(records)
-            await cluster.router.registry.refresh()
-            live = [e.record for e in cluster.router.registry.live()]
-            cost = from_heartbeats(live, block_size)
-            sim = simulate(requests_, len(live), cost, block_size)
+            cost, replicas = await from_cluster(cluster, block_size)
+            sim = simulate(requests_, replicas, cost, block_size)
             rows.append(_row(name, rate, real, sim, cost))
             log(
                 f"  {name} at {rate:g}/s: hit {real['hit_rate']:.3f} real vs {sim['hit_rate']:.3f} simulated, "
