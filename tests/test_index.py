@@ -301,8 +301,9 @@ async def test_a_hot_prefix_stays_cheap_for_an_hour_of_buckets(valkey_server):
     """4 routers x 8 replicas on one hot 32-block chain for an hour of 2 s speculation buckets
     (compressed), in a 100k-entry index, replicas restarting now and then, sweeps at their real
     rate (each replica every 5 s): every block's holders stay one bit per live or recently dead
-    replica, and the decision lists every holder at full depth for what it cost at the start
-    (server time). The same run as ``kvmesh bench index``'s hot-prefix row."""
+    replica, published or speculated, and the decision lists every holder at full depth. The same
+    run as ``kvmesh bench index``'s hot-prefix row, which compares the decision's server time at
+    the start and the end (a timing, so a benchmark's, not a test's)."""
     from kvmesh.cluster.benchmarks.index_bench import hot_prefix_hour
 
     def client() -> RedisPrefixIndex:
@@ -316,8 +317,12 @@ async def test_a_hot_prefix_stays_cheap_for_an_hour_of_buckets(valkey_server):
         assert len(replicas) <= await index.client.bitcount(key) <= len(replicas) + 1  # the last: not yet
         # as wide as the live slots plus those dead within the (real-time) quarantine
         assert await index.client.strlen(key) <= -(-(len(replicas) + hour["restarts"]) // 8)
-    start, end = hour["start_usec"], hour["end_usec"]
-    assert end <= 1.5 * start, f"a decision cost {start:.1f} us at the start, {end:.1f} us after an hour"
+    hot_tag = hour["keys"][0][: len(index.tag(0))]  # every tag is as long
+    speculative = [k async for k in index.client.scan_iter(match=hot_tag + b"~*", count=10_000)]
+    assert speculative, "the routers' speculation is stored"
+    for key in speculative:  # the speculative bitmaps: as wide as the published ones, whatever the hour
+        assert await index.client.strlen(key) <= -(-(len(replicas) + hour["restarts"]) // 8)
+    assert hour["start_usec"] > 0 and hour["end_usec"] > 0  # measured (the bench row compares them)
     await index.client.flushall()
     for c in (index, *sweepers):
         await c.close()
