@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Iterable
 
 _seq_ids = itertools.count()
@@ -26,7 +27,8 @@ class Sequence:
     def __init__(self, token_ids: Iterable[int], block_size: int, seq_id: int | None = None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.token_ids: list[int] = list(token_ids)
+        # a compact array("I") is kept as it is: the simulator holds 100,000s of prompts at once
+        self.token_ids: list[int] | array = token_ids if isinstance(token_ids, array) else list(token_ids)
         if not self.token_ids:
             raise ValueError("a sequence needs at least one token")
         self.seq_id = next(_seq_ids) if seq_id is None else seq_id

@@ -33,25 +33,42 @@ class Scheduler:
 
     def schedule(self) -> list[Request]:
         """Pick this step's requests and set each one's ``num_scheduled_tokens``."""
-        budget = self.max_num_batched_tokens
+        scheduled, budget, preempted = self._schedule_running(self.max_num_batched_tokens)
+        if not preempted:  # memory is tight after a preemption: no admissions this step
+            self._admit(scheduled, budget)
+        return scheduled
+
+    def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
+        """The running requests' share of the step, in admission order: (scheduled, budget
+        left, whether any was preempted)."""
         scheduled: list[Request] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            while not self.block_manager.can_append(request):
-                self._preempt(self.running.pop())
-                preempted = True
-                if request.status is not Status.RUNNING:
-                    break
+            preempted |= self._make_room(request)
             if request.status is not Status.RUNNING:
                 break
             self.block_manager.may_append(request)
             budget -= self._take(request, budget)
             scheduled.append(request)
             i += 1
-        if preempted:
-            return scheduled  # memory is tight: no admissions this step
+        return scheduled, budget, preempted
+
+    def _make_room(self, request: Request) -> bool:
+        """Preempt the newest running requests until ``request``'s next tokens have blocks
+        (it may be preempted itself); whether any was."""
+        preempted = False
+        while not self.block_manager.can_append(request):
+            self._preempt(self.running.pop())
+            preempted = True
+            if request.status is not Status.RUNNING:
+                break
+        return preempted
+
+    def _admit(self, scheduled: list[Request], budget: int) -> None:
+        """Admit waiting requests, oldest first, while the budget, ``max_num_seqs`` and the
+        free blocks allow (each reuses its cached prefix blocks)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_cached_blocks = self.block_manager.can_allocate(request)
@@ -73,7 +90,6 @@ class Scheduler:
             self.running.append(request)
             budget -= self._take(request, budget)
             scheduled.append(request)
-        return scheduled
 
     @staticmethod
     def _take(request: Request, budget: int) -> int:

@@ -169,23 +169,6 @@ def test_simulated_time_follows_the_cost_model():
     assert result["num_requests"] == 1 and result["hit_rate"] == 0.0
 
 
-@pytest.mark.parametrize("policy", ["prefix", "round_robin", "session"])
-def test_decode_windows_change_nothing_but_speed(policy):
-    reqs = wl.poisson_arrivals(
-        wl.shared_prefix(
-            num_groups=6, prompts_per_group=6, system_prompt_len=300, question_len=40, output_len=60
-        ),
-        30,
-        seed=1,
-    )
-    reqs += wl.multi_turn(num_sessions=6, turns=3, think_s=0.5, session_rate=10)
-    fast = Simulation(reqs, 3, policy, H100_LLAMA3_8B, block_size=32).run()
-    slow = Simulation(reqs, 3, policy, H100_LLAMA3_8B, block_size=32, decode_windows=False).run()
-    assert fast.keys() == slow.keys()
-    for key in fast:
-        assert fast[key] == pytest.approx(slow[key], rel=1e-6), key
-
-
 def test_index_mirrors_every_replicas_ledger_and_prefix_beats_round_robin():
     reqs = wl.poisson_arrivals(
         wl.shared_prefix(

@@ -122,6 +122,22 @@ def _routers(benches) -> None:
     rt.set_defaults(handler=run)
 
 
+def _simulator(benches) -> None:
+    sim = benches.add_parser(
+        "simulator",
+        help="the simulator's cost per event as the fleet fills up: parked decoders vs every step",
+    )
+    sim.add_argument("--out", default="results/bench_simulator.json", help="JSON result file")
+    sim.add_argument("--quick", action="store_true", help="a small fleet, one repeat")
+
+    def run(args):
+        from kvmesh.cluster.benchmarks.simulator_bench import main
+
+        return main(out=args.out, quick=args.quick)
+
+    sim.set_defaults(handler=run)
+
+
 def _dashboard(benches) -> None:
     dash = benches.add_parser(
         "dashboard", help="the Grafana dashboard's panels drawn from a live run through a local Prometheus"
@@ -311,7 +327,7 @@ def _serve(benches) -> None:
     serve.set_defaults(handler=usage_errors(run))
 
 
-BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _routers, _peers, _serve, _dashboard)
+BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _routers, _peers, _serve, _simulator, _dashboard)
 
 
 def register(commands) -> None:

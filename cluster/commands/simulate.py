@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from kvmesh.cluster.commands.workload_flags import add_workload_flags, stream_workload, usage_errors
 from kvmesh.cluster.experiments import workloads as wl
+from kvmesh.cluster.experiments.capacity import measure_capacity
 from kvmesh.cluster.experiments.cost_model import PRESETS, load_cost_model
 
 
@@ -43,6 +45,11 @@ def register(commands) -> None:
     sim.add_argument(
         "--heartbeat-ms", type=float, default=0.0, help="how often routers learn replicas' queues (0: live)"
     )
+    sim.add_argument(
+        "--load", type=float,
+        help="arrive at this fraction of the fleet's capacity (Poisson; measured first by a probe: "
+        "a few replicas saturated with a sample of the workload's groups)",
+    )  # fmt: skip
     sim.add_argument("--out", default="results/simulate.json")
     sim.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(handler=usage_errors(simulate))
@@ -72,8 +79,21 @@ def simulate(args: argparse.Namespace) -> int:
         raise ValueError("--replicas, --routers, --block-size and --blocks-per-replica must be positive")
     if args.event_lag_ms < 0 or args.heartbeat_ms < 0:
         raise ValueError("--event-lag-ms and --heartbeat-ms must not be negative")
+    if args.load is not None and (args.load <= 0 or args.rate is not None or not args.workload or args.trace):
+        raise ValueError("--load needs a generated --workload, no --rate or --trace, and a positive fraction")
     name, stream, total = stream_workload(args)
     cost = load_cost_model(args.cost_model)
+    capacity = None
+    if args.load is not None:  # the stream has no arrival times yet: the probe plays it at once
+        capacity = measure_capacity(
+            stream(), args.replicas, policies[0], cost, args.block_size, args.blocks_per_replica
+        )
+        args.rate = args.load * capacity.per_replica_rps * args.replicas
+        print(
+            f"capacity {capacity.per_replica_rps:.2f} requests/s a replica ({policies[0]}, "
+            f"{capacity.probe_requests} requests saturating {capacity.probe_replicas} replicas): "
+            f"rate {args.rate:.1f}/s = {args.load} x capacity x {args.replicas} replicas"
+        )
     result = {
         "config": {
             "workload": name,
@@ -87,6 +107,8 @@ def simulate(args: argparse.Namespace) -> int:
             "blocks_per_replica": args.blocks_per_replica,
             "cost_model": cost.as_dict(),
             "rate": args.rate,
+            "load": args.load,
+            "capacity": dataclasses.asdict(capacity) if capacity else None,
             "speedup": args.speedup,
             "copies": args.copies,
         },

@@ -3,7 +3,8 @@ one or many routers.
 
 What is real here, not modelled: each replica's ``BlockManager`` and ``Scheduler`` (the
 engine's own classes: continuous batching, chunked prefill, prefix reuse, preemption by
-recompute), the hash contract, the routing policy objects, the speculative entries and the
+recompute; the scheduler with its steady decoders parked, ``LazyDecodeScheduler``), the hash
+contract, the routing policy objects, the speculative entries and the
 routers' in-flight accounting. What is modelled: time (``CostModel`` per engine iteration),
 the index (fed by the ledgers' KV events, ``event_lag_s`` after the iteration that made
 them) and the replicas' heartbeats (queue lengths seen every ``heartbeat_s``; 0: live).
@@ -15,10 +16,12 @@ entries (what the index carries; the reservation's round trip, ~1 ms, is not mod
 without it, each sees only its own.
 
 Speed and memory: the workload is read as an iterator in arrival order (generated or read
-as the clock reaches it), and a finished request leaves one row of numbers, so memory is
-bounded by what is in flight and cached, not by the trace's length. A replica whose batch
-is only decoding, with nobody waiting, runs many identical iterations as one "window"
-(closed-form duration) up to the first finish or block boundary. A prefix-policy decision
+as the clock reaches it), a request in flight keeps its tokens 4 bytes each, and a finished
+one leaves one row of numbers, so memory is bounded by what is in flight and cached, not by
+the trace's length. An engine step touches only the requests at a boundary (a block filled
+or needed, the last token), the one prefilling and the admissions (``LazyDecodeScheduler``),
+so what a step costs does not grow with the batch; steps that touch nobody run as one
+"window" (closed-form duration) up to the next boundary or arrival. A prefix-policy decision
 does not rank every replica: every simulated replica runs one cost model, so those holding
 nothing of the prompt differ only by load (their scores are the load part plus the same
 prefill); each router keeps them ordered by the load part (``LoadOrder``), and the policy
@@ -38,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.experiments.cost_model import CostModel
+from kvmesh.cluster.experiments.lazy_scheduler import LazyDecodeScheduler
 from kvmesh.cluster.experiments.workloads import WorkloadRequest
 from kvmesh.cluster.stats import percentile
 from kvmesh.kvcache import BlockManager, block_hashes, namespace_seed
@@ -62,8 +66,14 @@ class SimRequest:
     work: RequestWork  # what its router counts
     fleet_work: RequestWork  # what the fleet's shared counts hold (paid off separately)
     predicted_tokens: int
-    answer: list[int]
+    answer: list[int]  # what it samples; past the end (or with none), a made-up stream
     first_token_s: float | None = None
+
+    def sampled(self, count: int) -> list[int]:
+        """The ``count`` tokens it samples next."""
+        k = self.request.num_completion_tokens
+        made_up = [(k + j) % 997 + 3 for j in range(max(0, len(self.answer) - k), count)]
+        return self.answer[k : k + count] + made_up
 
 
 class Results:
@@ -145,7 +155,7 @@ class _Window:
 class SimReplica:
     index: int
     bm: BlockManager
-    scheduler: Scheduler
+    scheduler: Scheduler  # a LazyDecodeScheduler unless the simulation runs every step in full
     busy: bool = False
     version: int = 0  # invalidates stale wake-ups
     scheduled: list = field(default_factory=list)
@@ -166,7 +176,7 @@ class Simulation:
         speculative_ttl_s: float = 2.0,
         seed: int = 0,
         progress: Callable[[int], object] | None = None,  # called with 1 per arrival
-        decode_windows: bool = True,
+        lazy_decode: bool = True,  # False: the engine's own Scheduler, every request every step
         routers: int = 1,
         shared_load: bool = True,
         event_lag_s: float = 0.0,
@@ -188,9 +198,10 @@ class Simulation:
         self.replicas = []
         for i in range(replicas):
             bm = BlockManager(num_blocks, block_size, seed=self.seed_hash)
-            self.replicas.append(
-                SimReplica(i, bm, Scheduler(bm, cost.max_num_seqs, cost.max_num_batched_tokens))
-            )
+            limits = (bm, cost.max_num_seqs, cost.max_num_batched_tokens)
+            lazy = lazy_decode and cost.max_num_seqs < cost.max_num_batched_tokens
+            scheduler = LazyDecodeScheduler(*limits, self._sampled) if lazy else Scheduler(*limits)
+            self.replicas.append(SimReplica(i, bm, scheduler))
         self._ids = [str(i) for i in range(replicas)]
         self._num_blocks = num_blocks
         self.index = MemoryPrefixIndex()  # fed by every replica's events, read by every router
@@ -229,8 +240,8 @@ class Simulation:
         self._tiebreak = 0
         self._active: dict[int, SimRequest] = {}  # id(Request) -> record
         self._progress = progress
-        self.decode_windows = decode_windows
         self._arrivals = 0
+        self.events = 0  # arrivals, steps (or windows), index deliveries and heartbeats handled
         for r in range(replicas):  # an idle replica's score is not 0: one step
             self._reorder(r, self.routers)
 
@@ -246,6 +257,7 @@ class Simulation:
             t_index = self._lagged[0][0] if self._lagged else math.inf
             if min(t_arrival, t_event, t_index) == math.inf:
                 break
+            self.events += 1
             t_beat = self._beats[0][0] if self._beats else math.inf
             if t_index <= min(t_event, t_arrival, t_beat):
                 _, r, events = self._lagged.popleft()
@@ -353,7 +365,7 @@ class Simulation:
     def _arrive(self, i: int, spec: WorkloadRequest, now: float) -> None:
         if self._progress:
             self._progress(1)
-        tokens = spec.tokens()
+        tokens = spec.token_array()
         if -(-(len(tokens) + spec.max_tokens) // self.block_size) > self._num_blocks:
             self.rejected += 1
             return
@@ -374,9 +386,10 @@ class Simulation:
                     ignore_eos=True), None, frozenset(), None),
             chosen, router.index, work, RequestWork(work.prefill, work.decode),
             min(depth, (len(tokens) - 1) // self.block_size) * self.block_size,
-            spec.answer_tokens() or [(i + k) % 997 + 3 for k in range(spec.max_tokens)],
+            spec.answer_tokens(),
         )  # fmt: skip
         record.request.arrival_time = now
+        record.request.block_hashes = hashes  # the same chain (the contract): not hashed again
         self._begin(router, record, now)
         self._active[id(record.request)] = record
         replica.scheduler.add(record.request)
@@ -414,45 +427,37 @@ class Simulation:
 
     # ------------------------------------------------------------------ replica iterations
 
+    def _sampled(self, request: Request, count: int) -> list[int]:
+        return self._active[id(request)].sampled(count)
+
     def _plan(self, replica: SimReplica, now: float) -> None:
-        """Schedule the next iteration (or decode window) and wake up when it ends."""
-        scheduled = replica.scheduler.schedule()
-        if not scheduled:
+        """Schedule the next step (or the quiet steps up to the next boundary) and wake up when
+        it ends."""
+        scheduler = replica.scheduler
+        scheduled = scheduler.schedule()
+        lazy = isinstance(scheduler, LazyDecodeScheduler)
+        quiet = scheduler.quiet_steps() if lazy else 0
+        if not scheduled and not quiet:
             replica.busy = False
             return
         replica.busy = True
         replica.scheduled = scheduled
-        window = self._window_steps(replica, scheduled)
-        if window > 1:
-            context = sum(r.num_computed_tokens + 1 for r in scheduled)
-            replica.window = _Window(now, window, len(scheduled), context)
-            replica.step_end = now + replica.window.duration(self.cost, window)
+        if quiet:
+            replica.window = _Window(now, quiet, scheduler.parked, scheduler.parked_context())
+            replica.step_end = now + replica.window.duration(self.cost, quiet)
         else:
             prefill = sum(
                 r.num_scheduled_tokens for r in scheduled if r.num_computed_tokens < r.num_prompt_tokens
             )
             decode = sum(1 for r in scheduled if r.num_computed_tokens >= r.num_prompt_tokens)
             context = sum(r.num_computed_tokens + r.num_scheduled_tokens for r in scheduled)
+            if lazy:
+                decode, context = decode + scheduler.parked, context + scheduler.parked_context()
             replica.step_end = now + self.cost.step_seconds(prefill, decode, context)
         self._wake(replica, replica.step_end)
 
-    def _window_steps(self, replica: SimReplica, scheduled: list[Request]) -> int:
-        """How many identical decode iterations can run as one (1 = not a pure decode batch)."""
-        s = replica.scheduler
-        if not self.decode_windows or s.waiting or len(scheduled) != len(s.running):
-            return 1
-        steps = math.inf
-        bs = self.block_size
-        for r in scheduled:
-            if r.num_scheduled_tokens != 1 or r.num_computed_tokens < r.num_prompt_tokens:
-                return 1
-            room = len(r.block_table) * bs - r.num_computed_tokens  # positions with a block already
-            left = r.params.max_tokens - r.num_completion_tokens  # tokens until it finishes
-            steps = min(steps, room, left)
-        return int(steps)
-
     def _split_window(self, replica: SimReplica, now: float) -> None:
-        """An arrival for a replica mid-window: stop the window at the next iteration boundary."""
+        """An arrival for a replica mid-window: stop the window at the next step boundary."""
         w = replica.window
         done = 1
         while done < w.steps and w.start + w.duration(self.cost, done) < now:
@@ -464,23 +469,18 @@ class Simulation:
 
     def _finish_iteration(self, replica: SimReplica, now: float) -> None:
         scheduled, replica.scheduled = replica.scheduled, []
-        steps = replica.window.steps if replica.window else 1
-        replica.window = None
-        for r in scheduled:
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                replica.prefill_tokens += r.num_scheduled_tokens
-        replica.scheduler.step_done(scheduled)
+        if replica.window is not None:  # quiet steps: only parked decoders ran
+            replica.scheduler.skip(replica.window.steps)
+            replica.window = None
+        else:
+            for r in scheduled:
+                if r.num_computed_tokens < r.num_prompt_tokens:
+                    replica.prefill_tokens += r.num_scheduled_tokens
+            replica.scheduler.step_done(scheduled)
         for r in scheduled:
             if r.num_computed_tokens < len(r):
                 continue  # a prefill chunk that did not reach the end of the prompt
-            record = self._active[id(r)]
-            if steps > 1:  # steps 2..k each computed the token the previous step appended
-                k = r.num_completion_tokens
-                r.token_ids.extend(record.answer[k : k + steps - 1])
-                r.token_ids.extend([3] * (k + steps - 1 - max(k, len(record.answer))))  # past the answer
-                r.num_computed_tokens += steps - 1
-                replica.bm.hash_blocks(r)
-            self._emit_token(replica, record, now)
+            self._emit_token(replica, self._active[id(r)], now)
         events = replica.bm.drain_events()
         if not self.event_lag_s:
             self.index.apply(replica.index, events)
@@ -492,8 +492,7 @@ class Simulation:
     def _emit_token(self, replica: SimReplica, record: SimRequest, now: float) -> None:
         """The token sampled at the end of this iteration; finishes the request at max_tokens."""
         r = record.request
-        k = r.num_completion_tokens
-        r.append_token(record.answer[k] if k < len(record.answer) else 3)
+        r.append_token(record.sampled(1)[0])
         if record.first_token_s is None:
             record.first_token_s = now
             self._prefill_done(record)

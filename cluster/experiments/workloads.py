@@ -13,6 +13,7 @@ import functools
 import gzip
 import json
 import random
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,11 @@ class WorkloadRequest:
     def tokens(self) -> list[int]:
         return np.concatenate([segment_tokens(s, self.vocab) for s in self.segments]).tolist()
 
+    def token_array(self) -> array:
+        """``tokens()`` as 4 bytes a token (what the simulator keeps for a request in flight)."""
+        ids = np.concatenate([segment_tokens(s, self.vocab) for s in self.segments])
+        return array("I", ids.astype(np.uint32).tobytes())
+
     def answer_tokens(self) -> list[int]:
         return segment_tokens(self.answer, self.vocab).tolist() if self.answer else []
 
@@ -93,6 +99,14 @@ def _with(r: WorkloadRequest, **changes) -> WorkloadRequest:
     from dataclasses import replace
 
     return replace(r, **changes)
+
+
+def with_new_content(r: WorkloadRequest, salt: int) -> WorkloadRequest:
+    """The same request shape with other tokens (every segment re-keyed by ``salt``): copies
+    of a workload that share within a copy as the original does, never across copies."""
+    segments = tuple((_key(key, salt), n) for key, n in r.segments)
+    answer = (_key(r.answer[0], salt), r.answer[1]) if r.answer else None
+    return _with(r, segments=segments, answer=answer, group=f"{r.group}~{salt}")
 
 
 def shared_prefix(**kwargs: Any) -> list[WorkloadRequest]:
