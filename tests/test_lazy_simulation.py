@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cluster.experiments import workloads as wl
-from kvmesh.cluster.experiments.capacity import PROBE_BATCHES, measure_capacity, probe_sample
+from kvmesh.cluster.experiments.capacity import PROBE_BATCHES, draw_groups, measure_capacity, with_copies
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B
 from kvmesh.cluster.experiments.lazy_scheduler import LazyDecodeScheduler
 from kvmesh.cluster.experiments.simulator import Simulation
@@ -103,7 +103,7 @@ def test_parking_needs_a_budget_that_outlasts_the_batch():
 
 def test_the_probe_takes_whole_groups_and_copies_them_with_new_content():
     workload = wl.shared_prefix(num_groups=40, prompts_per_group=5)
-    sample = probe_sample(workload, 0.25, at_least=300)
+    sample = with_copies(draw_groups(workload, 0.25), at_least=300)
     originals = [r for r in sample if "~" not in r.group]
     groups = {r.group for r in originals}
     assert 3 <= len(groups) <= 20 and all(r.arrival_s == 0 for r in sample)
@@ -121,7 +121,7 @@ def test_capacity_separates_a_stable_load_from_an_overload():
     """At 0.7 of the measured capacity the queue stays short to the end of the run; at 1.4
     it grows all the way: the last tenth of the requests wait far longer than the first."""
     workload = wl.shared_prefix(num_groups=8, prompts_per_group=250)
-    capacity = measure_capacity(workload, 4, "prefix", H100_LLAMA3_8B, block_size=256)
+    capacity = measure_capacity(workload, len(workload), 4, "prefix", H100_LLAMA3_8B, block_size=256)
     assert capacity.probe_requests >= PROBE_BATCHES * H100_LLAMA3_8B.max_num_seqs * 4
     waits = {}
     for load in (0.7, 1.4):

@@ -86,7 +86,7 @@ def simulate(args: argparse.Namespace) -> int:
     capacity = None
     if args.load is not None:  # the stream has no arrival times yet: the probe plays it at once
         capacity = measure_capacity(
-            stream(), args.replicas, policies[0], cost, args.block_size, args.blocks_per_replica
+            stream(), total, args.replicas, policies[0], cost, args.block_size, args.blocks_per_replica
         )
         args.rate = args.load * capacity.per_replica_rps * args.replicas
         print(
