@@ -44,7 +44,9 @@ def one_run(requests: list[wl.WorkloadRequest], replicas: int, lazy: bool) -> di
 def main(out: str, quick: bool, repeats: int = 3) -> int:
     replicas, groups, per_group = (8, 8, 300) if quick else (32, 32, 600)
     make = lambda: wl.iter_shared_prefix(num_groups=groups, prompts_per_group=per_group)  # noqa: E731
-    capacity = measure_capacity(make(), groups * per_group, replicas, "prefix", H100_LLAMA3_8B, block_size=256)
+    capacity = measure_capacity(
+        make(), groups * per_group, replicas, "prefix", H100_LLAMA3_8B, block_size=256
+    )
     progress(f"capacity {capacity.per_replica_rps:.2f} requests/s a replica")
     rows = []
     for repeat in range(1 if quick else repeats):

@@ -69,7 +69,9 @@ def measure_capacity(
     drawn = draw_groups(workload, PROBE_REPLICAS / replicas)
     probe = max(1, min(replicas, round(len(drawn) * replicas / total)))
     sample = with_copies(drawn, PROBE_BATCHES * cost.max_num_seqs * probe)
-    sim = Simulation(sample, probe, policy, cost, block_size=block_size, blocks_per_replica=blocks_per_replica)
+    sim = Simulation(
+        sample, probe, policy, cost, block_size=block_size, blocks_per_replica=blocks_per_replica
+    )
     sim.run()
     done = sorted(sim.results["done_s"])
     first, last = len(done) // 4, 3 * len(done) // 4
