@@ -165,7 +165,7 @@ class PrefixAware(Policy):
 
         ttft  = wait + step + uncached * prefill_token
         wait  = queued * prefill_token + queued / step_tokens * step
-        step  = base + decode_seq * sequences it runs + context_token * context tokens it holds
+        step  = base + decode_seq * requests in flight there
         score = ttft + recompute_weight * uncached * prefill_token
 
     ``queued``: the prefill tokens routed to it and not yet computed (every router's, with
@@ -178,9 +178,9 @@ class PrefixAware(Policy):
     there, and the copy it makes displaces other prefixes from that cache; both fall on
     later requests, which a request's own TTFT does not see. Charged as 15 more times the
     prefill's own time, measured in the simulator (docs/experiments.md, "Pricing"): at 0 (pure
-    TTFT) the shared-prefix suite loses up to 13 points of hit rate and its p90 TTFT triples;
-    1 has the best p90 on the hot-spot and cache-pressure cells but loses 2.8 points of hit
-    rate on Mooncake (8 replicas); 3-31 keep every hit rate, 15 the best on Mooncake. A burst
+    TTFT) the shared-prefix suite loses up to 14 points of hit rate and its p90 TTFT rises
+    4.8x; 1 loses 1.2 points of hit rate on Mooncake (8 replicas) and has a worse p90 on the
+    hot-spot and cache-pressure cells; 3-31 keep every hit rate, 15 the best on Mooncake. A burst
     on one prefix stays on its holder until waiting there costs more than 16 times the prefill
     it saves.
 
@@ -202,9 +202,14 @@ class PrefixAware(Policy):
     name: ClassVar[str] = "prefix"
 
     def step_seconds(self, r: ReplicaState) -> float:
-        """One step on ``r`` now, before any prompt tokens."""
-        context = (r.num_blocks - r.num_free_blocks) * self.block_size
-        return r.costs.step_seconds(0, max(r.inflight_requests, r.num_running), context)
+        """One step on ``r`` now, before any prompt tokens: a sequence for each request in
+        flight there as this router counts them (every router's, with shared load). Not the
+        heartbeat's running sequences or context: those are up to a heartbeat old and the same
+        for every router, so pricing by them sends every router's cold prompts to the replica
+        that looked idlest at the last heartbeat (measured: without shared load, Mooncake on
+        64 replicas x 16 routers fell from 0.62 to 0.41 hit rate and p90 TTFT rose 6x;
+        docs/experiments.md, "Many routers")."""
+        return r.costs.step_seconds(0, r.inflight_requests, 0)
 
     def wait_seconds(self, r: ReplicaState, step_s: float) -> float:
         """Until ``r`` has computed the prefill queued there."""

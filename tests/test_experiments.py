@@ -350,7 +350,7 @@ def test_the_load_order_picks_what_ranking_every_replica_picks(routers, shared, 
 def test_several_routers_sharing_their_load_place_a_burst_as_one_router_does():
     """A burst of one shared prefix through 8 routers: sharing their load (and speculative
     entries), they spread it over the replicas as one router would (only their own recent-work
-    tie-breaks differ); each on its own counts sees an eighth of the burst (every holder looks
+    tie-breaks differ: a request apiece); each on its own counts sees an eighth of the burst (every holder looks
     nearly idle to it) and spreads it otherwise."""
     burst = wl.poisson_arrivals(
         wl.shared_prefix(num_groups=1, prompts_per_group=160, system_prompt_len=1024, question_len=64, output_len=64),
@@ -363,7 +363,9 @@ def test_several_routers_sharing_their_load_place_a_burst_as_one_router_does():
         )
         sim.run()
         placed[routers, shared] = sorted(collections.Counter(sim.results["replica"].tolist()).values())
-    assert placed[8, True] == placed[1, True] != placed[8, False]
+    one, sharing = placed[1, True], placed[8, True]
+    assert len(sharing) == len(one) and all(abs(a - b) <= 1 for a, b in zip(sharing, one, strict=True))
+    assert placed[8, False] != one
 
 
 def test_index_lag_hides_what_replicas_hold_until_it_passes():

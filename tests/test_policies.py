@@ -151,11 +151,28 @@ def test_prefix_priced_by_each_replicas_own_queue_and_costs():
         "r", matched_blocks=2, inflight_prefill_blocks=5, inflight_requests=3, num_blocks=100,
         num_free_blocks=60, costs=StepCosts(0.01, 0.001, 0.002, 1e-5), step_tokens=40,
     )  # fmt: skip
-    step = 0.01 + 0.002 * 3 + 1e-5 * 40 * BS  # base, 3 sequences, 40 blocks of context
+    step = 0.01 + 0.002 * 3  # base, 3 sequences in flight (not the heartbeat's context)
     queued = 5 * BS
     expected = queued * 0.001 + queued / 40 * step + step + 8 * BS * 0.001  # 8 of 10 blocks uncached
     assert p.ttft(request(prompt(1)), r) == pytest.approx(expected)
     assert p.score(request(prompt(1)), r) == pytest.approx(expected + 15 * 8 * BS * 0.001)
+
+
+def test_prefix_prices_a_step_by_the_routers_counts_not_the_heartbeat():
+    """Heartbeat figures are old and every router sees them alike: two replicas this router
+    counts alike score alike whatever their last heartbeat said, and the one it counts less
+    work on scores lower even when its heartbeat looked busier."""
+    p = PrefixAware(block_size=BS)
+    costs = StepCosts(0.01, 0.001, 0.002, 1e-5)
+    quiet = ReplicaState(
+        "quiet", inflight_requests=2, num_running=1, num_blocks=100, num_free_blocks=90, costs=costs
+    )
+    busy = ReplicaState(
+        "busy", inflight_requests=2, num_running=60, num_blocks=100, num_free_blocks=5, costs=costs
+    )
+    assert p.score(request(prompt(1)), quiet) == p.score(request(prompt(1)), busy)
+    busy.inflight_requests = 1
+    assert p.rank(request(prompt(1)), [quiet, busy])[0] == "busy"
 
 
 def test_prefix_cold_prompts_spread_but_repeat_visits_agree():
