@@ -232,8 +232,8 @@ class Simulation:
         if heartbeat_s:
             self._beats = [((r + 0.5) / replicas * heartbeat_s, r) for r in range(replicas)]
             heapq.heapify(self._beats)
-        # (running, waiting, free blocks) as the routers last saw them
-        self._queues = [(0, 0, num_blocks)] * replicas
+        # (running, waiting) as the routers last saw them (no policy reads free blocks)
+        self._queues = [(0, 0)] * replicas
         self.results = Results()
         self.rejected = 0
         self._events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, replica, version)
@@ -292,11 +292,11 @@ class Simulation:
 
     def _state(self, router: RouterView, r: int, matched: int, now: float) -> ReplicaState:
         load = self._seen(router, r)
-        running, waiting, free = self._queues[r]
+        running, waiting = self._queues[r]
         return ReplicaState(
             self._ids[r], matched, load.requests, load.prefill_blocks, load.decode_blocks, running, waiting,
-            free, self._num_blocks, router.own[r].recent.value(now), self.cost.step_costs,
-            self.cost.max_num_batched_tokens,
+            recent_blocks=router.own[r].recent.value(now), costs=self.cost.step_costs,
+            step_tokens=self.cost.max_num_batched_tokens,
         )  # fmt: skip
 
     def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
@@ -317,9 +317,7 @@ class Simulation:
 
     def _see_queues(self, replica: SimReplica) -> None:
         """The routers learn the replica's queue lengths (at a heartbeat, or live)."""
-        queues = (
-            len(replica.scheduler.running), len(replica.scheduler.waiting), replica.scheduler.block_manager.num_free_blocks
-        )  # fmt: skip
+        queues = (len(replica.scheduler.running), len(replica.scheduler.waiting))
         if queues != self._queues[replica.index]:
             self._queues[replica.index] = queues
             self._reorder(replica.index, self.routers)
