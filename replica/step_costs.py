@@ -57,10 +57,21 @@ class StepCostFit:
         self._theta = self._solve()
 
     def _solve(self) -> np.ndarray:
-        ridge = PRIOR_STEPS * np.eye(4)
-        prior = self.prior * self._scale
-        scaled = np.linalg.solve(self._xx + ridge, self._xy + ridge @ prior)
-        return np.maximum(scaled, 0.0) / self._scale
+        """The least-squares costs with every term >= 0: a term the data would make negative
+        is held at 0 and the others are refitted without it (clipping it after the fact
+        would leave the others fitted to a negative term, a steeper slope for a negative
+        base, say)."""
+        a = self._xx + PRIOR_STEPS * np.eye(4)
+        b = self._xy + PRIOR_STEPS * self.prior * self._scale
+        free = np.ones(4, dtype=bool)
+        scaled = np.zeros(4)
+        while free.any():
+            scaled[:] = 0.0
+            scaled[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            if (scaled >= 0).all():
+                break
+            free[np.argmin(scaled)] = False
+        return scaled / self._scale
 
     def costs(self) -> StepCosts:
         """The four costs in seconds (the prior's before the first step)."""

@@ -96,7 +96,9 @@ def test_bench_engine_quick_writes_json(tmp_path):
     from kvmesh.cluster.experiments.cost_model import CostModel
 
     model = CostModel(**result["cost_model"])
-    assert model.base_s > 0 and model.prefill_token_s > 0
+    # base may be fitted at its floor, 0, on a noisy machine: a tiny model's fixed step cost is
+    # well inside the noise; what the simulator needs is the prefill and decode prices
+    assert model.base_s >= 0 and model.prefill_token_s > 0 and model.decode_seq_s > 0
     assert 0.2 < model.step_seconds(2000, 0, 2000) / (f["cold_ttft_ms"] / 1e3) < 5
     assert {x["target"] for x in result["targets"]} == {
         "throughput vs transformers generate",

@@ -6,6 +6,7 @@ import asyncio
 import random
 from dataclasses import astuple
 
+import numpy as np
 import pytest
 from reference import prompts_of_lengths
 
@@ -71,6 +72,21 @@ def test_costs_are_never_negative_and_empty_steps_say_nothing():
     fit.observe(0, 0, 0, 1.0)
     fit.observe(10, 0, 10, float("nan"))
     assert fit.steps == steps
+
+
+def test_a_term_held_at_zero_leaves_the_others_fitted_without_it():
+    # steps whose straight-line fit has a negative base: base is held at 0 and the slope is
+    # the best through the origin, not the (steeper) slope of the negative-base line
+    fit = StepCostFit(half_life_steps=float("inf"))
+    prefills = [128, 512, 1024, 2000] * 50
+    for prefill in prefills:
+        fit.observe(prefill, 0, prefill, 1e-4 * prefill - 0.01)
+    costs = fit.costs()
+    assert costs.base_s == 0
+    x = np.array(prefills, dtype=float)
+    y = 1e-4 * x - 0.01
+    through_origin = float(x @ y / (x @ x))  # context rides along (the same column): split between them
+    assert costs.prefill_token_s + costs.context_token_s == pytest.approx(through_origin, rel=0.01)
 
 
 def _serve(engine: LLMEngine, salt: int) -> None:
