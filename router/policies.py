@@ -46,8 +46,6 @@ class ReplicaState:
     inflight_decode_blocks: float = 0.0  # their decode work (max_tokens), until they end
     num_running: int = 0  # from its heartbeat (all routers' requests)
     num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
     recent_blocks: float = 0.0  # uncached prefill routed to it lately (decaying), for tie-breaks
     costs: StepCosts = PRIOR  # what a step costs there, measured (its heartbeat)
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens one of its steps computes at most (chunked prefill)

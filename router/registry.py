@@ -189,8 +189,6 @@ class ReplicaRegistry:
                 recent_blocks=e.load.recent.value(now),
                 num_running=int(e.record.load("num_running")),
                 num_waiting=int(e.record.load("num_waiting")),
-                num_free_blocks=int(e.record.load("num_free_blocks")),
-                num_blocks=int(e.record.load("num_blocks")),
                 costs=e.priced,
                 step_tokens=e.step_tokens,
             )

@@ -55,6 +55,20 @@ def test_real_cluster_targets_compare_prefix_with_every_other_policy():
     assert not p90["met"] and p90["value"] == pytest.approx(1.111, abs=1e-3)
 
 
+def test_per_seed_ratios_pair_runs_of_the_same_seed():
+    from kvmesh.cluster.experiments.suite import per_seed_ratios
+
+    runs = [
+        {"policy": "prefix", "seed": 1, "ttft_p90_ms": 200.0},
+        {"policy": "consistent_hash", "seed": 2, "ttft_p90_ms": 50.0},
+        {"policy": "consistent_hash", "seed": 1, "ttft_p90_ms": 100.0},
+        {"policy": "prefix", "seed": 2, "ttft_p90_ms": 25.0},
+        {"policy": "prefix", "seed": 3, "ttft_p90_ms": 10.0},  # no partner: left out
+    ]
+    assert sorted(per_seed_ratios(runs, "consistent_hash")) == [0.5, 2.0]
+    assert per_seed_ratios(runs, "round_robin") == []
+
+
 @pytest.mark.servers
 async def test_real_cluster_runs_every_policy_and_reports_medians(ray_cluster, qwen3_dir, tmp_path):
     """The suite's real-cluster part, quick scale, on real replicas: every policy runs once per

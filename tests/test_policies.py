@@ -148,8 +148,8 @@ def test_prefix_priced_by_each_replicas_own_queue_and_costs():
     score adds the recompute weight's share of that prefill."""
     p = PrefixAware(block_size=BS)
     r = ReplicaState(
-        "r", matched_blocks=2, inflight_prefill_blocks=5, inflight_requests=3, num_blocks=100,
-        num_free_blocks=60, costs=StepCosts(0.01, 0.001, 0.002, 1e-5), step_tokens=40,
+        "r", matched_blocks=2, inflight_prefill_blocks=5, inflight_requests=3,
+        costs=StepCosts(0.01, 0.001, 0.002, 1e-5), step_tokens=40,
     )  # fmt: skip
     step = 0.01 + 0.002 * 3  # base, 3 sequences in flight (not the heartbeat's context)
     queued = 5 * BS
@@ -164,12 +164,8 @@ def test_prefix_prices_a_step_by_the_routers_counts_not_the_heartbeat():
     work on scores lower even when its heartbeat looked busier."""
     p = PrefixAware(block_size=BS)
     costs = StepCosts(0.01, 0.001, 0.002, 1e-5)
-    quiet = ReplicaState(
-        "quiet", inflight_requests=2, num_running=1, num_blocks=100, num_free_blocks=90, costs=costs
-    )
-    busy = ReplicaState(
-        "busy", inflight_requests=2, num_running=60, num_blocks=100, num_free_blocks=5, costs=costs
-    )
+    quiet = ReplicaState("quiet", inflight_requests=2, num_running=1, num_waiting=0, costs=costs)
+    busy = ReplicaState("busy", inflight_requests=2, num_running=60, num_waiting=0, costs=costs)
     assert p.score(request(prompt(1)), quiet) == p.score(request(prompt(1)), busy)
     busy.inflight_requests = 1
     assert p.rank(request(prompt(1)), [quiet, busy])[0] == "busy"

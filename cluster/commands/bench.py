@@ -238,7 +238,7 @@ def _peers(benches) -> None:
     peers.add_argument("--prompt-tokens", type=int, default=64, help="unique tokens after the prefix")
     peers.add_argument("--output-tokens", type=int, default=16)
     peers.add_argument(
-        "--rates", default="2,6",
+        "--rates", default="2,4,6",
         help="comma-separated Poisson rates per second (multi-turn: conversations at once)",
     )  # fmt: skip
     peers.add_argument(

@@ -165,7 +165,14 @@ def section(rows: list[dict], elapsed_s: float) -> str:
         for r in rows
     ]  # fmt: skip
     met = targets(rows)
-    gaps = sorted(r["real"]["ttft_p50_ms"] - r["simulated"]["ttft_p50_ms"] for r in rows)
+    rates = sorted({r["rate"] for r in rows})
+    gaps = {
+        rate: sorted(
+            r["real"]["ttft_p50_ms"] - r["simulated"]["ttft_p50_ms"] for r in rows if r["rate"] == rate
+        )
+        for rate in rates
+    }
+    p90_ratios = sorted(r["real"]["ttft_p90_ms"] / max(r["simulated"]["ttft_p90_ms"], 1e-9) for r in rows)
     return "\n".join(
         [
             "## Fidelity: the simulator against the real cluster",
@@ -178,8 +185,10 @@ def section(rows: list[dict], elapsed_s: float) -> str:
             "",
             markdown_table(flat, _TABLE, first="workload"),
             "",
-            f"Where it misses: the real p50 TTFT exceeds the simulated one by {gaps[0]:.0f}-{gaps[-1]:.0f} ms in "
-            "every cell, about the same at both rates. The step model has no term for what a request costs "
+            "Where it misses: the real p50 TTFT exceeds the simulated one by "
+            + ", ".join(f"{g[0]:.0f}-{g[-1]:.0f} ms at {rate:g}/s" for rate, g in gaps.items())
+            + f", and the real p90 is {p90_ratios[0]:.1f}-{p90_ratios[-1]:.1f}x the simulated one. "
+            "The step model has no term for what a request costs "
             "outside engine steps (the router's decision and two gRPC hops, the replica's request path; "
             "`kvmesh bench router` puts the hop alone at a few ms here), and the simulator gives each replica "
             "its own device, while these 4 replicas share 2 CPU cores: a step taken while others compute is "
