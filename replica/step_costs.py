@@ -63,14 +63,13 @@ class StepCostFit:
         base, say)."""
         a = self._xx + PRIOR_STEPS * np.eye(4)
         b = self._xy + PRIOR_STEPS * self.prior * self._scale
+        scaled = np.linalg.solve(a, b)  # every step: the common case, all terms >= 0, is one solve
         free = np.ones(4, dtype=bool)
-        scaled = np.zeros(4)
-        while free.any():
-            scaled[:] = 0.0
-            scaled[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
-            if (scaled >= 0).all():
-                break
+        while (scaled < 0).any():
             free[np.argmin(scaled)] = False
+            scaled = np.zeros(4)
+            if free.any():
+                scaled[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
         return scaled / self._scale
 
     def costs(self) -> StepCosts:
