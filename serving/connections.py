@@ -41,11 +41,15 @@ class ConnectionLimits:
     def grpc_options(self) -> list[tuple[str, int]]:
         """Server options: the stream bound, the server's own pings (also on a stream that is
         quiet, however long), and what it accepts of a client's pings (one per 5 s at most;
-        a client that pings faster is sent away after two strikes)."""
+        a client that pings faster is sent away after two strikes). The ping timeout is set
+        with the keepalive timeout: gRPC otherwise waits its own 60 s for a ping's ack while
+        the server is writing, so a vanished client kept its stream until flow control
+        blocked a write."""
         return [
             ("grpc.max_concurrent_streams", self.grpc_max_streams),
             ("grpc.keepalive_time_ms", int(self.grpc_keepalive_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.grpc_keepalive_timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(self.grpc_keepalive_timeout_s * 1000)),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),

@@ -342,7 +342,11 @@ async def test_a_non_streaming_request_stops_when_its_client_leaves(stack):
 
 
 async def test_a_vanished_grpc_client_is_dropped_by_keepalive(stack):
-    """A client behind a partition sends no FIN: only the server's unanswered pings tell."""
+    """A client behind a partition sends no FIN: only the server's unanswered pings tell, within
+    one ping interval and its timeout (1 + 1 s here). The write timeout alone would take far
+    longer: gRPC's flow-control window and the socket buffers take ~2,500 tokens (13 s on this
+    machine) before a write blocks, and that was the only way out while gRPC's own 60 s ping
+    timeout overrode the keepalive timeout."""
     router, _ = stack
     proxy = FreezableProxy(int(router.address.rsplit(":", 1)[1]))
     port = await proxy.start()
@@ -350,7 +354,7 @@ async def test_a_vanished_grpc_client_is_dropped_by_keepalive(stack):
         call = pb_grpc.RouterStub(channel).Generate(ordinary(7, max_tokens=3000), timeout=120)
         await call.read()
         proxy.freeze("both")
-        assert await eventually(lambda: idle(stack), timeout=20)
+        assert await eventually(lambda: idle(stack), timeout=8)
         call.cancel()
     await proxy.close()
 
