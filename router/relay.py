@@ -147,6 +147,12 @@ class Relay:
                 grpc.StatusCode.UNAVAILABLE, "connection to the replica was closed", streamed
             ) from None
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                # Not ours (ours raises CancelledError above): the replica's server cancelled
+                # it, as gRPC does to a call that reaches a server in the instant it stops.
+                raise _AttemptFailed(
+                    grpc.StatusCode.UNAVAILABLE, f"the replica cancelled the call: {exc.details()}", streamed
+                ) from None
             raise _AttemptFailed(exc.code(), exc.details(), streamed) from None
         finally:
             call.cancel()  # no-op when finished; aborts upstream when the client went away

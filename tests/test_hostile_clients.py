@@ -31,6 +31,7 @@ from kvmesh.router.config import RouterLimits
 from kvmesh.router.process import RouterServer
 from kvmesh.serving import openai_protocol
 from kvmesh.serving.connections import ConnectionLimits
+from kvmesh.serving.errors import ServingError
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.metrics import read_samples
 
@@ -469,6 +470,41 @@ async def test_a_request_that_fails_on_its_replica_fails_alone_through_the_route
     assert all(r[-1].complete.usage.completion_tokens == 30 for r in results)
     assert sum(r.engine.stats().num_failed_requests for r in replicas) - failed_before == 1  # not retried
     assert no_replica_cooled(router) and router.health()["status"] == "ok"
+
+
+async def test_a_call_its_replica_cancelled_moves_to_another_replica(stack, monkeypatch):
+    """Fault injection: the first replica a request reaches ends it CANCELLED before any
+    response, as gRPC does to a call that reaches a server in the instant it stops. The
+    router did not cancel it, so it reads as the replica going away (UNAVAILABLE): the request
+    moves to the other replica and its client never sees a CANCELLED it did not cause."""
+    router, replicas = stack
+    hit = []
+
+    class Cancelled(ServingError):
+        grpc_code = grpc.StatusCode.CANCELLED
+
+    def failovers() -> float:
+        return read_samples(router.core.render_metrics().decode())[("kvmesh_router_failovers_total", ())]
+
+    def cancelled_once(backend):
+        real_admit = backend.admit
+
+        def admit(count=1, policy=""):
+            if not hit:
+                hit.append(backend.replica_id)
+                raise Cancelled("injected: the server stopped under the call")
+            return real_admit(count, policy)
+
+        return admit
+
+    for r in replicas:
+        monkeypatch.setattr(r.backend, "admit", cancelled_once(r.backend))
+    failovers_before = failovers()
+    responses = await generate(router.address, pb_grpc.RouterStub, ordinary(70, max_tokens=5))
+    done = responses[-1].complete
+    assert done.usage.completion_tokens == 5 and hit and done.replica_id != hit[0]
+    assert failovers() == failovers_before + 1
+    router.registry.entries[hit[0]].failed_until = 0  # the cool-down it earned ends with this test
 
 
 async def test_a_replica_whose_engine_broke_says_so_and_leaves_the_index(stack, qwen3_dir, monkeypatch):
