@@ -3,6 +3,7 @@ the kvmesh contenders run end to end (a real ``kvmesh router`` process over real
 with the truth about cached tokens taken from the replicas. The peers themselves (sglang-router,
 vllm-router, guidellm) are a 1.7 GB venv: `make peers`, then `kvmesh bench peers`."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -119,6 +120,19 @@ def test_bad_flags_are_one_line_errors(args, needle):
     assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_resuming_over_another_sweeps_runs_is_a_one_line_error(tmp_path):
+    out = tmp_path / "sweep.json"
+    out.with_suffix("").mkdir()
+    foreign = {"router": "kvmesh prefix", "workload": "mooncake", "rate": 9.0, "generator": "kvmesh_loadgen"}
+    (out.with_suffix("") / "rows.jsonl").write_text(json.dumps(foreign | {"repeat": 0}) + "\n")
+    args = ["--out", str(out), "--resume", "--no-guidellm", "--routers", "kvmesh prefix", "--rates", "2"]
+    done = subprocess.run([KVMESH, "bench", "peers", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert (
+        "holds 1 runs this sweep does not have" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    )
+
+
 def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     """Two real `kvmesh router` processes over 2 replicas, two repeats of three workloads at one
     rate, kvmesh's HTTP load generator: every run's hit rate comes from the replicas' counters
@@ -160,6 +174,17 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         for w in ("shared_prefix", "multi_turn", "mooncake")
     } | {"cells (of 3) where kvmesh prefix is strictly better on both"}
     assert result["runs_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
+    # cut short after 9 runs: a resumed sweep keeps them as they were and runs the other 3
+    kept.write_text("".join(json.dumps(r) + "\n" for r in rows[:9]))
+    resumed = dataclasses.replace(config, resume=True)
+    plan = peers.sweep_plan(resumed, rows[:9])
+    assert [[(c.name, *cell, repeat) for c, *cell in cells] for repeat, cells in plan] == [
+        [peers._run_key(r) for r in rows[9:]]
+    ]
+    assert peers.main(resumed) == 0
+    again = json.loads(out.read_text())["rows"]
+    assert again[:9] == rows[:9] and len(again) == 12
+    assert sorted(map(peers._run_key, again)) == sorted(map(peers._run_key, rows))
     assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
     docs = (tmp_path / "docs" / "e.md").read_text()

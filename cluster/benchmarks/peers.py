@@ -206,11 +206,22 @@ class PeersConfig:
     guidellm: bool = True  # False: kvmesh's load generator only (no peer venv needed for kvmesh routers)
     model_dir: Path | None = None  # None: the demo's tiny model, built once in cache_dir
     docs: Path | None = None  # write the results as a section of this document (docs/experiments.md)
+    resume: bool = False  # keep the runs rows.jsonl already has (a sweep cut short) and run the rest
 
     @property
     def main_generator(self) -> str:
         """Whose numbers the summary's targets and plots use for the shared-prefix shape."""
         return "guidellm" if self.guidellm else "kvmesh_loadgen"
+
+    def generators(self, workload: str) -> tuple[str, ...]:
+        if workload == "shared_prefix" and self.guidellm:
+            return ("guidellm", "kvmesh_loadgen")
+        return ("kvmesh_loadgen",)  # multi-turn is closed loop: kvmesh's generator for every router
+
+    @property
+    def kept_rows(self) -> Path:
+        """Each run's row, appended as it lands: what a cut-short sweep still has."""
+        return Path(self.out).resolve().with_suffix("") / "rows.jsonl"
 
 
 @dataclass
@@ -224,11 +235,6 @@ class _Bench:
     replicas: list[Replica]
     cluster: LocalCluster
     http: httpx.AsyncClient
-
-    def generators(self, workload: str) -> tuple[str, ...]:
-        if workload == "shared_prefix" and self.config.guidellm:
-            return ("guidellm", "kvmesh_loadgen")
-        return ("kvmesh_loadgen",)  # multi-turn is closed loop: kvmesh's generator for every router
 
     async def run(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
@@ -352,26 +358,59 @@ async def run(config: PeersConfig) -> dict:
             http,
         )
         bench.scratch.mkdir(parents=True, exist_ok=True)
-        (bench.scratch / "rows.jsonl").unlink(missing_ok=True)
+        rows = resumed_rows(config)
+        config.kept_rows.write_text("".join(json.dumps(row) + "\n" for row in rows))
         prompt = "".join(bench.words[: config.load.prefix_tokens + config.load.prompt_tokens])
         baseline = await unloaded_ttft_ms(http, replicas[0], model.name, prompt)
-        for repeat in range(config.repeats):
-            cells = [
-                (c, w, rate, g)
-                for c in config.contenders for w in config.workloads for rate in config.rates
-                for g in bench.generators(w)
-            ]  # fmt: skip
-            random.Random(config.load.seed + repeat).shuffle(cells)
+        for repeat, cells in sweep_plan(config, rows):
             for n, (contender, workload, rate, generator) in enumerate(cells, 1):
                 progress(
                     f"repeat {repeat + 1}/{config.repeats}, run {n}/{len(cells)}: {contender.name}, {workload} at {rate:g}/s, {generator} ..."
                 )
                 row = await bench.run_honest(contender, workload, rate, generator, repeat)
                 rows.append(row)
-                with (bench.scratch / "rows.jsonl").open("a") as kept:  # what a failed sweep still has
+                with config.kept_rows.open("a") as kept:
                     kept.write(json.dumps(row) + "\n")
                 progress(f"  {_line(row)}")
     return _report(config, rows, baseline)
+
+
+def _run_key(row: dict) -> tuple:
+    return row["router"], row["workload"], row["rate"], row["generator"], row["repeat"]
+
+
+def sweep_plan(config: PeersConfig, done: list[dict]) -> list[tuple[int, list[tuple]]]:
+    """Each repeat's runs in its own seeded order, without the ones ``done`` already has (a
+    resumed sweep runs exactly what the cut-short one had left, in the order it would have)."""
+    finished = {_run_key(row) for row in done}
+    plan = []
+    for repeat in range(config.repeats):
+        cells = [
+            (c, w, rate, g)
+            for c in config.contenders for w in config.workloads for rate in config.rates
+            for g in config.generators(w)
+        ]  # fmt: skip
+        random.Random(config.load.seed + repeat).shuffle(cells)
+        left = [cell for cell in cells if (cell[0].name, *cell[1:], repeat) not in finished]
+        if left:
+            plan.append((repeat, left))
+    return plan
+
+
+def resumed_rows(config: PeersConfig) -> list[dict]:
+    """The runs a cut-short sweep kept, when resuming; ValueError when they are not all runs
+    of this sweep (other flags: their rows would be summarized with this sweep's)."""
+    if not config.resume or not config.kept_rows.exists():
+        return []
+    rows = [json.loads(line) for line in config.kept_rows.read_text().splitlines() if line.strip()]
+    planned = {(c.name, *cell, repeat) for repeat, cells in sweep_plan(config, []) for c, *cell in cells}
+    foreign = [row for row in rows if _run_key(row) not in planned]
+    if foreign:
+        raise ValueError(
+            f"--resume: {config.kept_rows} holds {len(foreign)} runs this sweep does not have "
+            f"(first: {_run_key(foreign[0])}); resume with the flags it was started with"
+        )
+    return rows
 
 
 def _line(s: dict) -> str:

@@ -257,6 +257,10 @@ def _peers(benches) -> None:
     peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
     peers.add_argument("--docs", help="also update this document's bench-peers section (docs/experiments.md)")
     peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
+    peers.add_argument(
+        "--resume", action="store_true",
+        help="keep the runs a cut-short sweep with the same flags kept (<out>/rows.jsonl) and run the rest",
+    )  # fmt: skip
     peers.set_defaults(handler=_run_peers)
 
 
@@ -288,7 +292,7 @@ def _run_peers(args: argparse.Namespace) -> int:
     venv = Path(args.peers_venv).resolve()
     if not args.no_guidellm or any(c.router != "kvmesh" for c in contenders):
         check_peers(venv)
-    from kvmesh.cluster.benchmarks.peers import PeersConfig, main  # Ray and the rest: only now
+    from kvmesh.cluster.benchmarks.peers import PeersConfig, main, resumed_rows  # Ray and the rest: only now
 
     setup_logging(False)
     load = GuidellmLoad(
@@ -299,7 +303,12 @@ def _run_peers(args: argparse.Namespace) -> int:
         out=args.out, venv=venv, cache_dir=Path(args.cache_dir), replicas=args.replicas,
         num_kv_blocks=args.num_kv_blocks, load=load, rates=rates, repeats=args.repeats, workloads=workloads,
         contenders=contenders, guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
+        resume=args.resume,
     )  # fmt: skip
+    try:
+        resumed_rows(config)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return main(config)
 
 
