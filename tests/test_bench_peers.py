@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from kvmesh.cluster.benchmarks.peer_routers import (
     PortTaken,
     RouterProcess,
     RunAgain,
+    session_cpu_seconds,
     summarize_guidellm,
 )
 from kvmesh.cluster.embedded_redis import free_port
@@ -120,6 +122,28 @@ def test_bad_flags_are_one_line_errors(args, needle):
     assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_a_router_sessions_cpu_time_is_read_from_the_kernel():
+    """A process that burns ~0.3 s of CPU in a child of its own session: all of it is counted
+    (the child's while it runs, then in its parent once reaped), and an idle one adds nothing."""
+    burn = "import time; t = time.process_time(); [0 for _ in iter(lambda: time.process_time() - t < 0.3, False)]"
+    script = (
+        f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {burn!r}]); print('reaped', flush=True); "
+        "time.sleep(30)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "reaped"
+        spent = session_cpu_seconds(proc.pid)
+        assert 0.3 <= spent < 3
+        time.sleep(0.3)  # asleep now: nothing more is counted
+        assert session_cpu_seconds(proc.pid) - spent < 0.1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_resuming_over_another_sweeps_runs_is_a_one_line_error(tmp_path):
     out = tmp_path / "sweep.json"
     out.with_suffix("").mkdir()
@@ -156,6 +180,7 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         assert sum(r["requests_per_replica"].values()) == 12  # counted by the replicas
         assert r["hit_rate"] == pytest.approx(r["client_hit_rate"], abs=1e-3)
         assert r["routed_p50_ms"] > 0 and "added_p90_ms" in r
+        assert 0 < r["router_cpu_ms_per_request"] < 1000  # a Python router spends some, read from /proc
     for repeat in (0, 1):  # each repeat runs every cell once
         assert sorted((r["router"], r["workload"]) for r in rows if r["repeat"] == repeat) == sorted(
             (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn", "mooncake")
@@ -174,6 +199,8 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         for w in ("shared_prefix", "multi_turn", "mooncake")
     } | {"cells (of 3) where kvmesh prefix is strictly better on both"}
     assert result["runs_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
+    router_logs = list(out.with_suffix("").glob("kvmesh-*.log"))  # what each router process printed
+    assert router_logs and all("event loop uvloop" in log.read_text() for log in router_logs)
     # cut short after 9 runs: a resumed sweep keeps them as they were and runs the other 3
     kept.write_text("".join(json.dumps(r) + "\n" for r in rows[:9]))
     resumed = dataclasses.replace(config, resume=True)

@@ -53,4 +53,17 @@ def test_bench_router_quick(tmp_path):
             assert latency[api][path]["p50_ms"] > latency[api]["direct"]["p50_ms"] * 0.5
             assert "added_p90_ms" in latency[api][path]
     assert decision["token_ids"]["p99_ms"] > 0 and decision["token_ids_beside_text"]["p99_ms"] > 0
+    cpu = latency["router_cpu"]  # the router process's own CPU, split by the stages that spent it
+    assert set(cpu) == {"grpc_short", "grpc_4k", "http_short", "http_4k"}
+    for case, rows in cpu.items():
+        for row in (rows["per_request_1_token"], rows["per_request_33_tokens"]):
+            assert row["cpu_ms_per_request"] > 0
+            assert sum(row["by_stage_ms"].values()) == pytest.approx(row["cpu_ms_per_request"], rel=0.01)
+        stages = rows["per_request_1_token"]["by_stage_ms"]
+        assert stages.get("relay", 0) > 0, (case, stages)
+        if case.endswith("4k"):  # a 4k-token text is tokenized and hashed by the router
+            assert stages.get("tokenize", 0) + stages["threads"] > 0 and stages.get("hash", 0) > 0, (
+                case,
+                stages,
+            )
     assert len(result["targets"]) == 4 and all("met" in t for t in result["targets"])

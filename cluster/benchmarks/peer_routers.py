@@ -93,6 +93,20 @@ class PortTaken(RunAgain):
     the same ephemeral range to outgoing connections, and 4 replicas make many)."""
 
 
+def session_cpu_seconds(session_id: int) -> float:
+    """utime + stime of every process in ``session_id`` (and the reaped children's, counted
+    in their parents), from /proc/<pid>/stat."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone since the listing
+        if int(fields[3]) == session_id:  # field 6, counted from the state (field 3)
+            ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 class RouterProcess:
     """One router in its own session; ready when its readiness URL answers 200."""
 
@@ -136,6 +150,11 @@ class RouterProcess:
                 await asyncio.sleep(0.25)
         self.stop()
         raise RuntimeError(f"{self.contender.name} not ready in {timeout_s:.0f}s: {self.log_tail()}")
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the router has spent so far, from the kernel: every live
+        process of its session, plus the children it has reaped."""
+        return session_cpu_seconds(self.proc.pid)
 
     def log_tail(self, chars: int = 800) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

@@ -187,6 +187,7 @@ MOONCAKE_BLOCK_TOKENS = 4  # the trace's 512-token blocks, shrunk to fit CPU rep
 _METRICS = (  # summarized per (router, workload, rate, generator): median, min and max over repeats
     "hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s",
     "requests_max_over_mean", "prefill_max_over_mean", "added_p50_ms", "added_p90_ms",
+    "router_cpu_ms_per_request",
 )  # fmt: skip
 
 
@@ -253,14 +254,18 @@ class _Bench:
             )
             await reset_caches(self.cluster, self.http, self.replicas)
             await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
-            before = await counters(self.http, self.replicas)
+            before, cpu_before = await counters(self.http, self.replicas), router.cpu_seconds()
             load = dataclasses.replace(self.config.load, rate=rate, seed=self.config.load.seed + repeat)
             client = await self.drive(
                 workload, generator, load, router.url, contender.name, self.scratch / f"{stem}.json"
             )
+            cpu_s = router.cpu_seconds() - cpu_before
             truth = served(before, await counters(self.http, self.replicas))
+        cpu = {
+            "router_cpu_ms_per_request": 1000 * cpu_s / max(1, sum(truth["requests_per_replica"].values()))
+        }
         return {"router": contender.name, "workload": workload, "rate": rate, "repeat": repeat,
-                "generator": generator, **client, **truth, **overhead}  # fmt: skip
+                "generator": generator, **client, **truth, **overhead, **cpu}  # fmt: skip
 
     async def run_honest(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
@@ -510,6 +515,7 @@ _SWEEP_TABLE = [
     ("prefill max/mean", "prefill_max_over_mean", "{:.2f}"),
     ("added p50", "added_p50_ms", "{:.2f}"),
     ("added p90", "added_p90_ms", "{:.2f}"),
+    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}"),
 ]
 
 

@@ -22,6 +22,7 @@ import httpx
 from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess, kvmesh_router_command
 from kvmesh.cluster.benchmarks.peers import replicas_of
+from kvmesh.cluster.benchmarks.router_cpu import router_cpu
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
@@ -133,10 +134,15 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             finally:
                 proxy.terminate()
                 proxy.wait()
+        cpu = await router_cpu(
+            model_dir, body["model"], cluster.redis_url, cluster.router_environment(),
+            long_text(PromptTokenizer(model_dir), 4000), max(10, samples // 5), scratch,
+        )  # fmt: skip
     result = {
         "samples": samples,
         "grpc": _added({k[5:]: v for k, v in times.items() if k.startswith("grpc")}, "direct"),
         "http": _added({k[5:]: v for k, v in times.items() if k.startswith("http")}, "direct"),
+        "router_cpu": cpu,
     }
     g, h = result["grpc"], result["http"]
     progress(
@@ -146,32 +152,25 @@ async def added_latency(model_dir: str, samples: int) -> dict:
     return result
 
 
+def long_text(tokenizer: PromptTokenizer, tokens: int) -> str:
+    """A text of at most ``tokens`` tokens (just under), of common words."""
+    rng = random.Random(1)
+    words = ["cache", "block", "prefix", "token", "router", "replica", "index", "serve", "batch", "queue",
+             "memory", "stream"]  # fmt: skip
+    text = " ".join(rng.choice(words) for _ in range(int(tokens * 1.5)))
+    while len(ids := tokenizer.encode(text)) > tokens:
+        text = text[: int(len(text) * tokens / len(ids))]
+    return text
+
+
 async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
     with EmbeddedRedis() as redis:
         info = ModelInfo.from_folder(model_dir, None, 16, None)
         tokenizer = PromptTokenizer(model_dir)
         index = RedisPrefixIndex.from_url(redis.url, info.model_id, info.block_size, info.hash_seed)
         await index.ensure_settings()
-        rng = random.Random(1)
-        words = [
-            "cache",
-            "block",
-            "prefix",
-            "token",
-            "router",
-            "replica",
-            "index",
-            "serve",
-            "batch",
-            "queue",
-            "memory",
-            "stream",
-        ]
-        text = " ".join(rng.choice(words) for _ in range(6000))
+        text = long_text(tokenizer, 4000)
         ids = tokenizer.encode(text)
-        while len(ids) > 4000:
-            text = text[: int(len(text) * 4000 / len(ids))]
-            ids = tokenizer.encode(text)
         hashes = block_hashes(ids, info.block_size, info.hash_seed)
         for r in range(replicas):
             inc = await index.register(f"r{r}", f"127.0.0.1:{20000 + r}", ttl_s=3600)
@@ -271,6 +270,13 @@ def main(out: str, quick: bool, cache_dir: str) -> int:
         for path, r in lat[api].items():
             added = f"{r['added_p50_ms']:>9}  {r['added_p90_ms']:>9}" if "added_p50_ms" in r else ""
             print(f"  {path:<30} {r['p50_ms']:>8} {r['p90_ms']:>8} {r['p99_ms']:>8}  {added}")
+    print("router CPU, ms per request (1-token answer) and per streamed token; its top stages:")
+    for case, rows in lat["router_cpu"].items():
+        one = rows["per_request_1_token"]
+        top = ", ".join(f"{stage} {ms}" for stage, ms in list(one["by_stage_ms"].items())[:4])
+        print(
+            f"  {case:<12} {one['cpu_ms_per_request']:>7} ms  +{rows['cpu_ms_per_streamed_token']} per token  ({top})"
+        )
     print(f"routing decision, {dec['prompt_tokens']} tokens, {dec['replicas']} replicas:")
     for name in ("text", "token_ids"):
         print(f"  from {name:<10} p50 {dec[name]['p50_ms']} ms  p99 {dec[name]['p99_ms']} ms")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from dataclasses import dataclass
 
 from kvmesh.cluster.flags import FlagTable
 from kvmesh.router.config import RouterConfig
+from kvmesh.serving import event_loop
 from kvmesh.serving.options import option
 
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     check_files(config)
     setup_logging(logging.verbose)
     try:
-        asyncio.run(serve_router(config))
+        event_loop.run(serve_router(config))
     except ListenError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -62,7 +62,7 @@ async def serve_router(config: RouterConfig) -> None:
         await router.start()
         print(
             f"kvmesh router: gRPC {router.address}, HTTP port {router.http_port}, "
-            f"deployment {config.deployment}",
+            f"deployment {config.deployment}, event loop {event_loop.loop_name()}",
             flush=True,
         )
         await wait_for_signal()
