@@ -20,6 +20,7 @@ from kvmesh.cluster.benchmarks.peer_routers import (
     PortTaken,
     RouterProcess,
     RunAgain,
+    main_thread_cpu_seconds,
     session_cpu_seconds,
     summarize_guidellm,
 )
@@ -139,6 +140,29 @@ def test_a_router_sessions_cpu_time_is_read_from_the_kernel():
         assert 0.3 <= spent < 3
         time.sleep(0.3)  # asleep now: nothing more is counted
         assert session_cpu_seconds(proc.pid) - spent < 0.1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_main_threads_cpu_is_told_apart_from_its_other_threads():
+    """A process whose second thread burns ~0.3 s: the session counts it, the main thread
+    (a server's event loop) does not."""
+    script = (
+        "import threading, time\n"
+        "def burn():\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.3:\n"
+        "        pass\n"
+        "w = threading.Thread(target=burn); w.start(); w.join(); print('done', flush=True); time.sleep(30)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "done"
+        assert session_cpu_seconds(proc.pid) >= 0.3
+        assert main_thread_cpu_seconds(proc.pid) < 0.2  # its start-up only
     finally:
         proc.kill()
         proc.wait()

@@ -93,18 +93,29 @@ class PortTaken(RunAgain):
     the same ephemeral range to outgoing connections, and 4 replicas make many)."""
 
 
+def _stat_fields(stat: Path) -> list[str] | None:
+    """A /proc stat line's fields from the state (field 3) on; None when it is gone."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def session_cpu_seconds(session_id: int) -> float:
     """utime + stime of every process in ``session_id`` (and the reaped children's, counted
     in their parents), from /proc/<pid>/stat."""
     ticks = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone since the listing
-        if int(fields[3]) == session_id:  # field 6, counted from the state (field 3)
+        fields = _stat_fields(stat)
+        if fields is not None and int(fields[3]) == session_id:  # field 6: the session
             ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid``'s main thread alone (an asyncio server's event loop)."""
+    fields = _stat_fields(Path(f"/proc/{pid}/task/{pid}/stat"))
+    return sum(int(f) for f in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 class RouterProcess:
@@ -155,6 +166,10 @@ class RouterProcess:
         """CPU time (user + system) the router has spent so far, from the kernel: every live
         process of its session, plus the children it has reaped."""
         return session_cpu_seconds(self.proc.pid)
+
+    def loop_cpu_seconds(self) -> float:
+        """The part of ``cpu_seconds`` its main thread (a Python server's event loop) spent."""
+        return main_thread_cpu_seconds(self.proc.pid)
 
     def log_tail(self, chars: int = 800) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

@@ -2,11 +2,11 @@
 stage, over gRPC and HTTP, for a short prompt of token ids and a 4k-token text.
 
 Two windows per case, both of N sequential requests from this process (the client's CPU is
-never the router's): an unprofiled one gives the CPU per request (the router's session, from
-the kernel); a profiled one (``profiled``: the event loop thread's own CPU per function)
-gives each stage's share, applied to that total. cProfile slows Python calls, so its
-absolute times are not used; what the loop thread did not spend (gRPC core's threads, a
-long prompt tokenized off the loop) is its own row, "threads". Per token: the difference
+never the router's): an unprofiled one gives the CPU per request, the router's session's and
+its event loop thread's, from the kernel; a profiled one (``profiled``: the loop thread's own
+CPU per function) gives each stage's share of the loop's part. cProfile slows Python calls,
+so its absolute times are not used; what the other threads spent (gRPC core's, a long
+prompt tokenized off the loop) is its own row, "threads". Per token: the difference
 between 33-token and 1-token answers, over 32."""
 
 from __future__ import annotations
@@ -101,12 +101,12 @@ class _Client:
 
 async def _window(
     router: RouterProcess, client: _Client, case: tuple[str, str], answer: int, n: int
-) -> float:
-    """The router's CPU seconds for ``n`` sequential requests."""
-    before = router.cpu_seconds()
+) -> tuple[float, float]:
+    """The router's CPU seconds for ``n`` sequential requests: all of it, and its loop's."""
+    before, loop_before = router.cpu_seconds(), router.loop_cpu_seconds()
     for _ in range(n):
         await client.send(*case, answer)
-    return router.cpu_seconds() - before
+    return router.cpu_seconds() - before, router.loop_cpu_seconds() - loop_before
 
 
 async def _profiled_window(
@@ -126,14 +126,13 @@ async def _profiled_window(
     return stage_seconds(out)
 
 
-def _per_request(cpu_s: float, stages: dict[str, float], n: int) -> dict:
-    """The window's CPU per request (ms), split by the profiled window's stage shares; what the
-    loop thread did not spend is "threads"."""
-    total_ms = 1000 * cpu_s / n
+def _per_request(cpu_s: float, loop_s: float, stages: dict[str, float], n: int) -> dict:
+    """The window's CPU per request (ms): the loop thread's, split by the profiled window's
+    stage shares, and the other threads' ("threads": gRPC core, long prompts tokenized)."""
+    total_ms, loop_ms = 1000 * cpu_s / n, 1000 * min(loop_s, cpu_s) / n
     profiled = sum(stages.values())
-    loop_share = min(1.0, profiled / cpu_s) if cpu_s else 0.0  # cProfile inflates the loop's part
-    split = {s: round(total_ms * loop_share * t / profiled, 3) for s, t in stages.items()} if profiled else {}
-    split["threads"] = round(total_ms * (1 - loop_share), 3)
+    split = {s: round(loop_ms * t / profiled, 3) for s, t in stages.items()} if profiled else {}
+    split["threads"] = round(total_ms - loop_ms, 3)
     return {
         "cpu_ms_per_request": round(total_ms, 3),
         "by_stage_ms": dict(sorted(split.items(), key=lambda kv: -kv[1])),
@@ -170,9 +169,9 @@ async def router_cpu(
                 await client.send(*case, 1)
             rows = {}
             for answer in ANSWERS:
-                cpu_s = await _window(router, client, case, answer, n)
+                cpu_s, loop_s = await _window(router, client, case, answer, n)
                 stages = await _profiled_window(router, client, case, answer, n, profile)
-                rows[answer] = _per_request(cpu_s, stages, n)
+                rows[answer] = _per_request(cpu_s, loop_s, stages, n)
             short, long = rows[ANSWERS[0]], rows[ANSWERS[1]]
             per_token = (long["cpu_ms_per_request"] - short["cpu_ms_per_request"]) / (ANSWERS[1] - ANSWERS[0])
             result[f"{case[0]}_{case[1]}"] = {
