@@ -22,6 +22,7 @@ import grpc
 import httpx
 
 from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess, kvmesh_router_command
+from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.protos import pb, pb_grpc
 
 # A function belongs to the first stage one of whose markers is in "file:function" (for a
@@ -150,8 +151,6 @@ async def router_cpu(
 ) -> dict:
     """Each (api, prompt) case at 1- and 33-token answers: CPU per request by stage, and per
     streamed token; one router process for all, started under ``profiled``."""
-    from kvmesh.cluster.embedded_redis import free_port
-
     grpc_port, http_port = free_port(), free_port()
     profile = scratch / "window.prof"
     command = [sys.executable, "-m", "kvmesh.cluster.benchmarks.profiled", str(profile),
