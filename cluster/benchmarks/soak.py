@@ -1,7 +1,9 @@
 """``kvmesh bench soak``: steady load through the router while replicas are killed.
 
 Closed-loop clients send shared-prefix requests over gRPC for ``duration`` seconds; every
-``kill_every`` seconds a random replica actor is killed (the supervisor replaces it).
+``kill_every`` seconds a random replica actor is killed (the supervisor replaces it), but
+never the last one the router sees live: a kill waits until another replica serves (with
+two replicas and a slow replacement, killing the other one would leave nothing to serve).
 Reported per minute: requests, errors by status code, p99 latency; and the resident memory
 of every long-lived process (this process, which hosts the router; Redis; each replica
 incarnation), which must stay flat once warm.
@@ -140,13 +142,14 @@ async def run(
                 progress(
                     f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
                 )
-            if kill_every and now >= next_kill:
-                victim = rng.choice(sorted(cluster.supervisor.actors))
+            live = sorted(e.record.replica_id for e in cluster.router.registry.live())
+            if kill_every and now >= next_kill and len(live) >= 2:  # never the last one serving
+                victim = rng.choice(live)
                 import ray
 
                 ray.kill(cluster.supervisor.actors[victim])
                 kill_times.append(round(now, 2))
-                next_kill += kill_every
+                next_kill = max(next_kill, now) + kill_every  # a kill that waited moves the next
             await asyncio.sleep(0.2)
         stop.set()
         await asyncio.gather(*workers)
