@@ -220,9 +220,14 @@ class PeersConfig:
         return ("kvmesh_loadgen",)  # multi-turn is closed loop: kvmesh's generator for every router
 
     @property
+    def scratch(self) -> Path:
+        """Beside the JSON: router logs, guidellm reports and the kept rows."""
+        return Path(self.out).resolve().with_suffix("")
+
+    @property
     def kept_rows(self) -> Path:
         """Each run's row, appended as it lands: what a cut-short sweep still has."""
-        return Path(self.out).resolve().with_suffix("") / "rows.jsonl"
+        return self.scratch / "rows.jsonl"
 
 
 @dataclass
@@ -357,7 +362,7 @@ async def run(config: PeersConfig) -> dict:
             config,
             model,
             word_table(model),
-            Path(config.out).resolve().with_suffix(""),
+            config.scratch,
             replicas,
             cluster,
             http,
