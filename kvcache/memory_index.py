@@ -255,12 +255,12 @@ class MemoryPrefixIndex(ShareHalves):
         self._shares[incarnation] = Counter()
         return incarnation
 
-    async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> bool:
+    async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> int:
         alive = self._router_live(router_incarnation)
         if alive:
             self._routers[router_incarnation] = self.clock() + ttl_s
         self._reap()
-        return alive
+        return len(self._routers) if alive else 0
 
     async def deregister_router(self, router_incarnation: int) -> None:
         self._routers.pop(router_incarnation, None)

@@ -44,6 +44,8 @@ def usage(out: RequestOutput) -> pb.Usage:
 class EngineBackend:
     """The serving Backend over this replica's engine (the OpenAI app and the gRPC service use it)."""
 
+    relays_sse = False  # a replica is where a relayed stream is made
+
     def __init__(
         self,
         engine: AsyncLLMEngine,

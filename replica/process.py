@@ -123,6 +123,7 @@ class ReplicaServer:
                 auth_token=token,
                 max_body_bytes=c.max_message_bytes,
                 title="kvmesh replica",
+                relay_routes=True,
             )
             self.http = await start_http_server(app, c.host, c.http_port, c.tls, write_timeout_s)
             self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"

@@ -9,8 +9,10 @@ fail over once, account for the work and the prediction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -30,8 +32,11 @@ from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.openai_relay import SseRequest
 from kvmesh.serving.request_ids import OwnedRequests
 from kvmesh.serving.tokenizer import PromptTokenizer
+
+T = TypeVar("T")
 
 
 class RouterCore:
@@ -101,6 +106,11 @@ class RouterCore:
     async def decide(self, request: pb.GenerateRequest) -> Decision:
         return await self.decider.decide(request)
 
+    @property
+    def relays_sse(self) -> bool:
+        """Whether a streamed HTTP request goes to its replica's own OpenAI port now."""
+        return self.registry.relays_http
+
     async def generate(
         self,
         request: pb.GenerateRequest,
@@ -116,6 +126,37 @@ class RouterCore:
         ``timeout``: seconds the caller still waits (its deadline); the replica gets the same.
         ``owner``: the caller's connection, the only one that may ``abort`` it by its own id.
         """
+
+        def relayed(decision: Decision, started: float, root: object) -> AsyncIterator[pb.GenerateResponse]:
+            return self.relay.stream(decision, started, timeout, root)
+
+        async with contextlib.aclosing(self._routed(request, trace, owner, relayed)) as routed:
+            async for client_id, response in routed:
+                response.request_id = client_id
+                yield response
+
+    async def generate_sse(
+        self, request: pb.GenerateRequest, chat: bool, body: bytes, trace: object = None
+    ) -> AsyncIterator[bytes]:
+        """Route an admitted streamed HTTP request (one prompt, its client's JSON ``body``)
+        and relay its replica's own OpenAI SSE byte for byte (``relays_sse``)."""
+
+        def relayed(decision: Decision, started: float, root: object) -> AsyncIterator[bytes]:
+            sse = SseRequest.of(chat, body, self.model.api_name, decision.request_id, decision.token_ids)
+            return self.relay.stream_sse(decision, sse, started, root)
+
+        async with contextlib.aclosing(self._routed(request, trace, "", relayed)) as routed:
+            async for _, block in routed:
+                yield block
+
+    async def _routed(
+        self,
+        request: pb.GenerateRequest,
+        trace: object,
+        owner: str,
+        relayed: Callable[[Decision, float, object], AsyncIterator[T]],
+    ) -> AsyncIterator[tuple[str, T]]:
+        """decide -> relay, with the request's span, its owner's id and its metrics."""
         root = tracing.start("kvmesh.router.request", trace, request_id=request.request_id or None)
         outcome = "error"
         try:
@@ -124,9 +165,9 @@ class RouterCore:
             client_id = request.request_id or decision.request_id
             self.owned.add(owner, client_id, decision.request_id)
             try:
-                async for response in self.relay.stream(decision, started, timeout, root):
-                    response.request_id = client_id
-                    yield response
+                async with contextlib.aclosing(relayed(decision, started, root)) as stream:
+                    async for item in stream:
+                        yield client_id, item
                 outcome = "ok"
             except asyncio.CancelledError:
                 outcome = "cancelled"

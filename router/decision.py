@@ -59,6 +59,11 @@ class Decision:
         return self.index_read and not self.sampling.HasField("prompt_logprobs")
 
     @property
+    def first_block_hash(self) -> int:
+        """What the replica checks its own hashing against (0: no full block)."""
+        return self.block_hashes[0] if self.block_hashes else 0
+
+    @property
     def decode_estimate(self) -> int:
         """Decode tokens to expect: max_tokens (capped) for each of the n choices."""
         n = self.sampling.n if self.sampling.HasField("n") else 1

@@ -15,6 +15,12 @@ past its heartbeat TTL: the next heartbeat of any router takes its reservations 
 When the index cannot be reached, the router routes on its own counts (the caller's
 fallback) and, once the index is back, re-registers and re-reserves what it still has in
 flight, so the fleet's totals never keep a stale share.
+
+A router alone (its heartbeat counts the registered routers) sends nothing per request: no
+other router would read it, and the decision reads its own counts. When its heartbeat sees
+another router (within ``heartbeat_s`` of that router's start; until then the newcomer sees
+this one's work as of when it was last shared), it re-registers holding exactly what it has
+in flight and shares every request from then on.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class FleetLoad:
         self._speculation: dict[tuple[str, int], list[int]] = {}  # (replica, root) -> blocks to announce
         self._announced: tuple[int, dict[str, set[int]]] = (-1, {})  # (bucket, replica -> blocks sent in it)
         self.incarnation: int | None = None  # None: not registered (yet, or lost): local counts only
+        self.routers = 0  # routers registered as of the last heartbeat, this one included
         self._held: collections.Counter[str] = collections.Counter()  # field -> what this router holds
         self._unsent: collections.Counter[str] = collections.Counter()
         self._flush: asyncio.Task | None = None
@@ -54,8 +61,14 @@ class FleetLoad:
 
     @property
     def active(self) -> bool:
-        """Whether the fleet's totals include this router's work (else route on local counts)."""
-        return self.incarnation is not None
+        """Whether the fleet's totals include this router's work and other routers' (else
+        route on local counts: the index is away, or this router is alone)."""
+        return self.incarnation is not None and self.routers > 1
+
+    @property
+    def alone(self) -> bool:
+        """Registered, and no other router is: nothing to share."""
+        return self.incarnation is not None and self.routers <= 1
 
     async def start(self) -> None:
         await self._renew()
@@ -78,8 +91,10 @@ class FleetLoad:
             if delta:
                 field = load_field(replica_id, kind)
                 self._held[field] += delta
-                self._unsent[field] += delta
-        self._schedule_send()
+                if not self.alone:  # while registering too: what changed meanwhile goes after
+                    self._unsent[field] += delta
+        if self.active:
+            self._schedule_send()
 
     def _schedule_send(self) -> None:
         if self._oldest_unsent is None:
@@ -92,7 +107,7 @@ class FleetLoad:
         turn; blocks already announced for it in this time bucket of ``speculative_ttl_s``
         are not sent again). The index keeps an entry for one to two buckets of
         ``speculative_ttl_s`` on its own clock, so every router sees it about that long."""
-        if not block_hashes or self.speculative_ttl_s <= 0:  # a TTL of 0: speculation off
+        if not block_hashes or self.speculative_ttl_s <= 0 or not self.active:  # a TTL of 0: off
             return
         bucket = int(time.time() / self.speculative_ttl_s)
         if self._announced[0] != bucket:
@@ -139,10 +154,13 @@ class FleetLoad:
         while self._loops.running:
             await asyncio.sleep(self.heartbeat_s)
             try:
-                if self.incarnation is None or not await self.index.router_heartbeat(
-                    self.incarnation, self.ttl_s
-                ):
+                routers = 0
+                if self.incarnation is not None:
+                    routers = await self.index.router_heartbeat(self.incarnation, self.ttl_s)
+                if not routers or (routers > 1 and self.routers <= 1):  # lost, or no longer alone
                     await self._renew()
+                else:
+                    self.routers = routers
             except INDEX_ERRORS:
                 self.incarnation = None
 
@@ -156,12 +174,15 @@ class FleetLoad:
             held = {field: amount for field, amount in self._held.items() if abs(amount) > 1e-9}
             self._unsent, self._oldest_unsent = collections.Counter(), None  # all of it goes now
             if await self.index.reserve(incarnation, held):
+                self.routers = await self.index.router_heartbeat(incarnation, self.ttl_s)
                 self.incarnation = incarnation
                 log.info(
                     "sharing this router's in-flight work through the index",
                     extra={"incarnation": incarnation},
                 )
-                if self._unsent:  # changed while registering
+                if self.alone:
+                    self._unsent.clear()
+                elif self._unsent:  # changed while registering
                     self._flush = asyncio.get_running_loop().create_task(self._send())
         except INDEX_ERRORS as exc:
             log.warning("fleet load unavailable, routing on this router's counts", extra={"error": str(exc)})

@@ -62,6 +62,10 @@ class RouterMetrics(ServerMetrics):
             ("policy", "branch"),
         )
         self.retries = self.counter("kvmesh_router_failovers", "Requests retried on another replica")
+        self.relayed = self.counter(
+            "kvmesh_router_relayed_streams",
+            "Streamed HTTP requests relayed from their replica's own OpenAI port, byte for byte",
+        )
         self.fleet_best_cached = self.counter(
             "kvmesh_router_fleet_best_cached_tokens", "Prompt tokens the best-holding replica had cached"
         )

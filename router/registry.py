@@ -23,6 +23,7 @@ from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
+from kvmesh.router.replica_http import ReplicaHttp
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
@@ -44,6 +45,12 @@ class ReplicaEntry:
     costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
     priced: StepCosts = PRIOR  # what the policy prices it at (its own, or like its peers)
     step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
+    http: ReplicaHttp | None = None  # its OpenAI port, where the router can reach it (SSE relay)
+
+    async def close(self) -> None:
+        await self.channel.close()
+        if self.http is not None:
+            self.http.close()
 
 
 class ReplicaRegistry:
@@ -64,6 +71,7 @@ class ReplicaRegistry:
         self.failure_cooldown_s = failure_cooldown_s
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
+        self._https = tls.client_ssl_context() if tls else None
         self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
         self._back_until = 0.0  # after the index returns: replicas it does not list yet are kept until then
         self._loops = BackgroundLoops()
@@ -76,7 +84,7 @@ class ReplicaRegistry:
     async def stop(self) -> None:
         await self._loops.stop()
         for entry in [*self.entries.values(), *self._retired]:
-            await entry.channel.close()
+            await entry.close()
         self.entries.clear()
         self._retired.clear()
 
@@ -134,8 +142,9 @@ class ReplicaRegistry:
                     rec.address, self.tls, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
                 )
                 entry = ReplicaEntry(
-                    rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0, auth=self.auth
-                )
+                    rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0, auth=self.auth,
+                    http=self._http_of(rec),
+                )  # fmt: skip
                 self.entries[rec.replica_id] = entry
             entry.record = rec
             entry.costs = measured_costs(rec.load)
@@ -159,8 +168,21 @@ class ReplicaRegistry:
             if entry.load.requests:
                 busy.append(entry)
             else:
-                await entry.channel.close()
+                await entry.close()
         self._retired = busy
+
+    def _http_of(self, record: ReplicaRecord) -> ReplicaHttp | None:
+        """The replica's OpenAI port, if it serves one the router can reach and verify."""
+        url = record.fields.get("http_address", "")
+        if url.startswith("http://") or (url.startswith("https://") and self._https is not None):
+            return ReplicaHttp(url, self._https, self.tls.server_name if self.tls else None)
+        return None
+
+    @property
+    def relays_http(self) -> bool:
+        """Whether every live replica can take HTTP streams relayed byte for byte."""
+        live = self.live()
+        return bool(live) and all(e.http is not None for e in live)
 
     @property
     def index_ok(self) -> bool:

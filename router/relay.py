@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -22,11 +23,14 @@ from kvmesh.router.index_watch import IndexWatch
 from kvmesh.router.load import RequestWork
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaEntry, ReplicaRegistry
+from kvmesh.router.replica_http import ReplicaHttpError
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
+from kvmesh.serving.openai_relay import SseRequest, http_failure, sse_events, take_trailer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # The code that says the replica (not the request) failed: it is cooled down, and the request
 # may move. INTERNAL and UNKNOWN are the request's own failure on a replica that goes on
 # serving: moving it would fail it again elsewhere and cool down every replica it touched.
@@ -78,24 +82,46 @@ class Relay:
             token_ids=pb.TokenIds(ids=decision.token_ids),
             sampling=decision.sampling,
         )
+
+        def attempt(entry: ReplicaEntry, number: int) -> AsyncIterator[pb.GenerateResponse]:
+            return self._grpc_attempt(upstream, decision, entry, started, timeout, trace, number)
+
+        async with contextlib.aclosing(self._failover(decision, attempt)) as responses:
+            async for response in responses:
+                yield response
+
+    async def stream_sse(
+        self, decision: Decision, request: SseRequest, started: float, trace: object = None
+    ) -> AsyncIterator[bytes]:
+        """The replica's own OpenAI SSE bytes, as the client gets them (whole events; the
+        replica's trailer for the router taken out). Raises ServingError."""
+
+        def attempt(entry: ReplicaEntry, number: int) -> AsyncIterator[bytes]:
+            return self._http_attempt(request, decision, entry, started, trace, number)
+
+        async with contextlib.aclosing(self._failover(decision, attempt)) as blocks:
+            async for block in blocks:
+                yield block
+
+    async def _failover(
+        self, decision: Decision, attempt: Callable[[ReplicaEntry, int], AsyncIterator[T]]
+    ) -> AsyncIterator[T]:
         targets = failover_targets(decision.ranked)
-        for attempt, replica_id in enumerate(targets):
+        for number, replica_id in enumerate(targets):
             entry = self.registry.entries.get(replica_id)
             if entry is None:  # gone from the index since the decision
                 continue
             try:
                 # aclosing: when our caller stops reading (an HTTP client went away), the
                 # attempt's cleanup (cancel the upstream call, release the load) runs now.
-                async with contextlib.aclosing(
-                    self._attempt(upstream, decision, entry, started, timeout, trace, attempt)
-                ) as out:
-                    async for response in out:
-                        yield response
+                async with contextlib.aclosing(attempt(entry, number)) as out:
+                    async for item in out:
+                        yield item
                 return
             except _AttemptFailed as failed:
                 if failed.code in REPLICA_FAILURE_CODES:
                     self.registry.mark_failed(replica_id)
-                last = attempt == len(targets) - 1
+                last = number == len(targets) - 1
                 if failed.streamed or failed.code not in RETRYABLE_CODES or last:
                     raise upstream_error(failed.code, failed.details) from None
                 self.metrics.retries.inc()
@@ -105,7 +131,7 @@ class Relay:
                 )
         raise Unavailable("no replica could take the request")
 
-    async def _attempt(
+    async def _grpc_attempt(
         self,
         upstream: pb.GenerateRequest,
         decision: Decision,
@@ -115,27 +141,18 @@ class Relay:
         trace: object,
         attempt: int,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        work = self._begin(entry, decision)
-        prediction = decision.prediction(entry.record.replica_id, entry.record.incarnation, self.block_size)
+        work, prediction, span = self._begin(entry, decision, trace, attempt)
         upstream.predicted_cached_blocks = prediction.predicted
-        upstream.first_block_hash = decision.block_hashes[0] if decision.block_hashes else 0
-        span = tracing.start(
-            "kvmesh.router.relay", trace, replica_id=entry.record.replica_id, attempt=attempt,
-            predicted_cached_tokens=prediction.predicted * self.block_size,
-        )  # fmt: skip
+        upstream.first_block_hash = decision.first_block_hash
         call = entry.stub.Generate(upstream, timeout=timeout, metadata=(*entry.auth, *tracing.inject(span)))
         streamed, sent_at, outcome = False, time.monotonic(), "error"
         try:
             async for response in call:
                 if not streamed:
                     streamed = True
-                    self._first_response(entry, work, started)
-                    tracing.record_phases(span, [("kvmesh.router.first_token", sent_at, time.monotonic())])
+                    self._first_response(entry, work, started, span, sent_at)
                 if response.WhichOneof("kind") == "complete" and response.complete.index == 0:
-                    cause = self._complete(decision, prediction, response.complete)
-                    tracing.set_attributes(
-                        span, actual_cached_tokens=response.complete.usage.cached_tokens, miss_cause=cause
-                    )
+                    self._complete(decision, prediction, response.complete, span)
                 yield response
             outcome = "ok"
         except asyncio.CancelledError:
@@ -156,34 +173,82 @@ class Relay:
             raise _AttemptFailed(exc.code(), exc.details(), streamed) from None
         finally:
             call.cancel()  # no-op when finished; aborts upstream when the client went away
-            self._end(entry, work, decision.request_id)
-            tracing.end(span, outcome=outcome)
+            self._end(entry, work, decision.request_id, span, outcome)
+
+    async def _http_attempt(
+        self,
+        request: SseRequest,
+        decision: Decision,
+        entry: ReplicaEntry,
+        started: float,
+        trace: object,
+        attempt: int,
+    ) -> AsyncIterator[bytes]:
+        if entry.http is None:  # joined without an HTTP port since the front end chose to relay
+            raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, "the replica serves no HTTP", False)
+        work, prediction, span = self._begin(entry, decision, trace, attempt)
+        body = request.envelope(prediction.predicted, decision.first_block_hash)
+        headers = (*entry.auth, *tracing.inject(span))
+        streamed, sent_at, outcome, conn = False, time.monotonic(), "error", None
+        try:
+            conn = await entry.http.post(request.path, body, headers)
+            streamed = True
+            self.metrics.relayed.inc()
+            self._first_response(entry, work, started, span, sent_at)
+            async for block in sse_events(conn):
+                block, complete = take_trailer(block)
+                if complete is not None:
+                    self._complete(decision, prediction, complete, span)
+                if block:
+                    yield block
+            outcome = "ok"
+        except ReplicaHttpError as exc:
+            code, message = http_failure(exc.status, exc.body)
+            raise _AttemptFailed(code, message, streamed) from None
+        except OSError as exc:  # unreachable, reset, closed mid-stream, or not HTTP
+            message = f"connection to the replica failed: {exc or type(exc).__name__}"
+            raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, message, streamed) from None
+        finally:
+            if conn is not None:
+                entry.http.release(conn)  # kept only when read to its end
+            self._end(entry, work, decision.request_id, span, outcome)
 
     # ------------------------------------------------------------------ accounting
 
-    def _begin(self, entry: ReplicaEntry, decision: Decision) -> RequestWork:
+    def _begin(
+        self, entry: ReplicaEntry, decision: Decision, trace: object, attempt: int
+    ) -> tuple[RequestWork, Prediction, object]:
         """The replica owes this request its prefill and decode; it will hold the prompt's blocks."""
-        matched = decision.matched.get(entry.record.replica_id, 0)
+        rid = entry.record.replica_id
+        matched = decision.matched.get(rid, 0)
         work = RequestWork.estimate(
             len(decision.block_hashes), matched, decision.decode_estimate, self.block_size
         )
         self.registry.begin(entry, work)
-        rid = entry.record.replica_id
         self.overlay.record(rid, decision.block_hashes)
         if self.registry.fleet is not None:  # every other router learns it through the index
             self.registry.fleet.speculate(rid, decision.block_hashes)
-        self.inflight[decision.request_id] = entry.record.replica_id
-        return work
+        self.inflight[decision.request_id] = rid
+        prediction = decision.prediction(rid, entry.record.incarnation, self.block_size)
+        span = tracing.start(
+            "kvmesh.router.relay", trace, replica_id=rid, attempt=attempt,
+            predicted_cached_tokens=prediction.predicted * self.block_size,
+        )  # fmt: skip
+        return work, prediction, span
 
-    def _first_response(self, entry: ReplicaEntry, work: RequestWork, started: float) -> None:
+    def _first_response(
+        self, entry: ReplicaEntry, work: RequestWork, started: float, span: object, sent_at: float
+    ) -> None:
         self.registry.prefill_done(entry, work)
         self.metrics.ttft.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(entry.record.replica_id).inc()
+        tracing.record_phases(span, [("kvmesh.router.first_token", sent_at, time.monotonic())])
 
-    def _complete(self, decision: Decision, prediction: Prediction, complete: pb.Complete) -> str | None:
+    def _complete(
+        self, decision: Decision, prediction: Prediction, complete: pb.Complete, span: object
+    ) -> None:
         """Predicted next to actual reuse: index accuracy, per request and in the metrics
-        (the first choice's: the others of an n > 1 request reuse its prefill). Returns the
-        miss cause, if any."""
+        (the first choice's: the others of an n > 1 request reuse its prefill)."""
         cause = None
         if self.watch is not None and decision.checks_index:
             cause = self.watch.observe(prediction, complete)
@@ -194,8 +259,11 @@ class Relay:
         self.metrics.predicted_cached.inc(predicted)
         self.metrics.actual_cached.inc(complete.usage.cached_tokens)
         self.metrics.prompt_tokens.inc(complete.usage.prompt_tokens)
-        return cause
+        tracing.set_attributes(span, actual_cached_tokens=complete.usage.cached_tokens, miss_cause=cause)
 
-    def _end(self, entry: ReplicaEntry, work: RequestWork, request_id: str) -> None:
+    def _end(
+        self, entry: ReplicaEntry, work: RequestWork, request_id: str, span: object, outcome: str
+    ) -> None:
         self.registry.end(entry, work)
         self.inflight.pop(request_id, None)
+        tracing.end(span, outcome=outcome)

@@ -48,6 +48,7 @@ from kvmesh.serving.openai_protocol import (
     StreamOptions,
     TokenizeRequest,
 )
+from kvmesh.serving.openai_relay import RELAY_PATHS, ChatEnvelope, CompletionEnvelope, trailer
 from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
 
@@ -76,6 +77,16 @@ class OpenAIBackend(Protocol):
     ) -> AsyncIterator[pb.GenerateResponse]: ...
 
     def render_metrics(self) -> bytes: ...
+
+    relays_sse: bool  # True: one-prompt streams go through ``generate_sse`` (the router's relay)
+
+
+class SseRelayBackend(OpenAIBackend, Protocol):
+    """A backend that streams a one-prompt request's SSE from elsewhere, byte for byte."""
+
+    def generate_sse(
+        self, request: pb.GenerateRequest, chat: bool, body: bytes, trace: object = None
+    ) -> AsyncIterator[bytes]: ...
 
 
 class _UnknownModel(ServingError):
@@ -153,25 +164,20 @@ def build_app(
     auth_token: str | None = None,
     max_body_bytes: int = 4 << 20,
     title: str = "kvmesh router",
+    relay_routes: bool = False,
 ) -> FastAPI:
     """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503.
 
     Every route that does work for a request (generate, render, tokenize, detokenize) takes
     its in-flight slots (``backend.admit``) first, a batch all its prompts at once, and
-    parses, renders and tokenizes off the event loop when the request is large."""
+    parses, renders and tokenizes off the event loop when the request is large.
+    ``relay_routes``: serve the routes a relaying router streams from (a replica's)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     model = backend.model.api_name
     names = TokenNames(backend.tokenizer)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if auth_token:
-
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.url.path == "/health" or token_matches(
-                request.headers.get("authorization"), auth_token
-            ):
-                return await call_next(request)
-            return _error(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
+        app.add_middleware(_TokenAuth, token=auth_token)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -275,6 +281,8 @@ def build_app(
         ticket = backend.admit(prompts, body.policy or "")
         with _released_unless_streaming(ticket):
             plan = await sized(size, completion_plan, body, backend.tokenizer)
+            if _relayed(body, plan):
+                return await _relay(raw, plan, False, ticket)
             echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
             return await _serve(raw, body, plan, False, echoes, ticket)
 
@@ -287,7 +295,49 @@ def build_app(
         ticket = backend.admit(1, body.policy or "")
         with _released_unless_streaming(ticket):
             plan = await sized(size, chat_plan, body)
+            if _relayed(body, plan):
+                return await _relay(raw, plan, True, ticket)
             return await _serve(raw, body, plan, True, None, ticket)
+
+    if relay_routes:
+
+        @app.post(RELAY_PATHS["completions"])
+        async def relayed_completions(raw: Request):
+            envelope, size = await _parsed(raw, CompletionEnvelope)
+            return await _serve_envelope(raw, envelope, False, size)
+
+        @app.post(RELAY_PATHS["chat"])
+        async def relayed_chat(raw: Request):
+            envelope, size = await _parsed(raw, ChatEnvelope)
+            return await _serve_envelope(raw, envelope, True, size)
+
+    def _relayed(body: CompletionRequest | ChatRequest, plan: Plan) -> bool:
+        """Whether the backend relays this request's SSE from a replica, byte for byte."""
+        return body.stream and len(plan.requests) == 1 and backend.relays_sse
+
+    async def _relay(raw: Request, plan: Plan, chat: bool, ticket: Ticket):
+        relay: SseRelayBackend = backend  # type: ignore[assignment]
+        stream = relay.generate_sse(plan.requests[0], chat, await raw.body(), tracing.extract(raw.headers))
+        first = await _unless_client_leaves(raw, anext(stream))  # routing errors: before any header
+        return _EventStream(_relayed_events(first, stream), ticket)
+
+    async def _serve_envelope(
+        raw: Request, envelope: ChatEnvelope | CompletionEnvelope, chat: bool, size: int
+    ):
+        """A router's relayed stream: the client's body, the router's token ids and ids."""
+        body = envelope.request
+        body.check_supported()
+        if not body.stream or (not chat and len(body.prompts()) != 1):
+            raise InvalidRequest("a relayed request is one streamed prompt")
+        ticket = backend.admit(1)
+        with _released_unless_streaming(ticket):
+            if chat:
+                plan = await sized(size, chat_plan, body)
+            else:
+                plan = await sized(size, completion_plan, body, backend.tokenizer)
+            envelope.upstream(plan.requests[0])
+            echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
+            return await _serve(raw, body, plan, chat, echoes, ticket, envelope.model)
 
     async def _echoes(body: CompletionRequest, plan: Plan, size: int) -> list[Echo]:
         """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
@@ -303,8 +353,16 @@ def build_app(
         return echoes
 
     async def _serve(
-        raw: Request, body: CompletionRequest | ChatRequest, plan: Plan, chat: bool, echoes, ticket
+        raw: Request,
+        body: CompletionRequest | ChatRequest,
+        plan: Plan,
+        chat: bool,
+        echoes,
+        ticket,
+        relayed_as: str | None = None,
     ):
+        """``relayed_as``: the model name a router's client sees (its stream ends with the
+        router's trailer)."""
         trace = tracing.extract(raw.headers)
         streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
@@ -312,12 +370,14 @@ def build_app(
 
         def builder_for(first) -> ResponseBuilder:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
-            return ResponseBuilder(plan, chat, model, token_names, rid, int(time.time()), echoes)
+            shown = relayed_as or model
+            return ResponseBuilder(plan, chat, shown, token_names, rid, int(time.time()), echoes)
 
         if body.stream:
             # routing errors surface here, before any header is sent
             first = await _unless_client_leaves(raw, anext(responses))
-            events = _sse(builder_for(first), first, responses, body.stream_options or StreamOptions())
+            options = body.stream_options or StreamOptions()
+            events = _sse(builder_for(first), first, responses, options, relayed_as is not None)
             return _EventStream(events, ticket)
 
         async def whole() -> dict:
@@ -389,6 +449,25 @@ class _EventStream(StreamingResponse):
             await super().stream_response(send)
 
 
+class _TokenAuth:
+    """401 without the deployment's bearer token (``/health`` stays open). Plain ASGI: a
+    Starlette ``BaseHTTPMiddleware`` would pass every streamed chunk through a task and a
+    memory stream of its own."""
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if token_matches(given.decode("latin-1") if given is not None else None, self.token):
+            return await self.app(scope, receive, send)
+        response = _error(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
+        await response(scope, receive, send)
+
+
 class _BodyLimit:
     """Refuses request bodies over ``max_bytes`` with 413 (declared or chunked alike), reading
     no more than that: the body is read here, whole, before the app sees any of it."""
@@ -439,6 +518,19 @@ class _BodyLimit:
         await response(scope, receive, send)
 
 
+async def _relayed_events(first: bytes, rest: AsyncIterator[bytes]):
+    """A replica's stream as relayed; when it fails midway, the error in band and the end."""
+    try:
+        yield first
+        async for block in rest:
+            yield block
+    except ServingError as exc:
+        body = error_body(exc.http_status, str(exc), _param_of(exc))
+        yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+    finally:
+        await rest.aclose()
+
+
 async def _tagged(stream: AsyncIterator[pb.GenerateResponse]):
     async for response in stream:
         yield 0, response
@@ -450,11 +542,17 @@ async def _chain(first, rest: AsyncIterator):
         yield item
 
 
-async def _sse(builder: ResponseBuilder, first, rest: AsyncIterator, options: StreamOptions):
+async def _sse(
+    builder: ResponseBuilder, first, rest: AsyncIterator, options: StreamOptions, for_router: bool = False
+):
+    """``for_router``: the stream ends with the trailer a relaying router reads."""
+    complete = None
     try:
         for event in builder.opening_events():
             yield event
         async for prompt, response in _chain(first, rest):
+            if for_router and response.WhichOneof("kind") == "complete" and response.complete.index == 0:
+                complete = response.complete
             delta = builder.add(prompt, response)
             text = delta["text"] if "text" in delta else delta["delta"].get("content")
             shows = text or delta["logprobs"] or delta["finish_reason"]
@@ -463,6 +561,8 @@ async def _sse(builder: ResponseBuilder, first, rest: AsyncIterator, options: St
                 yield builder.event([delta], usage)
         if options.include_usage:
             yield builder.event([], builder.openai_usage())
+        if complete is not None:
+            yield trailer(complete)
     except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
         body = error_body(exc.http_status, str(exc), _param_of(exc))
         yield f"data: {json.dumps(body)}\n\n"

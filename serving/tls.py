@@ -9,6 +9,7 @@ outbound checks the certificate against ``server_name`` instead of the address.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,16 @@ class TLSConfig:
             private_key=_read(self.key, "key"),
             certificate_chain=_read(self.cert, "certificate"),
         )
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        """For HTTPS to replicas (the router's relay): verified with the CA, this process's
+        certificate presented for mTLS; None without a CA (nothing to verify them with)."""
+        if not self.ca:
+            return None
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.ca and self.server_name else []

@@ -131,6 +131,7 @@ class _FailingBackend:
     tokenizer = None
     inputs = InputLimits()
     inflight = InflightLimit(8, "test backend")
+    relays_sse = False
 
     def admit(self, count=1, policy=""):
         return self.inflight.take(count)

@@ -62,8 +62,10 @@ async def test_reservations_add_up_release_and_die_with_their_router(redis_serve
 async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(valkey_server):
     index = RedisPrefixIndex.from_url(valkey_server.url, "shared-load-fleet", 16, 0)
     await index.ensure_settings()
+    await index.register_router(ttl_s=30)  # another router: there is someone to share with
     fleet = FleetLoad(index, heartbeat_s=0.1, ttl_s=2.0)
     await fleet.start()
+    assert fleet.active
     fleet.add("r0", 1, 4, 2)
     fleet.add("r0", 1, 4, 2)
     assert fleet.unsent("r0") == FleetWork(2, 8, 4)  # not in the index yet: the caller adds it
@@ -75,6 +77,29 @@ async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(
     fleet.add("r0", -2, -8, -4)
     await fleet.stop()
     assert (await index.decide([])).fleet == {}
+    await index.close()
+
+
+async def test_a_lone_router_shares_nothing_until_another_router_registers(valkey_server):
+    index = RedisPrefixIndex.from_url(valkey_server.url, "shared-load-alone", 16, 0)
+    await index.ensure_settings()
+    fleet = FleetLoad(index, heartbeat_s=0.1, ttl_s=2.0)
+    await fleet.start()
+    assert fleet.alone and not fleet.active  # the decision reads this router's own counts
+    fleet.add("r0", 1, 4, 2)
+    fleet.add("r1", 1, 4, 2)
+    fleet.add("r1", -1, -4, -2)
+    await asyncio.sleep(0.3)  # three heartbeats: still alone, nothing sent per request
+    assert fleet.alone and (await index.decide([])).fleet == {}
+    other = await index.register_router(ttl_s=30)
+    # Within a heartbeat it re-registers holding exactly what it has in flight, then shares.
+    assert await eventually(lambda: _fleet_is(index, {"r0": FleetWork(1, 4, 2)}), timeout=5)
+    assert fleet.active
+    fleet.add("r0", -1, -4, -2)
+    assert await eventually(lambda: _fleet_is(index, {}), timeout=5)
+    await index.deregister_router(other)
+    assert await eventually(lambda: asyncio.sleep(0, result=fleet.alone), timeout=5)
+    await fleet.stop()
     await index.close()
 
 

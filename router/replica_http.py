@@ -1,0 +1,222 @@
+"""Keep-alive HTTP/1.1 connections from the router to one replica's OpenAI port, to relay its
+SSE streams byte for byte.
+
+Why not gRPC for HTTP clients: a streamed token read through gRPC's Python API costs the router
+~0.3 ms of CPU (gRPC core's threads and the aio read path), and re-encoding it as SSE costs
+more; the replica already writes the exact SSE the client wants. Here a token costs one
+``data_received`` parsed by httptools' C parser and one write. Only what the router needs is
+read: the status, and (``relay.py``) the one trailer event the replica adds for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from urllib.parse import urlsplit
+
+import httptools
+
+# Buffered and unread beyond this, the router stops reading from the replica: a client that
+# reads slowly slows its replica's stream down instead of filling the router's memory.
+_HIGH_WATER_BYTES = 256 << 10
+_MAX_IDLE = 16  # idle connections kept per replica
+
+
+class ReplicaHttpError(Exception):
+    """The replica answered with an error status; ``body`` is its (OpenAI-shaped) error."""
+
+    def __init__(self, status: int, body: bytes):
+        super().__init__(f"HTTP {status}")
+        self.status, self.body = status, body
+
+
+class _Connection(asyncio.Protocol):
+    """One connection, one response at a time, fed to httptools as bytes arrive."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self.status = 0
+        self.complete = False
+        self.keep_alive = False
+        self.received = False  # any byte of the current response
+        self.error: BaseException | None = None
+        self._pieces: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future | None = None
+
+    # --------------------------------------------------------------- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.error is None:
+            self.error = exc or ConnectionResetError("the replica closed the connection")
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        if self.parser is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.error = ConnectionError("unexpected bytes from the replica")
+            self.transport.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = ConnectionError(f"bad HTTP from the replica: {exc}")
+            self.transport.abort()
+        self._wake()
+
+    # --------------------------------------------------------------- httptools callbacks
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self._pieces.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER_BYTES and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self.parser = None
+
+    # --------------------------------------------------------------- the caller's side
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and self.transport is not None and not self.transport.is_closing()
+
+    def send(self, request: bytes) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status, self.complete, self.keep_alive, self.received = 0, False, False, False
+        self.transport.write(request)
+
+    async def headers(self) -> int:
+        """The response's status, once its headers are in."""
+        while not self.status:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+        return self.status
+
+    async def read(self) -> bytes | None:
+        """The body bytes that arrived since the last read; None at the response's end."""
+        while True:
+            if self._pieces:
+                data = b"".join(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
+                self._pieces.clear()
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return data
+            if self.complete:
+                return None
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class ReplicaHttp:
+    """A replica's OpenAI port: ``post`` a request and read its streamed answer; connections
+    are kept for the next request when the answer was read to its end."""
+
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None, server_name: str | None = None,
+                 connect_timeout_s: float = 2.0):  # fmt: skip
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl_context if parts.scheme == "https" else None
+        self.server_name = (server_name or self.host) if self.ssl else None
+        self.connect_timeout_s = connect_timeout_s
+        self._netloc = parts.netloc.encode()
+        self._idle: list[_Connection] = []
+
+    async def post(self, path: str, body: bytes, headers: tuple[tuple[str, str], ...]) -> _Connection:
+        """A connection whose response to ``POST path`` has status 200 and headers read (read
+        its body with ``read``, then ``release`` it); ReplicaHttpError for another status,
+        OSError when the replica cannot be reached."""
+        extra = "".join(f"{name}: {value}\r\n" for name, value in headers).encode()
+        request = b"".join((
+            b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", self._netloc,
+            b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+            b"\r\n", extra, b"\r\n", body,
+        ))  # fmt: skip
+        while True:
+            conn = self._take_idle()
+            reused = conn is not None
+            conn = conn or await self._connect()
+            conn.send(request)
+            try:
+                status = await conn.headers()
+            except OSError:
+                conn.close()
+                if reused and not conn.received:
+                    continue  # a kept connection the replica had closed meanwhile: a new one
+                raise
+            except BaseException:  # cancelled (the client left): the replica learns it now
+                conn.close()
+                raise
+            break
+        if status != 200:
+            error = await self._whole_body(conn)
+            raise ReplicaHttpError(status, error)
+        return conn
+
+    def release(self, conn: _Connection) -> None:
+        """Keep ``conn`` for the next request if its response was read to the end."""
+        if conn.complete and conn.keep_alive and conn.usable and len(self._idle) < _MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+    def _take_idle(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable:
+                return conn
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout_s):
+            _, conn = await loop.create_connection(
+                _Connection, self.host, self.port, ssl=self.ssl, server_hostname=self.server_name
+            )
+        return conn
+
+    async def _whole_body(self, conn: _Connection) -> bytes:
+        parts = []
+        try:
+            while (data := await conn.read()) is not None:
+                parts.append(data)
+        except OSError:
+            pass
+        self.release(conn)
+        return b"".join(parts)
