@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -35,8 +34,6 @@ from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai_relay import SseRequest
 from kvmesh.serving.request_ids import OwnedRequests
 from kvmesh.serving.tokenizer import PromptTokenizer
-
-T = TypeVar("T")
 
 
 class RouterCore:
@@ -126,58 +123,25 @@ class RouterCore:
         ``timeout``: seconds the caller still waits (its deadline); the replica gets the same.
         ``owner``: the caller's connection, the only one that may ``abort`` it by its own id.
         """
-
-        def relayed(decision: Decision, started: float, root: object) -> AsyncIterator[pb.GenerateResponse]:
-            return self.relay.stream(decision, started, timeout, root)
-
-        async with contextlib.aclosing(self._routed(request, trace, owner, relayed)) as routed:
-            async for client_id, response in routed:
-                response.request_id = client_id
-                yield response
+        async with _Routed(self, request, trace, owner) as routed:
+            stream = self.relay.stream(routed.decision, routed.started, timeout, routed.root)
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    response.request_id = routed.client_id
+                    yield response
 
     async def generate_sse(
         self, request: pb.GenerateRequest, chat: bool, body: bytes, trace: object = None
     ) -> AsyncIterator[bytes]:
         """Route an admitted streamed HTTP request (one prompt, its client's JSON ``body``)
         and relay its replica's own OpenAI SSE byte for byte (``relays_sse``)."""
-
-        def relayed(decision: Decision, started: float, root: object) -> AsyncIterator[bytes]:
+        async with _Routed(self, request, trace, "") as routed:
+            decision = routed.decision
             sse = SseRequest.of(chat, body, self.model.api_name, decision.request_id, decision.token_ids)
-            return self.relay.stream_sse(decision, sse, started, root)
-
-        async with contextlib.aclosing(self._routed(request, trace, "", relayed)) as routed:
-            async for _, block in routed:
-                yield block
-
-    async def _routed(
-        self,
-        request: pb.GenerateRequest,
-        trace: object,
-        owner: str,
-        relayed: Callable[[Decision, float, object], AsyncIterator[T]],
-    ) -> AsyncIterator[tuple[str, T]]:
-        """decide -> relay, with the request's span, its owner's id and its metrics."""
-        root = tracing.start("kvmesh.router.request", trace, request_id=request.request_id or None)
-        outcome = "error"
-        try:
-            started = time.perf_counter()
-            decision = await self.decider.decide(request, root)
-            client_id = request.request_id or decision.request_id
-            self.owned.add(owner, client_id, decision.request_id)
-            try:
-                async with contextlib.aclosing(relayed(decision, started, root)) as stream:
-                    async for item in stream:
-                        yield client_id, item
-                outcome = "ok"
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                raise
-            finally:
-                self.owned.discard(owner, client_id, decision.request_id)
-                self.metrics.requests.labels(decision.policy, outcome).inc()
-                self.metrics.latency.observe(time.perf_counter() - started)
-        finally:
-            tracing.end(root, outcome=outcome)
+            stream = self.relay.stream_sse(decision, sse, routed.started, routed.root)
+            async with contextlib.aclosing(stream):
+                async for block in stream:
+                    yield block
 
     async def stop(self) -> None:
         await self.watch.stop()
@@ -198,3 +162,38 @@ class RouterCore:
                 raise upstream_error(exc.code(), exc.details()) from None
             found = found or reply.found
         return found
+
+
+class _Routed:
+    """One request's decide -> relay bookkeeping: its span, its owner's ids, its metrics
+    (a client that went away, its stream closed, counts as cancelled)."""
+
+    def __init__(self, core: RouterCore, request: pb.GenerateRequest, trace: object, owner: str):
+        self.core, self.request, self.trace, self.owner = core, request, trace, owner
+
+    async def __aenter__(self) -> _Routed:
+        self.root = tracing.start(
+            "kvmesh.router.request", self.trace, request_id=self.request.request_id or None
+        )
+        self.started = time.perf_counter()
+        try:
+            self.decision = await self.core.decider.decide(self.request, self.root)
+        except BaseException:
+            tracing.end(self.root, outcome="error")
+            raise
+        self.client_id = self.request.request_id or self.decision.request_id
+        self.core.owned.add(self.owner, self.client_id, self.decision.request_id)
+        return self
+
+    async def __aexit__(self, kind, exc, tb) -> None:
+        if kind is None:
+            outcome = "ok"
+        elif issubclass(kind, asyncio.CancelledError | GeneratorExit):
+            outcome = "cancelled"
+        else:
+            outcome = "error"
+        core, decision = self.core, self.decision
+        core.owned.discard(self.owner, self.client_id, decision.request_id)
+        core.metrics.requests.labels(decision.policy, outcome).inc()
+        core.metrics.latency.observe(time.perf_counter() - self.started)
+        tracing.end(self.root, outcome=outcome)

@@ -27,7 +27,7 @@ from kvmesh.router.replica_http import ReplicaHttpError
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
-from kvmesh.serving.openai_relay import SseRequest, http_failure, sse_events, take_trailer
+from kvmesh.serving.openai_relay import SseRequest, http_failure, take_trailer, whole_events
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,14 +94,73 @@ class Relay:
         self, decision: Decision, request: SseRequest, started: float, trace: object = None
     ) -> AsyncIterator[bytes]:
         """The replica's own OpenAI SSE bytes, as the client gets them (whole events; the
-        replica's trailer for the router taken out). Raises ServingError."""
+        replica's trailer for the router taken out). Raises ServingError. Flat on purpose:
+        every streamed token passes through here, so no generator per layer."""
+        targets = failover_targets(decision.ranked)
+        for number, replica_id in enumerate(targets):
+            entry = self.registry.entries.get(replica_id)
+            if entry is None:  # gone from the index since the decision
+                continue
+            try:
+                conn, work, prediction, span = await self._open_http(
+                    request, decision, entry, started, trace, number
+                )
+                break
+            except _AttemptFailed as failed:
+                self._after_failure(decision, replica_id, failed, last=number == len(targets) - 1)
+        else:
+            raise Unavailable("no replica could take the request")
+        outcome, carry = "error", b""
+        try:
+            while (data := await conn.read()) is not None:
+                block, carry = whole_events(carry + data if carry else data)
+                if block:
+                    block, complete = take_trailer(block)
+                    if complete is not None:
+                        self._complete(decision, prediction, complete, span)
+                    if block:
+                        yield block
+            if carry:
+                yield carry
+            outcome = "ok"
+        except OSError as exc:  # reset, closed midway, or not HTTP: the replica went away
+            self.registry.mark_failed(replica_id)
+            raise upstream_error(
+                grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}"
+            ) from None
+        finally:
+            entry.http.release(conn)  # kept only when read to its end
+            self._end(entry, work, decision.request_id, span, outcome)
 
-        def attempt(entry: ReplicaEntry, number: int) -> AsyncIterator[bytes]:
-            return self._http_attempt(request, decision, entry, started, trace, number)
-
-        async with contextlib.aclosing(self._failover(decision, attempt)) as blocks:
-            async for block in blocks:
-                yield block
+    async def _open_http(
+        self,
+        request: SseRequest,
+        decision: Decision,
+        entry: ReplicaEntry,
+        started: float,
+        trace: object,
+        attempt: int,
+    ) -> tuple[object, RequestWork, Prediction, object]:
+        """The request sent, the replica's answer begun (its first token is ready)."""
+        if entry.http is None:  # joined without an HTTP port since the front end chose to relay
+            raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, "the replica serves no HTTP", False)
+        work, prediction, span = self._begin(entry, decision, trace, attempt)
+        body = request.envelope(prediction.predicted, decision.first_block_hash)
+        sent_at = time.monotonic()
+        try:
+            conn = await entry.http.post(request.path, body, (*entry.auth, *tracing.inject(span)))
+        except BaseException as exc:
+            self._end(entry, work, decision.request_id, span, "error")
+            if isinstance(exc, ReplicaHttpError):
+                raise _AttemptFailed(*http_failure(exc.status, exc.body), False) from None
+            if isinstance(exc, OSError):  # unreachable, reset, or not HTTP
+                raise _AttemptFailed(
+                    grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}", False
+                ) from None
+            raise
+        self.metrics.relayed.inc()
+        self._first_response(entry, work, started, span, sent_at)
+        return conn, work, prediction, span
 
     async def _failover(
         self, decision: Decision, attempt: Callable[[ReplicaEntry, int], AsyncIterator[T]]
@@ -119,17 +178,19 @@ class Relay:
                         yield item
                 return
             except _AttemptFailed as failed:
-                if failed.code in REPLICA_FAILURE_CODES:
-                    self.registry.mark_failed(replica_id)
-                last = number == len(targets) - 1
-                if failed.streamed or failed.code not in RETRYABLE_CODES or last:
-                    raise upstream_error(failed.code, failed.details) from None
-                self.metrics.retries.inc()
-                self.metrics.branches.labels(decision.policy, "failover").inc()
-                log.warning(
-                    "replica failed before streaming, retrying elsewhere", extra={"replica_id": replica_id}
-                )
+                self._after_failure(decision, replica_id, failed, last=number == len(targets) - 1)
         raise Unavailable("no replica could take the request")
+
+    def _after_failure(self, decision: Decision, replica_id: str, failed: _AttemptFailed, last: bool) -> None:
+        """A failed replica cooled down; the client's error raised unless the request may
+        move (nothing streamed, a retryable code, a next choice left)."""
+        if failed.code in REPLICA_FAILURE_CODES:
+            self.registry.mark_failed(replica_id)
+        if failed.streamed or failed.code not in RETRYABLE_CODES or last:
+            raise upstream_error(failed.code, failed.details) from None
+        self.metrics.retries.inc()
+        self.metrics.branches.labels(decision.policy, "failover").inc()
+        log.warning("replica failed before streaming, retrying elsewhere", extra={"replica_id": replica_id})
 
     async def _grpc_attempt(
         self,
@@ -173,44 +234,6 @@ class Relay:
             raise _AttemptFailed(exc.code(), exc.details(), streamed) from None
         finally:
             call.cancel()  # no-op when finished; aborts upstream when the client went away
-            self._end(entry, work, decision.request_id, span, outcome)
-
-    async def _http_attempt(
-        self,
-        request: SseRequest,
-        decision: Decision,
-        entry: ReplicaEntry,
-        started: float,
-        trace: object,
-        attempt: int,
-    ) -> AsyncIterator[bytes]:
-        if entry.http is None:  # joined without an HTTP port since the front end chose to relay
-            raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, "the replica serves no HTTP", False)
-        work, prediction, span = self._begin(entry, decision, trace, attempt)
-        body = request.envelope(prediction.predicted, decision.first_block_hash)
-        headers = (*entry.auth, *tracing.inject(span))
-        streamed, sent_at, outcome, conn = False, time.monotonic(), "error", None
-        try:
-            conn = await entry.http.post(request.path, body, headers)
-            streamed = True
-            self.metrics.relayed.inc()
-            self._first_response(entry, work, started, span, sent_at)
-            async for block in sse_events(conn):
-                block, complete = take_trailer(block)
-                if complete is not None:
-                    self._complete(decision, prediction, complete, span)
-                if block:
-                    yield block
-            outcome = "ok"
-        except ReplicaHttpError as exc:
-            code, message = http_failure(exc.status, exc.body)
-            raise _AttemptFailed(code, message, streamed) from None
-        except OSError as exc:  # unreachable, reset, closed mid-stream, or not HTTP
-            message = f"connection to the replica failed: {exc or type(exc).__name__}"
-            raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, message, streamed) from None
-        finally:
-            if conn is not None:
-                entry.http.release(conn)  # kept only when read to its end
             self._end(entry, work, decision.request_id, span, outcome)
 
     # ------------------------------------------------------------------ accounting

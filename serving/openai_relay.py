@@ -16,9 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 from pydantic import BaseModel, Field
@@ -112,26 +110,13 @@ def take_trailer(block: bytes) -> tuple[bytes, pb.Complete | None]:
     return block[:at] + block[end + 2 :], complete
 
 
-class _Readable(Protocol):
-    async def read(self) -> bytes | None: ...
-
-
-async def sse_events(conn: _Readable) -> AsyncIterator[bytes]:
-    """The body as it arrives, cut at event boundaries (an event split across reads waits
-    for its end), so each block holds whole events."""
-    carry = b""
-    while (data := await conn.read()) is not None:
-        if carry:
-            data, carry = carry + data, b""
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            carry = data
-            continue
-        if cut < len(data):
-            data, carry = data[:cut], data[cut:]
-        yield data
-    if carry:
-        yield carry
+def whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """(the whole SSE events at the start of ``data``, the rest): an event split across two
+    reads waits for its end, so the trailer is always seen whole."""
+    cut = data.rfind(b"\n\n") + 2
+    if cut < 2:
+        return b"", data
+    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
 
 
 def http_failure(status: int, body: bytes) -> tuple[grpc.StatusCode, str]:

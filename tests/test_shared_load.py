@@ -133,6 +133,8 @@ async def fleet_of_routers(qwen3_dir):
         await routers[name].start()
     for router in routers.values():
         assert await eventually(lambda r=router: asyncio.sleep(0, result=len(r.registry.live()) == 2))
+    for name in ("a", "b"):  # each has seen the other (a heartbeat): both share every request
+        assert await eventually(lambda f=routers[name].fleet: asyncio.sleep(0, result=f.active), timeout=10)
     yield {"routers": routers, "redis": redis}
     for router in routers.values():
         await router.stop(grace=0.5)

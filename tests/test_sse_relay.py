@@ -21,7 +21,7 @@ from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
 from kvmesh.router.replica_http import ReplicaHttp
 from kvmesh.serving.metrics import read_samples
-from kvmesh.serving.openai_relay import sse_events, take_trailer, trailer
+from kvmesh.serving.openai_relay import take_trailer, trailer, whole_events
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -31,14 +31,6 @@ PROMPT = "relay me the same bytes, the quick brown fox jumps over the lazy dog "
 # ---------------------------------------------------------------------- the wire format
 
 
-class _Reads:
-    def __init__(self, parts: list[bytes]):
-        self.parts = list(parts)
-
-    async def read(self) -> bytes | None:
-        return self.parts.pop(0) if self.parts else None
-
-
 async def test_events_are_cut_whole_and_the_trailer_is_taken_out_at_an_event_start_only():
     complete = pb.Complete(replica_id="r0", usage=pb.Usage(prompt_tokens=40, cached_tokens=32), incarnation=7)
     text_like_trailer = json.dumps({"text": "\n\n: kvmesh-complete AAAA"})  # what a model might write
@@ -46,7 +38,10 @@ async def test_events_are_cut_whole_and_the_trailer_is_taken_out_at_an_event_sta
         f"data: {text_like_trailer}\n\n" + 'data: {"a": 1}\n\n' + trailer(complete) + "data: [DONE]\n\n"
     ).encode()
     cuts = [stream[:7], stream[7:50], stream[50:51], stream[51:120], stream[120:]]  # across events
-    blocks = [b async for b in sse_events(_Reads(cuts))]
+    blocks, carry = [], b""
+    for data in cuts:
+        block, carry = whole_events(carry + data)
+        blocks += [block] if block else []
     assert b"".join(blocks) == stream and all(b.endswith(b"\n\n") for b in blocks)
     kept, found = [], []
     for block in blocks:
