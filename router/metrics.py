@@ -118,6 +118,11 @@ class RouterMetrics(ServerMetrics):
             "applying it (other routers miss it meanwhile)",
             FAST_BUCKETS,
         )
+        self.fleet_routers = self.gauge(
+            "kvmesh_router_fleet_routers",
+            "Routers registered in this deployment as of this router's last heartbeat, itself included "
+            "(1: alone, nothing shared per request)",
+        )
         self.set_overall_state(STATES[0])
 
     def set_index_state(self, replica_id: str, state: str) -> None:

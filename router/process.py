@@ -115,6 +115,7 @@ class RouterServer:
         self.registry.on_change(self._health_follows)
         if self.fleet is not None:
             self.fleet.on_synced = self.core.metrics.fleet_sync.observe
+            self.core.metrics.fleet_routers.set_function(lambda: self.fleet.routers)
             await self.fleet.start()
         await self.registry.start()
         if self.config.serves_http:

@@ -32,7 +32,7 @@ def test_bench_routers_quick(tmp_path):
     for r in rows:
         assert {"hit_rate", "ttft_p90", "prefill_max_over_mean"} <= set(r) and r["errors"] == 0
         assert 0 < r["hit_rate"] <= 1 and sum(r["requests_per_replica"]) == 16
-        if r["shared_load"]:
+        if r["shared_load"] and r["routers"] > 1:  # a lone router shares nothing per request
             window = r["race_window"]
             assert window["batches"] > 0 and 0 < window["mean_ms"] < 100, window
         else:

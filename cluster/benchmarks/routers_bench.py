@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +73,15 @@ async def _one_run(
     try:
         for p in processes:
             await p.start()
+        if shared:  # each has seen the others (a heartbeat): every request shared from the first
+            await _until_sharing(http, processes)
         await reset_caches(cluster, http, replicas)
         before = await counters(http, replicas)
         records = await run_load(
             [f"127.0.0.1:{g}" for g, _ in ports], workload, concurrency=config.concurrency, seed=config.seed
         )
         after = await counters(http, replicas)
-        window = await race_window(http, processes) if shared else None
+        window = await race_window(http, processes) if shared and routers > 1 else None
     finally:
         for p in processes:
             p.stop()
@@ -98,6 +101,20 @@ async def _one_run(
         "requests_max_over_mean": truth["requests_max_over_mean"],
         "race_window": window,
     }
+
+
+async def _until_sharing(
+    http: httpx.AsyncClient, routers: list[RouterProcess], timeout_s: float = 15.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    for router in routers:
+        while True:
+            samples = read_samples((await http.get(router.url + "/metrics")).text)
+            if samples.get(("kvmesh_router_fleet_routers", ()), 0) >= len(routers):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router {router.url} never saw the other {len(routers) - 1} routers")
+            await asyncio.sleep(0.1)
 
 
 async def race_window(http: httpx.AsyncClient, routers: list[RouterProcess]) -> dict:
