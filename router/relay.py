@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -96,18 +96,14 @@ class Relay:
         """The replica's own OpenAI SSE bytes, as the client gets them (whole events; the
         replica's trailer for the router taken out). Raises ServingError. Flat on purpose:
         every streamed token passes through here, so no generator per layer."""
-        targets = failover_targets(decision.ranked)
-        for number, replica_id in enumerate(targets):
-            entry = self.registry.entries.get(replica_id)
-            if entry is None:  # gone from the index since the decision
-                continue
+        for number, entry, last in self._candidates(decision):
             try:
                 conn, work, prediction, span = await self._open_http(
                     request, decision, entry, started, trace, number
                 )
                 break
             except _AttemptFailed as failed:
-                self._after_failure(decision, replica_id, failed, last=number == len(targets) - 1)
+                self._after_failure(decision, entry.record.replica_id, failed, last)
         else:
             raise Unavailable("no replica could take the request")
         outcome, carry = "error", b""
@@ -124,7 +120,7 @@ class Relay:
                 yield carry
             outcome = "ok"
         except OSError as exc:  # reset, closed midway, or not HTTP: the replica went away
-            self.registry.mark_failed(replica_id)
+            self.registry.mark_failed(entry.record.replica_id)
             raise upstream_error(
                 grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}"
             ) from None
@@ -165,11 +161,7 @@ class Relay:
     async def _failover(
         self, decision: Decision, attempt: Callable[[ReplicaEntry, int], AsyncIterator[T]]
     ) -> AsyncIterator[T]:
-        targets = failover_targets(decision.ranked)
-        for number, replica_id in enumerate(targets):
-            entry = self.registry.entries.get(replica_id)
-            if entry is None:  # gone from the index since the decision
-                continue
+        for number, entry, last in self._candidates(decision):
             try:
                 # aclosing: when our caller stops reading (an HTTP client went away), the
                 # attempt's cleanup (cancel the upstream call, release the load) runs now.
@@ -178,8 +170,16 @@ class Relay:
                         yield item
                 return
             except _AttemptFailed as failed:
-                self._after_failure(decision, replica_id, failed, last=number == len(targets) - 1)
+                self._after_failure(decision, entry.record.replica_id, failed, last)
         raise Unavailable("no replica could take the request")
+
+    def _candidates(self, decision: Decision) -> Iterator[tuple[int, ReplicaEntry, bool]]:
+        """The retry rule's targets still known: (attempt number, replica, whether it is the last)."""
+        targets = failover_targets(decision.ranked)
+        for number, replica_id in enumerate(targets):
+            entry = self.registry.entries.get(replica_id)
+            if entry is not None:  # else gone from the index since the decision
+                yield number, entry, number == len(targets) - 1
 
     def _after_failure(self, decision: Decision, replica_id: str, failed: _AttemptFailed, last: bool) -> None:
         """A failed replica cooled down; the client's error raised unless the request may
