@@ -96,6 +96,10 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.complete, self.keep_alive, self.received = 0, False, False, False
+        # What the last caller left unread (it stopped reading an answer that had all come
+        # in) is that answer's, never this one's.
+        self._pieces.clear()
+        self._buffered = 0
         self.transport.write(request)
 
     async def headers(self) -> int:
