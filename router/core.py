@@ -23,7 +23,7 @@ from kvmesh.router.index_health import IndexHealthConfig
 from kvmesh.router.index_watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
-from kvmesh.router.relay import Relay
+from kvmesh.router.relay import FailedInBand, Relay
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket
@@ -185,7 +185,7 @@ class _Routed:
         self.core.owned.add(self.owner, self.client_id, self.decision.request_id)
         return self
 
-    async def __aexit__(self, kind, exc, tb) -> None:
+    async def __aexit__(self, kind, exc, tb) -> bool:
         if kind is None:
             outcome = "ok"
         elif issubclass(kind, asyncio.CancelledError | GeneratorExit):
@@ -197,3 +197,4 @@ class _Routed:
         core.metrics.requests.labels(decision.policy, outcome).inc()
         core.metrics.latency.observe(time.perf_counter() - self.started)
         tracing.end(self.root, outcome=outcome)
+        return kind is FailedInBand  # counted as failed; its client was told already

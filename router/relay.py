@@ -51,6 +51,11 @@ def failover_targets(ranked: list[str]) -> list[str]:
     return ranked[:2]
 
 
+class FailedInBand(Exception):
+    """A relayed stream the replica ended with an error event (its client has it already):
+    the request failed, though nothing is left to send."""
+
+
 class _AttemptFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str, streamed: bool):
         super().__init__(details)
@@ -106,18 +111,21 @@ class Relay:
                 self._after_failure(decision, entry.record.replica_id, failed, last)
         else:
             raise Unavailable("no replica could take the request")
-        outcome, carry = "error", b""
+        outcome, carry, completed = "error", b"", False
         try:
             while (data := await conn.read()) is not None:
                 block, carry = whole_events(carry + data if carry else data)
                 if block:
                     block, complete = take_trailer(block)
                     if complete is not None:
+                        completed = True
                         self._complete(decision, prediction, complete, span)
                     if block:
                         yield block
             if carry:
                 yield carry
+            if not completed:  # the replica ended it with an error event of its own
+                raise FailedInBand
             outcome = "ok"
         except OSError as exc:  # reset, closed midway, or not HTTP: the replica went away
             self.registry.mark_failed(entry.record.replica_id)

@@ -179,10 +179,11 @@ async def test_a_replica_whose_port_refuses_moves_the_request_once_and_cools_dow
 
 class _Upstream:
     """A replica's HTTP port that answers as told (fault injection): ``status`` with an
-    OpenAI error, or a 200 that streams ``events`` and then drops the connection."""
+    OpenAI error, or a 200 that streams ``events`` and then drops the connection (``ends``:
+    ends the answer properly instead)."""
 
-    def __init__(self, status: int = 200, events: list[str] = ()):
-        self.status, self.events, self.requests = status, list(events), 0
+    def __init__(self, status: int = 200, events: list[str] = (), ends: bool = False):
+        self.status, self.events, self.ends, self.requests = status, list(events), ends, 0
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -210,8 +211,10 @@ class _Upstream:
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
             for event in self.events:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event.encode()))
+            if self.ends:
+                writer.write(b"0\r\n\r\n")
         await writer.drain()
-        writer.transport.abort()  # a replica that died midway: no last chunk
+        writer.transport.abort()  # without ``ends``: a replica that died midway, no last chunk
 
 
 async def _with_only(router: RouterServer, upstream_url: str):
@@ -239,6 +242,32 @@ async def test_a_replica_failing_midway_ends_the_stream_in_band(fleet):
     assert events[0] == {"choices": [{"text": "a"}]}  # what the client had, it keeps
     assert events[1]["error"]["code"] == 503 and "connection to the replica" in events[1]["error"]["message"]
     assert events[-1] == "[DONE]" and upstream.requests == 1  # streamed: never moved
+
+
+async def test_a_stream_the_replica_ended_with_an_error_counts_as_failed(fleet):
+    router, client = fleet["router"], fleet["client"]
+    error = 'data: {"error": {"message": "replica error: out of blocks", "code": 500}}\n\n'
+    failed = _metric_of(router, "kvmesh_router_requests_total", outcome="error")
+    async with _Upstream(events=[error, "data: [DONE]\n\n"], ends=True) as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            events = _events(b"".join(await _stream(client, fleet["url"])))
+        finally:
+            _restore(router, saved)
+    assert events == [
+        {"error": {"message": "replica error: out of blocks", "code": 500}},
+        "[DONE]",
+    ]  # as it was
+    assert _metric_of(router, "kvmesh_router_requests_total", outcome="error") == failed + 1
+
+
+def _metric_of(router: RouterServer, name: str, **labels) -> float:
+    """A labelled counter summed over the labels not given."""
+    return sum(
+        value
+        for (sample, have), value in read_samples(router.core.render_metrics().decode()).items()
+        if sample == name and labels.items() <= dict(have).items()
+    )
 
 
 async def test_a_replicas_refusal_reaches_the_client_with_its_status_and_message(fleet):
