@@ -19,6 +19,9 @@ from kvmesh.serving.openai_convert import Plan
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf: JSON has no infinity
+# One encoder for every streamed event: json.dumps builds a new one per call whenever an
+# argument is not its default (3.9 against 5.3 us an event).
+_encode = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def _lp(value: float) -> float:
@@ -221,7 +224,7 @@ class ResponseBuilder:
         }
         if usage is not None:
             payload["usage"] = usage
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"data: {_encode(payload)}\n\n"
 
     def opening_events(self) -> list[str]:
         """Chat streams open each choice with the assistant role (and an echoed prefix)."""
