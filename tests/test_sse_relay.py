@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 import pytest_asyncio
+from fake_http import FakeHttpServer
 from helpers import eventually, local_router_config, started_router
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -177,33 +178,16 @@ async def test_a_replica_whose_port_refuses_moves_the_request_once_and_cools_dow
         broken.http, broken.failed_until = saved, 0.0
 
 
-class _Upstream:
-    """A replica's HTTP port that answers as told (fault injection): ``status`` with an
-    OpenAI error, or a 200 that streams ``events`` and then drops the connection (``ends``:
-    ends the answer properly instead)."""
+class _Upstream(FakeHttpServer):
+    """A replica's HTTP port that answers as told: ``status`` with an OpenAI error, or a 200
+    that streams ``events`` and then drops the connection (``ends``: ends the answer properly
+    instead)."""
 
     def __init__(self, status: int = 200, events: list[str] = (), ends: bool = False):
-        self.status, self.events, self.ends, self.requests = status, list(events), ends, 0
+        super().__init__()
+        self.status, self.events, self.ends = status, list(events), ends
 
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-
-    async def _serve(self, reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(
-            next(
-                line.split(b":")[1]
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            )
-        )
-        await reader.readexactly(length)
-        self.requests += 1
+    async def answer(self, writer: asyncio.StreamWriter) -> bool:
         if self.status != 200:
             body = json.dumps({"error": {"message": "prompt: told to refuse", "code": self.status}}).encode()
             writer.write(b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (self.status, len(body), body))
@@ -215,6 +199,7 @@ class _Upstream:
                 writer.write(b"0\r\n\r\n")
         await writer.drain()
         writer.transport.abort()  # without ``ends``: a replica that died midway, no last chunk
+        return False
 
 
 async def _with_only(router: RouterServer, upstream_url: str):
