@@ -518,6 +518,11 @@ class _BodyLimit:
         await response(scope, receive, send)
 
 
+def _error_event(exc: ServingError) -> str:
+    """A failure after the stream began, in band, in OpenAI's error shape."""
+    return f"data: {json.dumps(error_body(exc.http_status, str(exc), _param_of(exc)))}\n\n"
+
+
 async def _relayed_events(first: bytes, rest: AsyncIterator[bytes]):
     """A replica's stream as relayed; when it fails midway, the error in band and the end."""
     try:
@@ -525,8 +530,7 @@ async def _relayed_events(first: bytes, rest: AsyncIterator[bytes]):
         async for block in rest:
             yield block
     except ServingError as exc:
-        body = error_body(exc.http_status, str(exc), _param_of(exc))
-        yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+        yield _error_event(exc) + "data: [DONE]\n\n"
     finally:
         await rest.aclose()
 
@@ -564,8 +568,7 @@ async def _sse(
         if complete is not None:
             yield trailer(complete)
     except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
-        body = error_body(exc.http_status, str(exc), _param_of(exc))
-        yield f"data: {json.dumps(body)}\n\n"
+        yield _error_event(exc)
     finally:
         await rest.aclose()
     yield "data: [DONE]\n\n"

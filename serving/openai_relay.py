@@ -22,20 +22,20 @@ import grpc
 from pydantic import BaseModel, Field
 
 from kvmesh.protos import pb
+from kvmesh.serving.errors import DeadlineExceeded, InvalidRequest, Overloaded, ServingError, Unavailable
 from kvmesh.serving.openai_protocol import ChatRequest, CompletionRequest
 
 RELAY_PATHS = {"chat": "/kvmesh/relay/chat", "completions": "/kvmesh/relay/completions"}
 _TRAILER = b": kvmesh-complete "
-_HTTP_TO_GRPC = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
+_TRAILER_TEXT = _TRAILER.decode()
+_ERRORS = (ServingError, InvalidRequest, Overloaded, Unavailable, DeadlineExceeded)
+# A replica's HTTP error status as the gRPC code the router's errors are made of: the
+# serving errors' own pairs, and the statuses only the HTTP front end answers with.
+_HTTP_TO_GRPC = {cls.http_status: cls.grpc_code for cls in _ERRORS} | {
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.INVALID_ARGUMENT,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -88,7 +88,7 @@ class SseRequest:
 
 def trailer(complete: pb.Complete) -> str:
     """The replica's last event before ``[DONE]``, for the router."""
-    return f"{_TRAILER.decode()}{base64.b64encode(complete.SerializeToString()).decode()}\n\n"
+    return f"{_TRAILER_TEXT}{base64.b64encode(complete.SerializeToString()).decode()}\n\n"
 
 
 def take_trailer(block: bytes) -> tuple[bytes, pb.Complete | None]:
