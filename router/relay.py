@@ -127,8 +127,12 @@ class Relay:
             if not completed:  # the replica ended it with an error event of its own
                 raise FailedInBand
             outcome = "ok"
-        except OSError as exc:  # reset, closed midway, or not HTTP: the replica went away
-            self.registry.mark_failed(entry.record.replica_id)
+        except OSError as exc:  # reset, closed midway, or not HTTP
+            if conn.fell_behind:  # the replica cut a stream its client did not read: not cooled down
+                raise upstream_error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "the client did not read the stream in time"
+                ) from None
+            self.registry.mark_failed(entry.record.replica_id)  # the replica went away
             raise upstream_error(
                 grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}"
             ) from None

@@ -42,6 +42,10 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.received = False  # any byte of the current response
         self.error: BaseException | None = None
+        # The router had to stop reading the current response (its client fell behind).
+        # The replica's write timeout cuts only a stream that was not read, so a connection
+        # lost after this is taken for that cut, not for a failed replica (``relay.py``).
+        self.fell_behind = False
         self._pieces: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
@@ -79,7 +83,7 @@ class _Connection(asyncio.Protocol):
         self._pieces.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER_BYTES and not self._paused:
-            self._paused = True
+            self._paused = self.fell_behind = True
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
@@ -99,7 +103,7 @@ class _Connection(asyncio.Protocol):
         # What the last caller left unread (it stopped reading an answer that had all come
         # in) is that answer's, never this one's.
         self._pieces.clear()
-        self._buffered = 0
+        self._buffered, self.fell_behind = 0, False
         self.transport.write(request)
 
     async def headers(self) -> int:

@@ -7,6 +7,7 @@ replica's work. Real replicas, a real router, real sockets; a hand-written upstr
 inject the faults a real replica does not make on purpose."""
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -227,6 +228,47 @@ async def test_a_replica_failing_midway_ends_the_stream_in_band(fleet):
     assert events[0] == {"choices": [{"text": "a"}]}  # what the client had, it keeps
     assert events[1]["error"]["code"] == 503 and "connection to the replica" in events[1]["error"]["message"]
     assert events[-1] == "[DONE]" and upstream.requests == 1  # streamed: never moved
+
+
+class _CutsSlowReaders(FakeHttpServer):
+    """A replica whose write timeout cuts a stream the router stopped reading: it streams
+    until a write has waited ``stall_s`` (every buffer between it and the client is full),
+    then drops the connection."""
+
+    def __init__(self, stall_s: float = 2.0):
+        super().__init__()
+        self.stall_s, self.cut = stall_s, asyncio.Event()
+
+    async def answer(self, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b'data: {"choices": [{"text": "%s"}]}\n\n' % (b"x" * 16000)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(30):  # bounded, should the client read after all
+                while True:
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await asyncio.wait_for(writer.drain(), self.stall_s)
+        writer.transport.abort()
+        self.cut.set()
+        return False
+
+
+async def test_a_stream_cut_because_its_client_stopped_reading_does_not_cool_the_replica(fleet):
+    router, client = fleet["router"], fleet["client"]
+    async with _CutsSlowReaders() as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 5, "stream": True}
+            async with client.stream("POST", fleet["url"] + "/v1/completions", json=body) as response:
+                chunks = response.aiter_bytes()
+                first = await anext(chunks)
+                await asyncio.wait_for(upstream.cut.wait(), 40)  # not reading meanwhile
+                raw = first + b"".join([chunk async for chunk in chunks])
+            cooled = [rid for rid, e in router.registry.entries.items() if e.failed_until > 0]
+        finally:
+            _restore(router, saved)
+    last = _events(raw)[-2]
+    assert last["error"]["code"] == 504 and "did not read the stream" in last["error"]["message"]
+    assert cooled == []  # the replica did nothing wrong: later requests still go to it
 
 
 async def test_a_stream_the_replica_ended_with_an_error_counts_as_failed(fleet):
