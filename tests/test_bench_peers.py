@@ -205,6 +205,10 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         assert r["hit_rate"] == pytest.approx(r["client_hit_rate"], abs=1e-3)
         assert r["routed_p50_ms"] > 0 and "added_p90_ms" in r
         assert 0 < r["router_cpu_ms_per_request"] < 1000  # a Python router spends some, read from /proc
+        # the router's own account of the run: a decision for each request, none of the probe's
+        branches = {k: v for k, v in r["router_account"].items() if k.startswith("branch ")}
+        assert sum(branches.values()) == 12, r["router_account"]
+        assert set(r["replica_prefill_us_per_token"]) == set(r["requests_per_replica"])
     for repeat in (0, 1):  # each repeat runs every cell once
         assert sorted((r["router"], r["workload"]) for r in rows if r["repeat"] == repeat) == sorted(
             (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn", "mooncake")

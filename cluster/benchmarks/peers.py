@@ -19,6 +19,7 @@ prefix everywhere, any router converges to the same hit rate.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import random
@@ -92,6 +93,33 @@ async def counters(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str
             raise RuntimeError(f"replica {r.replica_id} exports no {', '.join(missing)}")
         out[r.replica_id] = {key: samples.get(sample, 0.0) for key, sample in _SAMPLES.items()}
     return out
+
+
+async def fitted_prefill_us(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str, float]:
+    """Each replica's fitted cost of a prompt token (us), as its heartbeat tells the router:
+    a fit that drifts away from its peers' changes where kvmesh ``prefix`` sends cold prompts."""
+    out = {}
+    for r in replicas:
+        samples = read_samples((await http.get(r.http_url + "/metrics")).text)
+        out[r.replica_id] = round(
+            1e6 * samples[("kvmesh_replica_step_cost_seconds", (("term", "prefill_token"),))], 1
+        )
+    return out
+
+
+async def router_account(http: httpx.AsyncClient, url: str) -> collections.Counter:
+    """A kvmesh router's own account so far (its /metrics): its decisions by branch, and its
+    predictions that missed, by replica and cause. Over a run (the difference of two), it says
+    why requests went where they did: a run whose requests piled on one replica shows whether
+    the router saw a prefix there, fell back to load, or was held by its guard."""
+    counts: collections.Counter = collections.Counter()
+    for (name, labels), value in read_samples((await http.get(url + "/metrics")).text).items():
+        labels = dict(labels)
+        if name == "kvmesh_router_decision_branches_total":
+            counts[f"branch {labels['branch']}"] += value
+        elif name == "kvmesh_router_prediction_misses_total":
+            counts[f"miss {labels['replica']} {labels['cause']}"] += value
+    return counts
 
 
 def served(before: dict, after: dict) -> dict:
@@ -260,17 +288,25 @@ class _Bench:
             await reset_caches(self.cluster, self.http, self.replicas)
             await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
             before, cpu_before = await counters(self.http, self.replicas), router.cpu_seconds()
+            kvmesh = contender.router == "kvmesh"
+            account = await router_account(self.http, router.url) if kvmesh else None
             load = dataclasses.replace(self.config.load, rate=rate, seed=self.config.load.seed + repeat)
             client = await self.drive(
                 workload, generator, load, router.url, contender.name, self.scratch / f"{stem}.json"
             )
             cpu_s = router.cpu_seconds() - cpu_before
             truth = served(before, await counters(self.http, self.replicas))
+            costs = await fitted_prefill_us(self.http, self.replicas)
+            if kvmesh:  # the router's own account of this run
+                account = {
+                    k: int(v) for k, v in ((await router_account(self.http, router.url)) - account).items()
+                }
         cpu = {
             "router_cpu_ms_per_request": 1000 * cpu_s / max(1, sum(truth["requests_per_replica"].values()))
         }
         return {"router": contender.name, "workload": workload, "rate": rate, "repeat": repeat,
-                "generator": generator, **client, **truth, **overhead, **cpu}  # fmt: skip
+                "generator": generator, **client, **truth, **overhead, **cpu,
+                "replica_prefill_us_per_token": costs, **({"router_account": account} if kvmesh else {})}  # fmt: skip
 
     async def run_honest(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
