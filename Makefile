@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast lint bench peers protos venv clean gpu-check chart-docs
+.PHONY: demo test test-fast lint bench peers protos venv clean gpu-check chart-docs image image-check
 
 venv: $(STAMP)
 
@@ -24,8 +24,19 @@ demo: venv
 # pytest's exit code 5 means "no tests collected": not a failure of the code.
 PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
 test: venv lint
-	$(PY) -m pytest -q; $(PYTEST_OK_IF_EMPTY)
+	$(PY) -m pytest -q -m "not image"; $(PYTEST_OK_IF_EMPTY)
+
+# helm/Dockerfile's CPU variant, with podman (or docker): see helm/build-image.sh.
+IMAGE_TAG ?= kvmesh:cpu
+image:
+	helm/build-image.sh $(IMAGE_TAG)
+
+# The image run as the chart runs it (tests/test_image.py), after building it.
+image-check: venv image
+	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
+		$(PY) -m pytest -q -m image tests/test_image.py
 
 # The tests that start nothing (no Ray, no Redis, no servers) and are not benchmark smoke
 # runs: the inner loop while editing (about 35 s on 2 cores). CI runs `make test`.

@@ -872,12 +872,13 @@ def test_dockerfile_builds_cpu_and_cuda_variants_as_the_charts_user():
     assert chart_values["podSecurityContext"]["runAsUser"] == 1000
     # KubeRay: ray[default] (the dashboard agent) at the chart's Ray version, and wget for its probes
     assert f"ARG RAY_VERSION={chart_values['ray']['version']}" in text
-    assert 'pip install --no-cache-dir . "ray[default]==${RAY_VERSION}"' in text  # the project without extras
+    assert 'pip install --no-cache-dir $PIP_OPTIONS . "ray[default]==${RAY_VERSION}"' in text  # no extras
     runs = [
         block
         for block in text.split("FROM ")
-        if block.startswith("python:3.11-slim-bookworm AS run-") or "AS run-cuda" in block
+        if block.startswith("${BASE} AS run-") or "AS run-cuda" in block
     ]
+    assert "ARG BASE=python:3.11-slim-bookworm" in text  # a stand-in only where it is passed
     assert len(runs) == 2 and all("wget" in block for block in runs)
     # flash-attn comes as a prebuilt wheel, never compiled in the build
     assert "FLASH_ATTN_WHEEL" in text and "--no-build-isolation" not in text and ".[gpu]" not in text

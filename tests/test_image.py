@@ -1,0 +1,151 @@
+"""The image (helm/Dockerfile, built by ``make image``) run as the chart runs it: uid 1000, a
+read-only root, ``/tmp`` a volume of its own, every capability dropped, no new privileges,
+the host's network (each server binds to loopback; never a bridge network).
+
+``make image-check`` builds the image and runs these with ``KVMESH_IMAGE`` (the tag) and
+``KVMESH_CONTAINER_ENGINE`` (the engine's command) set; ``make test`` leaves them out (the
+``image`` marker), since building the image is minutes of its own."""
+
+import os
+import resource
+import shlex
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from fake_hub import FakeHub, Repo, repo_from_folder
+
+from kvmesh.protos import pb, pb_grpc
+
+pytestmark = [pytest.mark.image, pytest.mark.servers]
+
+ENGINE = shlex.split(os.environ.get("KVMESH_CONTAINER_ENGINE", "podman"))
+
+
+def host_limits() -> list[str]:
+    """The host's own open-file and process limits, for its containers. A rootful podman
+    raises both by default (1048576 files, 32768 processes), which a machine without
+    CAP_SYS_RESOURCE (this one) refuses at the container's start, as it refuses a process
+    limit of pid_max or more; a container never needs more than its host allows."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    processes = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    files = 65536 if files == resource.RLIM_INFINITY else files
+    processes = pid_max - 1 if processes == resource.RLIM_INFINITY else min(processes, pid_max - 1)
+    return ["--ulimit", f"nofile={files}:{files}", "--ulimit", f"nproc={processes}:{processes}"]
+
+
+# The chart's pod and container security contexts, as flags of a container run.
+AS_THE_CHART_RUNS_IT = [
+    "--network", "host", *host_limits(), "--read-only", "--user", "1000:1000",
+    "--tmpfs", "/tmp:rw,mode=1777,size=2g", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    tag = os.environ.get("KVMESH_IMAGE")
+    if not tag:
+        pytest.fail("no image to check: run `make image-check` (it builds one and sets KVMESH_IMAGE)")
+    return tag
+
+
+def run(image: str, *args: str, volumes: tuple[str, ...] = (), env: dict | None = None, timeout: float = 300):
+    argv = [*ENGINE, "run", "--rm", *AS_THE_CHART_RUNS_IT]
+    for volume in volumes:
+        argv += ["-v", volume]
+    for name, value in (env or {}).items():
+        argv += ["-e", f"{name}={value}"]
+    return subprocess.run([*argv, image, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A host folder the container's uid 1000 may write, as the chart's model volume is."""
+    folder = tmp_path_factory.mktemp("models")
+    os.chown(folder, 1000, 1000)
+    return folder
+
+
+def test_the_cli_runs_as_the_charts_user_on_a_read_only_root(image):
+    out = run(image, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "download-model" in out.stdout and "router" in out.stdout
+
+
+def test_download_model_fetches_from_a_hub_into_the_model_volume(image, models, qwen3_dir):
+    hub = FakeHub()
+    hub.repos["acme/tiny"] = Repo({"main": repo_from_folder(qwen3_dir)})
+    try:
+        out = run(
+            image, "download-model", "acme/tiny", "/models/tiny",
+            volumes=(f"{models}:/models",), env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"},
+        )  # fmt: skip
+    finally:
+        hub.close()
+    assert out.returncode == 0, out.stderr
+    names = {p.name for p in (models / "tiny").iterdir()}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
+    assert (models / "tiny" / "config.json").stat().st_uid == 1000  # written as the chart's user
+
+
+def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, models):
+    grpc_port, http_port = free_port(), free_port()
+    name = f"kvmesh-up-{grpc_port}"
+    argv = [
+        *ENGINE, "run", "-d", "--name", name, *AS_THE_CHART_RUNS_IT, "-v", f"{models}:/models:ro",
+        image, "up", "--model", "/models/tiny", "--replicas", "1", "--host", "127.0.0.1",
+        "--port", str(grpc_port), "--http-port", str(http_port), "--num-kv-blocks", "64",
+    ]  # fmt: skip
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    started = time.monotonic()
+    try:
+        first_token_s = _first_token_seconds(f"127.0.0.1:{grpc_port}", started, name)
+        answer = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/completions",
+            json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 3
+        stop = subprocess.run([*ENGINE, "stop", "-t", "60", name], capture_output=True, text=True, timeout=90)
+        assert stop.returncode == 0, stop.stderr
+        state = subprocess.run(
+            [*ENGINE, "inspect", "--format", "{{.State.ExitCode}}", name], capture_output=True, text=True
+        )
+        assert state.stdout.strip() == "0", state.stderr  # a drain on SIGTERM, not a kill
+        print(f"container start to first token: {first_token_s:.1f} s")
+    finally:
+        subprocess.run([*ENGINE, "rm", "-f", name], capture_output=True, timeout=60)
+
+
+def _first_token_seconds(address: str, started: float, name: str) -> float:
+    """Seconds from the container's start to a first token through its router (retrying
+    while it starts)."""
+    request = pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(temperature=0, max_tokens=4))
+    deadline = started + 240
+    while True:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                responses = pb_grpc.RouterStub(channel).Generate(request, timeout=60)
+                first = next(responses)
+                seconds = time.monotonic() - started
+                rest = list(responses)
+            break
+        except grpc.RpcError as exc:
+            if time.monotonic() > deadline:
+                logs = subprocess.run([*ENGINE, "logs", name], capture_output=True, text=True).stderr
+                pytest.fail(f"no answer from the container in 240 s ({exc.code().name}): {logs[-3000:]}")
+            time.sleep(1)
+    assert first.WhichOneof("kind") and rest[-1].complete.usage.completion_tokens == 4
+    return seconds
