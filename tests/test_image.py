@@ -9,7 +9,6 @@ the host's network (each server binds to loopback; never a bridge network).
 import os
 import resource
 import shlex
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import httpx
 import pytest
 from fake_hub import FakeHub, Repo, repo_from_folder
 
+from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.protos import pb, pb_grpc
 
 pytestmark = [pytest.mark.image, pytest.mark.servers]
@@ -54,19 +54,20 @@ def image() -> str:
     return tag
 
 
-def run(image: str, *args: str, volumes: tuple[str, ...] = (), env: dict | None = None, timeout: float = 300):
-    argv = [*ENGINE, "run", "--rm", *AS_THE_CHART_RUNS_IT]
+def container(image: str, *args: str, volumes=(), env: dict | None = None, options=()) -> list[str]:
+    """A ``run`` command line for ``image`` as the chart runs it (``options``: the engine's own)."""
+    argv = [*ENGINE, "run", *options, *AS_THE_CHART_RUNS_IT]
     for volume in volumes:
         argv += ["-v", volume]
     for name, value in (env or {}).items():
         argv += ["-e", f"{name}={value}"]
-    return subprocess.run([*argv, image, *args], capture_output=True, text=True, timeout=timeout)
+    return [*argv, image, *args]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run(image: str, *args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        container(image, *args, options=["--rm"], **kw), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,11 @@ def test_download_model_fetches_from_a_hub_into_the_model_volume(image, models, 
 def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, models):
     grpc_port, http_port = free_port(), free_port()
     name = f"kvmesh-up-{grpc_port}"
-    argv = [
-        *ENGINE, "run", "-d", "--name", name, *AS_THE_CHART_RUNS_IT, "-v", f"{models}:/models:ro",
+    argv = container(
         image, "up", "--model", "/models/tiny", "--replicas", "1", "--host", "127.0.0.1",
         "--port", str(grpc_port), "--http-port", str(http_port), "--num-kv-blocks", "64",
-    ]  # fmt: skip
+        volumes=(f"{models}:/models:ro",), options=["-d", "--name", name],
+    )  # fmt: skip
     subprocess.run(argv, check=True, capture_output=True, timeout=60)
     started = time.monotonic()
     try:

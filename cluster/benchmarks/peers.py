@@ -63,6 +63,9 @@ _SAMPLES = {  # key -> (sample name, labels) in a replica's /metrics
     "prompt": ("kvmesh_replica_finished_prompt_tokens_total", ()),
     "cached": ("kvmesh_replica_cached_prompt_tokens_total", ()),
     "cached_hashes": ("kvmesh_replica_kv_cached_hashes", ()),
+    # its fitted cost of a prompt token, as its heartbeat tells the router: a fit that drifts
+    # away from its peers' changes where kvmesh ``prefix`` sends cold prompts
+    "prefill_token_s": ("kvmesh_replica_step_cost_seconds", (("term", "prefill_token"),)),
 }
 _LOADGEN_KEYS = ("requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s")
 
@@ -82,7 +85,8 @@ async def replicas_of(cluster: LocalCluster) -> list[Replica]:
 
 
 async def counters(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str, dict[str, float]]:
-    """Per replica: finished requests, their prompt and cached tokens, cached hashes held."""
+    """Per replica: finished requests, their prompt and cached tokens, cached hashes held, and
+    its fitted prompt-token cost."""
     out = {}
     for r in replicas:
         samples = read_samples((await http.get(r.http_url + "/metrics")).text)
@@ -92,18 +96,6 @@ async def counters(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str
         if missing:  # a renamed metric must fail the benchmark, not read as zero
             raise RuntimeError(f"replica {r.replica_id} exports no {', '.join(missing)}")
         out[r.replica_id] = {key: samples.get(sample, 0.0) for key, sample in _SAMPLES.items()}
-    return out
-
-
-async def fitted_prefill_us(http: httpx.AsyncClient, replicas: list[Replica]) -> dict[str, float]:
-    """Each replica's fitted cost of a prompt token (us), as its heartbeat tells the router:
-    a fit that drifts away from its peers' changes where kvmesh ``prefix`` sends cold prompts."""
-    out = {}
-    for r in replicas:
-        samples = read_samples((await http.get(r.http_url + "/metrics")).text)
-        out[r.replica_id] = round(
-            1e6 * samples[("kvmesh_replica_step_cost_seconds", (("term", "prefill_token"),))], 1
-        )
     return out
 
 
@@ -295,8 +287,9 @@ class _Bench:
                 workload, generator, load, router.url, contender.name, self.scratch / f"{stem}.json"
             )
             cpu_s = router.cpu_seconds() - cpu_before
-            truth = served(before, await counters(self.http, self.replicas))
-            costs = await fitted_prefill_us(self.http, self.replicas)
+            after = await counters(self.http, self.replicas)
+            truth = served(before, after)
+            costs = {rid: round(1e6 * c["prefill_token_s"], 1) for rid, c in after.items()}
             if kvmesh:  # the router's own account of this run
                 account = {
                     k: int(v) for k, v in ((await router_account(self.http, router.url)) - account).items()
