@@ -49,6 +49,7 @@ class FleetLoad:
         self._speculation: dict[tuple[str, int], list[int]] = {}  # (replica, root) -> blocks to announce
         self._announced: tuple[int, dict[str, set[int]]] = (-1, {})  # (bucket, replica -> blocks sent in it)
         self.incarnation: int | None = None  # None: not registered (yet, or lost): local counts only
+        self._registering: int | None = None  # registered, not yet reserved and counted: stop() still owns it
         self.routers = 0  # routers registered as of the last heartbeat, this one included
         self._held: collections.Counter[str] = collections.Counter()  # field -> what this router holds
         self._unsent: collections.Counter[str] = collections.Counter()
@@ -78,10 +79,11 @@ class FleetLoad:
         await self._loops.stop()
         if self._flush is not None:
             await asyncio.gather(self._flush, return_exceptions=True)
-        if self.incarnation is not None:
+        incarnation = self.incarnation if self.incarnation is not None else self._registering
+        if incarnation is not None:  # a renewal the stop cut short holds reservations too
             with contextlib.suppress(*INDEX_ERRORS):  # else its reservations expire with its heartbeat
-                await self.index.deregister_router(self.incarnation)
-        self.incarnation = None
+                await self.index.deregister_router(incarnation)
+        self.incarnation = self._registering = None
 
     # ------------------------------------------------------------------ reservations
 
@@ -170,12 +172,12 @@ class FleetLoad:
         try:
             if old is not None:
                 await self.index.deregister_router(old)
-            incarnation = await self.index.register_router(self.ttl_s)
+            incarnation = self._registering = await self.index.register_router(self.ttl_s)
             held = {field: amount for field, amount in self._held.items() if abs(amount) > 1e-9}
             self._unsent, self._oldest_unsent = collections.Counter(), None  # all of it goes now
             if await self.index.reserve(incarnation, held):
                 self.routers = await self.index.router_heartbeat(incarnation, self.ttl_s)
-                self.incarnation = incarnation
+                self.incarnation, self._registering = incarnation, None
                 log.info(
                     "sharing this router's in-flight work through the index",
                     extra={"incarnation": incarnation},

@@ -80,6 +80,31 @@ async def test_fleet_load_sends_one_call_per_loop_turn_and_renews_after_a_flush(
     await index.close()
 
 
+async def test_a_stop_that_cuts_a_renewal_short_still_takes_its_reservations_back(valkey_server):
+    """The stop lands after a renewal reserved what the router holds but before the renewal
+    counted the routers: the new incarnation's share goes with the stop, not with its TTL."""
+    index = RedisPrefixIndex.from_url(valkey_server.url, "shared-load-cut", 16, 0)
+    await index.ensure_settings()
+    fleet = FleetLoad(index, heartbeat_s=0.05, ttl_s=30.0)
+    await fleet.start()
+    fleet.add("r0", 1, 4, 2)
+    renewing, counted = asyncio.Event(), index.router_heartbeat
+
+    async def heartbeat_that_hangs_once_reserved(incarnation: int, ttl_s: float) -> int:
+        if await index.client.hlen(f"{index.ns}load"):  # the renewal's reservation landed
+            renewing.set()
+            await asyncio.Event().wait()  # the stop cancels it here
+        return await counted(incarnation, ttl_s)
+
+    index.router_heartbeat = heartbeat_that_hangs_once_reserved  # fault: the renewal stalls
+    await index.client.flushall()  # Redis lost everything: the next heartbeat renews
+    await asyncio.wait_for(renewing.wait(), timeout=5)
+    assert (await index.decide([])).fleet == {"r0": FleetWork(1, 4, 2)} and fleet.incarnation is None
+    await fleet.stop()
+    assert (await index.decide([])).fleet == {}
+    await index.close()
+
+
 async def test_a_lone_router_shares_nothing_until_another_router_registers(valkey_server):
     index = RedisPrefixIndex.from_url(valkey_server.url, "shared-load-alone", 16, 0)
     await index.ensure_settings()
