@@ -33,10 +33,11 @@ IMAGE_TAG ?= kvmesh:cpu
 image:
 	helm/build-image.sh $(IMAGE_TAG)
 
-# The image run as the chart runs it (tests/test_image.py), after building it.
+# The image run as the chart runs it (tests/test_image.py), and the chart's own pods played
+# as containers from its rendering (tests/test_chart_containers.py), after building it.
 image-check: venv image
 	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
-		$(PY) -m pytest -q -m image tests/test_image.py
+		$(PY) -m pytest -q -m image tests/test_image.py tests/test_chart_containers.py
 
 # The tests that start nothing (no Ray, no Redis, no servers) and are not benchmark smoke
 # runs: the inner loop while editing (about 35 s on 2 cores). CI runs `make test`.

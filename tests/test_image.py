@@ -64,9 +64,12 @@ def container(image: str, *args: str, volumes=(), env: dict | None = None, optio
     return [*argv, image, *args]
 
 
-def run(image: str, *args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+def run(image: str, *args: str, timeout: float = 300, options=(), **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
-        container(image, *args, options=["--rm"], **kw), capture_output=True, text=True, timeout=timeout
+        container(image, *args, options=["--rm", *options], **kw),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -82,6 +85,14 @@ def test_the_cli_runs_as_the_charts_user_on_a_read_only_root(image):
     out = run(image, "--help")
     assert out.returncode == 0, out.stderr
     assert "download-model" in out.stdout and "router" in out.stdout
+
+
+def test_a_login_shell_finds_ray_and_kvmesh_as_kuberay_starts_ray_nodes(image):
+    """KubeRay runs ``/bin/bash -lc -- "ulimit -n 65536; ray start ..."``: a login shell, whose
+    /etc/profile sets PATH anew."""
+    out = run(image, "-lc", "--", "command -v ray kvmesh", options=["--entrypoint", "/bin/bash"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["/opt/venv/bin/ray", "/opt/venv/bin/kvmesh"]
 
 
 def test_download_model_fetches_from_a_hub_into_the_model_volume(image, models, qwen3_dir):
