@@ -236,6 +236,12 @@ class PrefixAware(Policy):
     def cap_of(self, inflight_requests: int, num_replicas: int) -> float:
         return self.hot_spot_factor * (inflight_requests + 1) / num_replicas + self.hot_spot_slack
 
+    def sort_key(self, request: RouteRequest, r: ReplicaState, cap: float) -> tuple[bool, float, int]:
+        """Where ``r`` ranks for ``request``, lower first, before the rendezvous tie-break:
+        over the guard's cap, then the score, then the prefill work routed there lately. The
+        one statement of the order: the simulator's fast path ranks by it too."""
+        return r.inflight_requests + 1 > cap, self.score(request, r), round(r.recent_blocks)
+
     def rank(self, request, replicas, cap: float | None = None):
         """``cap``: the guard's cap when ``replicas`` is a subset of the fleet (the simulator
         passes only the replicas that can come first); by default, from ``replicas``."""
@@ -246,15 +252,7 @@ class PrefixAware(Policy):
             else bytes(token_buffer(request.token_ids[:64]))
         )
         tiebreak = {r.replica_id: i for i, r in enumerate(rendezvous(key, replicas))}
-        ordered = sorted(
-            replicas,
-            key=lambda r: (
-                r.inflight_requests + 1 > cap,
-                self.score(request, r),
-                round(r.recent_blocks),
-                tiebreak[r.replica_id],
-            ),
-        )
+        ordered = sorted(replicas, key=lambda r: (*self.sort_key(request, r, cap), tiebreak[r.replica_id]))
         return [r.replica_id for r in ordered]
 
     def branch(self, request, replicas, chosen):

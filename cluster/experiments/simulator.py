@@ -220,11 +220,13 @@ class Simulation:
             fast = isinstance(p, PrefixAware) and not rank_all and block_size & (block_size - 1) == 0
             self.routers.append(
                 RouterView(
-                    k, p, [ReplicaLoad() for _ in range(replicas)],
+                    k,
+                    p,
+                    [ReplicaLoad() for _ in range(replicas)],
                     shared_overlay if shared_load else SpeculativeOverlay(ttl_s=speculative_ttl_s),
                     LoadOrder(replicas) if fast else None,
                 )
-            )  # fmt: skip
+            )
         self.event_lag_s = event_lag_s
         self.heartbeat_s = heartbeat_s
         self._lagged: deque[tuple[float, int, list]] = deque()  # (visible at, replica, KV events)
@@ -294,10 +296,17 @@ class Simulation:
         load = self._seen(router, r)
         running, waiting = self._queues[r]
         return ReplicaState(
-            self._ids[r], matched, load.requests, load.prefill_blocks, load.decode_blocks, running, waiting,
-            recent_blocks=router.own[r].recent.value(now), costs=self.cost.step_costs,
+            self._ids[r],
+            matched,
+            load.requests,
+            load.prefill_blocks,
+            load.decode_blocks,
+            running,
+            waiting,
+            recent_blocks=router.own[r].recent.value(now),
+            costs=self.cost.step_costs,
             step_tokens=self.cost.max_num_batched_tokens,
-        )  # fmt: skip
+        )
 
     def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
         """Replica ``r``'s load changed as ``routers`` see it: move it in their load orders.
@@ -345,13 +354,18 @@ class Simulation:
     ) -> list[int]:
         """The replicas holding none of the prompt that the full ranking could put first: the
         cheapest under the guard's cap (all of them, when every one is over it), with every
-        replica tied with it on the policy's key before the rendezvous tie-break."""
+        replica tied with it on the policy's key before the rendezvous tie-break. Walks the
+        load order and asks the policy for each replica's key (``PrefixAware.sort_key``): on
+        prompts nobody holds, a replica's score differs from its load part by the same amount
+        on every replica (the simulated replicas share one cost model)."""
         for guarded in (True, False):
             tied, best = [], None
-            for cost, _, r in router.order.sorted:
-                if r in matched or (guarded and self._seen(router, r).requests + 1 > cap):
+            for _, _, r in router.order.sorted:
+                if r in matched:
                     continue
-                key = (cost, round(router.own[r].recent.value(now)))
+                over_cap, *key = router.policy.sort_key(_NO_BLOCKS, self._state(router, r, 0, now), cap)
+                if guarded and over_cap:
+                    continue
                 if best is not None and key != best:
                     break
                 best = key
@@ -380,12 +394,22 @@ class Simulation:
         depth = matched.get(chosen, 0)
         work = RequestWork.estimate(len(hashes), depth, spec.max_tokens, self.block_size)
         record = SimRequest(
-            Request(str(i), tokens, self.block_size, SamplingParams(temperature=0, max_tokens=spec.max_tokens,
-                    ignore_eos=True), None, frozenset(), None),
-            chosen, router.index, work, RequestWork(work.prefill, work.decode),
+            Request(
+                str(i),
+                tokens,
+                self.block_size,
+                SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True),
+                None,
+                frozenset(),
+                None,
+            ),
+            chosen,
+            router.index,
+            work,
+            RequestWork(work.prefill, work.decode),
             min(depth, (len(tokens) - 1) // self.block_size) * self.block_size,
             spec.answer_tokens(),
-        )  # fmt: skip
+        )
         record.request.arrival_time = now
         record.request.block_hashes = hashes  # the same chain (the contract): not hashed again
         self._begin(router, record, now)
