@@ -92,13 +92,19 @@ class LocalCluster:
             # A full sync starts at once (the default waits 5 s for more replicas to join it); a replica
             # fails over however long its link was down (validity factor 0).
             args = [
-                "--cluster-enabled", "yes",
-                "--cluster-port", str(bus),
-                "--cluster-config-file", str(self._dir / f"nodes-{port}.conf"),
-                "--cluster-node-timeout", "1000",
-                "--cluster-replica-validity-factor", "0",
-                "--repl-diskless-sync-delay", "0",
-            ]  # fmt: skip
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                str(bus),
+                "--cluster-config-file",
+                str(self._dir / f"nodes-{port}.conf"),
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-replica-validity-factor",
+                "0",
+                "--repl-diskless-sync-delay",
+                "0",
+            ]
             self._nodes[port] = EmbeddedRedis(self.binary, port=port, extra_args=args).start()
             self._bus[port] = bus
 

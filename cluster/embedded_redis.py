@@ -97,15 +97,22 @@ class EmbeddedRedis:
             return self
         args = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--protected-mode", "yes",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self._dir),
-            "--loglevel", "warning",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--protected-mode",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._dir),
+            "--loglevel",
+            "warning",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
         self._proc = subprocess.Popen(
             _dying_with_parent(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )

@@ -101,9 +101,14 @@ class FlagTable:
             flag = self.flags.get(name)
             if flag is None:
                 flag = Flag(
-                    name, kind, optional, not has_default, f.default if has_default else None, meta["help"],
+                    name,
+                    kind,
+                    optional,
+                    not has_default,
+                    f.default if has_default else None,
+                    meta["help"],
                     meta["choices"],
-                )  # fmt: skip
+                )
                 self.flags[name] = flag
             elif flag.kind != kind:
                 raise TypeError(f"--{name} is declared with two types ({flag.kind} and {kind})")
@@ -122,14 +127,21 @@ class FlagTable:
             names = [f"--{flag.name}"] + (["-v"] if flag.name == "verbose" else [])
             if flag.kind is bool:
                 parser.add_argument(
-                    *names, dest=flag.dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                    *names,
+                    dest=flag.dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
                     help=text,
-                )  # fmt: skip
+                )
             else:
                 parser.add_argument(
-                    *names, dest=flag.dest, type=_argparse_type(flag), default=argparse.SUPPRESS, help=text,
+                    *names,
+                    dest=flag.dest,
+                    type=_argparse_type(flag),
+                    default=argparse.SUPPRESS,
+                    help=text,
                     metavar={int: "N", float: "X"}.get(flag.kind, flag.name.split("-")[-1].upper()),
-                )  # fmt: skip
+                )
 
     def build(self, args: argparse.Namespace) -> list[Any]:
         """The configs, in the order of ``roots``: flags, then environment, then defaults.

@@ -18,8 +18,19 @@ from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT
 from kvmesh.serving.index_connection import connect_redis
 from kvmesh.serving.step_costs import StepCosts
 
-COLUMNS = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks",
-           "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause")  # fmt: skip
+COLUMNS = (
+    "replica_id",
+    "address",
+    "incarnation",
+    "num_running",
+    "num_waiting",
+    "num_free_blocks",
+    "num_blocks",
+    "tokens_per_s",
+    "heartbeat_age_s",
+    "index_state",
+    "index_state_cause",
+)
 
 
 async def from_router(
@@ -38,11 +49,18 @@ async def from_router(
         listing = await stub.ListReplicas(pb.ListReplicasRequest(), metadata=metadata, timeout=timeout)
     replicas = [{c: getattr(r, c) for c in COLUMNS} for r in listing.replicas]
     deployment = json.loads(info.effective_config or "{}").get("deployment", DEFAULT_DEPLOYMENT)
-    return [{
-        "model_id": info.model, "deployment": deployment, "block_size": info.block_size, "router": address,
-        "replicas": replicas, "controller": json.loads(listing.controller_state or "{}"),
-        "index_state": listing.index_state, "index_state_cause": listing.index_state_cause,
-    }]  # fmt: skip
+    return [
+        {
+            "model_id": info.model,
+            "deployment": deployment,
+            "block_size": info.block_size,
+            "router": address,
+            "replicas": replicas,
+            "controller": json.loads(listing.controller_state or "{}"),
+            "index_state": listing.index_state,
+            "index_state_cause": listing.index_state_cause,
+        }
+    ]
 
 
 async def from_index(redis_url: str) -> list[dict]:
@@ -58,20 +76,31 @@ async def from_index(redis_url: str) -> list[dict]:
             now = time.time()
             replicas = [
                 {
-                    "replica_id": r.replica_id, "address": r.address, "http_address": r.fields.get("http_address", ""),
-                    "incarnation": r.incarnation, "num_running": int(r.load("num_running")),
-                    "num_waiting": int(r.load("num_waiting")), "num_free_blocks": int(r.load("num_free_blocks")),
-                    "num_blocks": int(r.load("num_blocks")), "num_cached_free_blocks": int(r.load("num_cached_free_blocks")),
-                    "prefix_hit_rate": r.load("prefix_hit_rate"), "tokens_per_s": r.load("tokens_per_s"),
+                    "replica_id": r.replica_id,
+                    "address": r.address,
+                    "http_address": r.fields.get("http_address", ""),
+                    "incarnation": r.incarnation,
+                    "num_running": int(r.load("num_running")),
+                    "num_waiting": int(r.load("num_waiting")),
+                    "num_free_blocks": int(r.load("num_free_blocks")),
+                    "num_blocks": int(r.load("num_blocks")),
+                    "num_cached_free_blocks": int(r.load("num_cached_free_blocks")),
+                    "prefix_hit_rate": r.load("prefix_hit_rate"),
+                    "tokens_per_s": r.load("tokens_per_s"),
                     "heartbeat_age_s": round(now - r.load("heartbeat_at", now), 1),
                     "step_costs": asdict(StepCosts.from_fields(r.load)) if "cost_base_s" in r.fields else {},
                 }
                 for r in sorted(await index.live_replicas(), key=lambda r: r.replica_id)
-            ]  # fmt: skip
-            models.append({
-                "model_id": settings["model_id"], "deployment": deployment, "block_size": int(settings["block_size"]),
-                "replicas": replicas, "controller": json.loads(await index.controller_state() or "{}"),
-            })  # fmt: skip
+            ]
+            models.append(
+                {
+                    "model_id": settings["model_id"],
+                    "deployment": deployment,
+                    "block_size": int(settings["block_size"]),
+                    "replicas": replicas,
+                    "controller": json.loads(await index.controller_state() or "{}"),
+                }
+            )
         return sorted(models, key=lambda m: (m["model_id"], m["deployment"]))
     finally:
         await client.aclose()

@@ -69,9 +69,12 @@ class Slot:
 
     def as_dict(self, now: float) -> dict:
         return {
-            "state": self.state, "address": self.address, "failures": self.failures, "error": self.error,
+            "state": self.state,
+            "address": self.address,
+            "failures": self.failures,
+            "error": self.error,
             "retry_in_s": round(max(0.0, self.retry_at - now), 1) if self.state == "waiting" else None,
-        }  # fmt: skip
+        }
 
 
 class Supervisor:
@@ -157,9 +160,11 @@ class Supervisor:
         started = time.monotonic()
         await self._name_released(slot.replica_id)
         cls = replica_actor_class(self.use_gpu).options(
-            name=self.actor_name(slot.replica_id), namespace=RAY_NAMESPACE, lifetime="detached",
+            name=self.actor_name(slot.replica_id),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
             **({"runtime_env": {"env_vars": self.environment}} if self.environment else {}),
-        )  # fmt: skip
+        )
         slot.actor, slot.state = cls.remote(self.config_of(slot.replica_id)), "starting"
         slot.address = await asyncio.wait_for(slot.actor.start.remote(), self.start_timeout_s)
         slot.state, slot.failures, slot.error = "ready", 0, ""

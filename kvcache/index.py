@@ -517,10 +517,12 @@ class RedisPrefixIndex(ShareHalves):
     async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> int:
         """Extend it (and reap dead routers' reservations); how many routers are registered
         then, itself included (0: it expired, register anew). One round trip."""
-        alive, routers = await self._pipeline([
-            ("fcall", function("router_heartbeat"), 1, self._ns_key, router_incarnation, _ms(ttl_s)),
-            ("scard", self._routers_key),
-        ])  # fmt: skip
+        alive, routers = await self._pipeline(
+            [
+                ("fcall", function("router_heartbeat"), 1, self._ns_key, router_incarnation, _ms(ttl_s)),
+                ("scard", self._routers_key),
+            ]
+        )
         return int(routers) if alive else 0
 
     async def deregister_router(self, router_incarnation: int) -> None:

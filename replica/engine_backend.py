@@ -218,9 +218,12 @@ def _trace_phases(span: object, out: RequestOutput, request: pb.GenerateRequest)
     if t is None:
         return
     tracing.set_attributes(
-        span, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+        span,
+        prompt_tokens=out.prompt_tokens,
+        cached_tokens=out.cached_tokens,
+        completion_tokens=out.completion_tokens,
         predicted_cached_blocks=request.predicted_cached_blocks or None,
-    )  # fmt: skip
+    )
     phases = [
         ("kvmesh.replica.queue", t.arrival, t.scheduled),
         ("kvmesh.replica.prefill", t.scheduled, t.first_token),

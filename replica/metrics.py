@@ -105,9 +105,12 @@ class _EngineCollector:
             "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1)", usage),
             "kvmesh_replica_kv_blocks": ("KV blocks in the pool", kv.num_blocks),
             "kvmesh_replica_kv_free_blocks": ("KV blocks free (cached or empty)", kv.num_free_blocks),
-            "kvmesh_replica_kv_cached_free_blocks": ("Free KV blocks still hittable", kv.num_cached_free_blocks),
+            "kvmesh_replica_kv_cached_free_blocks": (
+                "Free KV blocks still hittable",
+                kv.num_cached_free_blocks,
+            ),
             "kvmesh_replica_kv_cached_hashes": ("Block hashes a new request could hit", kv.num_cached_hashes),
-        }  # fmt: skip
+        }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -116,10 +119,13 @@ class _EngineCollector:
             "vllm:prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens),
             "vllm:generation_tokens": ("Tokens generated", s.generation_tokens),
             "vllm:num_preemptions": ("Requests preempted for KV space", s.num_preemptions),
-            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", kv.prefix_query_tokens),
+            "vllm:prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache",
+                kv.prefix_query_tokens,
+            ),
             "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", kv.prefix_hit_tokens),
             "kvmesh_replica_kv_evictions": ("Cached blocks reused for new data", kv.evictions),
-        }  # fmt: skip
+        }
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

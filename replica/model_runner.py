@@ -77,17 +77,28 @@ class ModelRunner:
         )
         self.num_blocks = self._pool_size(config)
         self.kv_cache = torch.zeros(
-            2, spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            2,
+            spec.num_layers,
+            self.num_blocks,
+            self.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
         log.info(
             "model runner ready",
-            extra={"device": str(self.device), "dtype": str(self.dtype), "blocks": self.num_blocks,
-                   "block_size": self.block_size, "attention": self.backend.name},
-        )  # fmt: skip
+            extra={
+                "device": str(self.device),
+                "dtype": str(self.dtype),
+                "blocks": self.num_blocks,
+                "block_size": self.block_size,
+                "attention": self.backend.name,
+            },
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -120,9 +131,15 @@ class ModelRunner:
         warm_blocks = sum(-(-n // self.block_size) for n in lens)
         weights = torch.cuda.memory_allocated(self.device)
         warm_cache = torch.zeros(
-            2, self.spec.num_layers, warm_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            2,
+            self.spec.num_layers,
+            warm_blocks,
+            self.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = warm_cache[0, i], warm_cache[1, i]
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -151,9 +168,13 @@ class ModelRunner:
             )
         log.info(
             "KV pool sized by profiling",
-            extra={"blocks": blocks, "bound": bound, "weights_gib": round(weights / 2**30, 2),
-                   "activations_gib": round(activations / 2**30, 2)},
-        )  # fmt: skip
+            extra={
+                "blocks": blocks,
+                "bound": bound,
+                "weights_gib": round(weights / 2**30, 2),
+                "activations_gib": round(activations / 2**30, 2),
+            },
+        )
         return blocks
 
     @torch.inference_mode()

@@ -87,9 +87,13 @@ class ReplicaServer:
         )
         self.engine = AsyncLLMEngine(engine, stall_s=c.engine_stall_s)
         model = ModelInfo(
-            engine.model_id, engine.block_size, engine.max_model_len, engine.vocab_size, engine.hash_seed,
+            engine.model_id,
+            engine.block_size,
+            engine.max_model_len,
+            engine.vocab_size,
+            engine.hash_seed,
             c.api.served_model_name,
-        )  # fmt: skip
+        )
         backend = EngineBackend(
             self.engine,
             c.replica_id,
@@ -105,17 +109,23 @@ class ReplicaServer:
         service = ReplicaService(backend, self.index_state, config_json, self.resync, write_timeout_s)
         self.grpc = await start_grpc_server(
             [(pb_grpc.add_ReplicaServicer_to_server, service, "kvmesh.v1.Replica")],
-            c.host, c.port, tls=c.tls, connections=c.connections,
-            interceptors=[TokenAuthInterceptor(token)] if token else (), max_message_bytes=c.max_message_bytes,
-        )  # fmt: skip
+            c.host,
+            c.port,
+            tls=c.tls,
+            connections=c.connections,
+            interceptors=[TokenAuthInterceptor(token)] if token else (),
+            max_message_bytes=c.max_message_bytes,
+        )
         host = advertised_host(c)
         self.address = f"{host}:{self.grpc.port}"
         info = {
-            "model_id": engine.model_id, "block_size": engine.block_size, "hash_seed": engine.hash_seed,
+            "model_id": engine.model_id,
+            "block_size": engine.block_size,
+            "hash_seed": engine.hash_seed,
             "process_started_at": self.started_at,  # unlike the incarnation, a resync keeps it
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the router prices steps by it
             "max_num_seqs": engine.config.max_num_seqs,
-        }  # fmt: skip
+        }
         if c.serves_http:
             app = build_app(
                 backend,

@@ -75,9 +75,10 @@ class RouterConfig:
     refresh_s: float = option(0.5, flag="registry-refresh", help="seconds between reads of the live replicas")
     speculative_ttl_s: float = option(2.0, flag="speculative-ttl", help="seconds a speculative entry lives")
     shared_load: str = option(
-        "on", choices=("on", "off"),
+        "on",
+        choices=("on", "off"),
         help="on: the policy sees every router's in-flight work (kept in the index); off: this router's own",
-    )  # fmt: skip
+    )
     limits: RouterLimits = option(factory=RouterLimits, help="request limits")
     api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
     index_health: IndexHealthConfig = option(

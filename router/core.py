@@ -62,9 +62,18 @@ class RouterCore:
         self.watch = IndexWatch(registry, index, self.metrics, model.block_size, index_health)
         self.metrics.watch_replicas(registry.gauges, lambda: registry.index_ok)
         self.decider = Decider(
-            model, tokenizer, index, registry, self.overlay, self.metrics, self.limits,
-            default_policy, lookup_timeout_s, defaults, self.watch.untrusted,
-        )  # fmt: skip
+            model,
+            tokenizer,
+            index,
+            registry,
+            self.overlay,
+            self.metrics,
+            self.limits,
+            default_policy,
+            lookup_timeout_s,
+            defaults,
+            self.watch.untrusted,
+        )
         self.relay = Relay(registry, self.overlay, self.metrics, model.block_size, self.watch)
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
         self.inflight = InflightLimit(self.limits.max_inflight, "router")

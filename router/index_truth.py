@@ -25,8 +25,13 @@ from dataclasses import dataclass
 from kvmesh.protos import pb
 
 CAUSES = (
-    "replica_restarted", "hash_mismatch", "speculative_unrealized", "evicted", "stale_index", "index_lag",
-)  # fmt: skip
+    "replica_restarted",
+    "hash_mismatch",
+    "speculative_unrealized",
+    "evicted",
+    "stale_index",
+    "index_lag",
+)
 LIES = frozenset({"stale_index", "hash_mismatch"})  # causes that say the index is wrong, not late
 
 

@@ -148,13 +148,31 @@ class RouterMetrics(ServerMetrics):
 
 class _ReplicaCollector:
     FIELDS: ClassVar[dict[str, tuple[str, str]]] = {
-        "running": ("kvmesh_router_replica_running_requests", "Requests running on a replica (its heartbeat)"),
-        "waiting": ("kvmesh_router_replica_waiting_requests", "Requests waiting on a replica (its heartbeat)"),
-        "kv_usage": ("kvmesh_router_replica_kv_cache_usage_perc", "A replica's KV blocks in use, 0-1 (its heartbeat)"),
-        "tokens_per_s": ("kvmesh_router_replica_generation_tokens_per_second", "A replica's decode rate (its heartbeat)"),
-        "heartbeat_age_s": ("kvmesh_router_replica_heartbeat_age_seconds", "Seconds since a replica's last heartbeat"),
-        "inflight": ("kvmesh_router_replica_inflight_requests", "Requests this router has streaming on a replica"),
-    }  # fmt: skip
+        "running": (
+            "kvmesh_router_replica_running_requests",
+            "Requests running on a replica (its heartbeat)",
+        ),
+        "waiting": (
+            "kvmesh_router_replica_waiting_requests",
+            "Requests waiting on a replica (its heartbeat)",
+        ),
+        "kv_usage": (
+            "kvmesh_router_replica_kv_cache_usage_perc",
+            "A replica's KV blocks in use, 0-1 (its heartbeat)",
+        ),
+        "tokens_per_s": (
+            "kvmesh_router_replica_generation_tokens_per_second",
+            "A replica's decode rate (its heartbeat)",
+        ),
+        "heartbeat_age_s": (
+            "kvmesh_router_replica_heartbeat_age_seconds",
+            "Seconds since a replica's last heartbeat",
+        ),
+        "inflight": (
+            "kvmesh_router_replica_inflight_requests",
+            "Requests this router has streaming on a replica",
+        ),
+    }
 
     def __init__(
         self, model_name: str, gauges: Callable[[], Iterable[ReplicaGauges]], index_up: Callable[[], bool]

@@ -53,9 +53,12 @@ class RouterServer:
             else None
         )
         self.registry = ReplicaRegistry(
-            self.index, refresh_s=config.refresh_s, tls=config.tls, fleet=self.fleet,
+            self.index,
+            refresh_s=config.refresh_s,
+            tls=config.tls,
+            fleet=self.fleet,
             replica_token=config.replica_token(),
-        )  # fmt: skip
+        )
         self.service = RouterService(
             None, json.dumps(effective_config(config)), config.connections.stream_write_timeout_s
         )
@@ -126,9 +129,12 @@ class RouterServer:
                 max_body_bytes=self.config.max_message_bytes,
             )
             self.http = await start_http_server(
-                app, self.config.host, self.config.http_port, self.config.tls,
+                app,
+                self.config.host,
+                self.config.http_port,
+                self.config.tls,
                 self.config.connections.stream_write_timeout_s,
-            )  # fmt: skip
+            )
         log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
 
     async def _start_open_endpoint(self) -> asyncio.Server:

@@ -142,9 +142,13 @@ class ReplicaRegistry:
                     rec.address, self.tls, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
                 )
                 entry = ReplicaEntry(
-                    rec, channel, pb_grpc.ReplicaStub(channel), live_until=0.0, auth=self.auth,
+                    rec,
+                    channel,
+                    pb_grpc.ReplicaStub(channel),
+                    live_until=0.0,
+                    auth=self.auth,
                     http=self._http_of(rec),
-                )  # fmt: skip
+                )
                 self.entries[rec.replica_id] = entry
             entry.record = rec
             entry.costs = measured_costs(rec.load)
@@ -219,8 +223,11 @@ class ReplicaRegistry:
 
     def _inflight(self, e: ReplicaEntry, fleet: dict[str, FleetWork] | None) -> dict[str, float]:
         if fleet is None or self.fleet is None or not self.fleet.active:
-            return {"inflight_requests": e.load.requests, "inflight_prefill_blocks": e.load.prefill_blocks,
-                    "inflight_decode_blocks": e.load.decode_blocks}  # fmt: skip
+            return {
+                "inflight_requests": e.load.requests,
+                "inflight_prefill_blocks": e.load.prefill_blocks,
+                "inflight_decode_blocks": e.load.decode_blocks,
+            }
         rid = e.record.replica_id
         work, unsent = fleet.get(rid, FleetWork()), self.fleet.unsent(rid)
         return {

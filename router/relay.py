@@ -266,9 +266,12 @@ class Relay:
         self.inflight[decision.request_id] = rid
         prediction = decision.prediction(rid, entry.record.incarnation, self.block_size)
         span = tracing.start(
-            "kvmesh.router.relay", trace, replica_id=rid, attempt=attempt,
+            "kvmesh.router.relay",
+            trace,
+            replica_id=rid,
+            attempt=attempt,
             predicted_cached_tokens=prediction.predicted * self.block_size,
-        )  # fmt: skip
+        )
         return work, prediction, span
 
     def _first_response(

@@ -151,8 +151,13 @@ class ReplicaHttp:
     """A replica's OpenAI port: ``post`` a request and read its streamed answer; connections
     are kept for the next request when the answer was read to its end."""
 
-    def __init__(self, url: str, ssl_context: ssl.SSLContext | None, server_name: str | None = None,
-                 connect_timeout_s: float = 2.0):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        ssl_context: ssl.SSLContext | None,
+        server_name: str | None = None,
+        connect_timeout_s: float = 2.0,
+    ):
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = ssl_context if parts.scheme == "https" else None
@@ -166,11 +171,20 @@ class ReplicaHttp:
         its body with ``read``, then ``release`` it); ReplicaHttpError for another status,
         OSError when the replica cannot be reached."""
         extra = "".join(f"{name}: {value}\r\n" for name, value in headers).encode()
-        request = b"".join((
-            b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", self._netloc,
-            b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
-            b"\r\n", extra, b"\r\n", body,
-        ))  # fmt: skip
+        request = b"".join(
+            (
+                b"POST ",
+                path.encode(),
+                b" HTTP/1.1\r\nhost: ",
+                self._netloc,
+                b"\r\ncontent-type: application/json\r\ncontent-length: ",
+                str(len(body)).encode(),
+                b"\r\n",
+                extra,
+                b"\r\n",
+                body,
+            )
+        )
         while True:
             conn = self._take_idle()
             reused = conn is not None

@@ -65,9 +65,12 @@ class InputLimits:
             texts = [chat.tools_json, chat.documents_json, chat.template_kwargs_json]
             template = sum(len(t.encode()) for t in texts + [m.tool_calls_json for m in chat.messages])
             _at_most(
-                "tools", template, self.max_template_bytes,
-                "bytes of tools, documents, chat_template_kwargs and tool calls", "--max-template-bytes",
-            )  # fmt: skip
+                "tools",
+                template,
+                self.max_template_bytes,
+                "bytes of tools, documents, chat_template_kwargs and tool calls",
+                "--max-template-bytes",
+            )
 
 
 def _at_most(field: str, value: int, limit: int, what: str, flag: str) -> None:

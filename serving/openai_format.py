@@ -180,8 +180,10 @@ class ResponseBuilder:
                 for rank, (t, name) in enumerate(zip(entry.top, names[1:], strict=True), start=1)
             }
             position[str(entry.token_id)] = {
-                "logprob": _lp(entry.logprob), "rank": entry.rank, "decoded_token": names[0],
-            }  # fmt: skip
+                "logprob": _lp(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": names[0],
+            }
             out.append(position)
         return out
 

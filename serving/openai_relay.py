@@ -73,16 +73,24 @@ class SseRequest:
 
     @classmethod
     def of(cls, chat: bool, body: bytes, model: str, request_id: str, token_ids: list[int]) -> SseRequest:
-        head = b"".join((
-            b'{"model":', json.dumps(model).encode(), b',"request_id":', json.dumps(request_id).encode(),
-            b',"prompt_token_ids":[', ",".join(map(str, token_ids)).encode(), b"],",
-        ))  # fmt: skip
+        head = b"".join(
+            (
+                b'{"model":',
+                json.dumps(model).encode(),
+                b',"request_id":',
+                json.dumps(request_id).encode(),
+                b',"prompt_token_ids":[',
+                ",".join(map(str, token_ids)).encode(),
+                b"],",
+            )
+        )
         return cls(RELAY_PATHS["chat" if chat else "completions"], head, body)
 
     def envelope(self, predicted_cached_blocks: int, first_block_hash: int) -> bytes:
         prediction = b'"predicted_cached_blocks":%d,"first_block_hash":%d,"request":' % (
-            predicted_cached_blocks, first_block_hash
-        )  # fmt: skip
+            predicted_cached_blocks,
+            first_block_hash,
+        )
         return b"".join((self.head, prediction, self.body, b"}"))
 
 

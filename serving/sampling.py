@@ -66,9 +66,12 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether anything changes the logits before the pick (penalties, bias, min tokens)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens
-        )  # fmt: skip
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a message naming the bad field."""
@@ -119,9 +122,20 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
 
 
 _OPTIONAL_FIELDS = (
-    "temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_p", "min_tokens", "logprobs", "prompt_logprobs", "n",
-)  # fmt: skip
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+)
 
 
 def sampling_from_proto(p) -> SamplingParams:

@@ -47,10 +47,15 @@ class Prometheus:
         }
         (self.folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={self.folder / 'prometheus.yml'}", f"--storage.tsdb.path={self.folder / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={self.folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.folder / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def wait_ready(self, http: httpx.AsyncClient, timeout_s: float = 30) -> None:
@@ -193,8 +198,13 @@ def main(out: str, png: str, duration: float, replicas: int, clients: int, cache
         raise UsageError("bench dashboard needs a prometheus server binary (apt-get install prometheus)")
     model = str(demo_model(Path(cache_dir)))
     fault_at, outage_s = duration / 2, 10.0
-    result = {"benchmark": "dashboard", "duration_s": duration, "replicas": replicas, "clients": clients,
-              "environment": environment()}  # fmt: skip
+    result = {
+        "benchmark": "dashboard",
+        "duration_s": duration,
+        "replicas": replicas,
+        "clients": clients,
+        "environment": environment(),
+    }
     result.update(asyncio.run(run(model, binary, duration, replicas, clients, fault_at, outage_s)))
     plot(result["panels"], fault_at, outage_s, Path(png))
     empty = [p["title"] for p in result["panels"] if not p["lines"]]

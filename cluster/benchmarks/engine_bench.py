@@ -229,9 +229,11 @@ def run_cuda(repeats: int, quick: bool, cache: Path) -> dict:
         same = sum(a == b for a, b in zip(got, reference, strict=True))
         first = sum(a[0] == b[0] for a, b in zip(got, reference, strict=True))
         checks[name] = {
-            "identical_outputs": same, "first_token_equal": first, "requests": len(reqs),
+            "identical_outputs": same,
+            "first_token_equal": first,
+            "requests": len(reqs),
             "num_kv_blocks": engines[name].block_manager.num_blocks,
-        }  # fmt: skip
+        }
         progress(f"{name}: {same}/{len(reqs)} outputs identical to CPU fp32")
     name = "flash_attn_bf16" if "flash_attn_bf16" in engines else "torch_fp32"
     fast = engines[name]

@@ -242,12 +242,25 @@ async def non_streaming_client_that_leaves(t: Target) -> str | None:
 KINDS: dict[str, Kind] = {
     f.__name__: f
     for f in (
-        out_of_vocabulary_stop_id, every_token_a_stop_id, huge_batch, stop_string_flood, one_long_stop_string,
-        logit_bias_flood, megabyte_of_tools, many_empty_messages, big_tokenize, made_up_policy,
-        unknown_fields_with_newlines, oversized_body, oversized_chunked_body, shared_request_id,
-        reader_that_stops, client_that_vanishes, non_streaming_client_that_leaves,
+        out_of_vocabulary_stop_id,
+        every_token_a_stop_id,
+        huge_batch,
+        stop_string_flood,
+        one_long_stop_string,
+        logit_bias_flood,
+        megabyte_of_tools,
+        many_empty_messages,
+        big_tokenize,
+        made_up_policy,
+        unknown_fields_with_newlines,
+        oversized_body,
+        oversized_chunked_body,
+        shared_request_id,
+        reader_that_stops,
+        client_that_vanishes,
+        non_streaming_client_that_leaves,
     )
-}  # fmt: skip
+}
 
 
 @dataclass

@@ -60,9 +60,20 @@ def kvmesh_router_command(
 ) -> list[str]:
     """A ``kvmesh router`` process on 127.0.0.1 (port 0: any free port)."""
     return [
-        str(Path(sys.executable).with_name("kvmesh")), "router", "--model", model_dir, "--redis-url", redis_url,
-        "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port), *extra,
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("kvmesh")),
+        "router",
+        "--model",
+        model_dir,
+        "--redis-url",
+        redis_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        *extra,
+    ]
 
 
 def router_command(
@@ -72,10 +83,21 @@ def router_command(
     if contender.router == "kvmesh":
         return kvmesh_router_command(model_dir, redis_url, 0, port, "--policy", contender.policy)
     common = [
-        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-        "--policy", contender.policy, "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-    ]  # fmt: skip
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        contender.policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--worker-startup-check-interval",
+        "1",
+    ]
     if contender.router == "sglang":
         return [str(venv / "bin" / "sglang-router"), "launch", *common, "--log-level", "warn"]
     if contender.router == "vllm":
@@ -143,9 +165,12 @@ class RouterProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, **self.env},
-            )  # fmt: skip
+            )
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2) as http:
             while time.monotonic() < deadline:
@@ -210,18 +235,26 @@ class GuidellmLoad:
             f"prefix_tokens={self.prefix_tokens},prefix_count={self.prefix_count}"
         )
         return [
-            str(venv / "bin" / "guidellm"), "run",
-            "--backend", f"kind=openai_http,target={target},model={model_id},"
-                         "request_format=/v1/completions,timeout=300",
-            "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
-            "--data", data,
-            "--profile", f"kind=poisson,rate={self.rate}",
-            "--constraint", f"kind=max_requests,count={self.requests}",
-            "--constraint", f"kind=max_duration,seconds={self.max_seconds}",
-            "--seed", f"kind=static,value={self.seed}",
-            "--output", f"kind=json,path={out}",
+            str(venv / "bin" / "guidellm"),
+            "run",
+            "--backend",
+            f"kind=openai_http,target={target},model={model_id},request_format=/v1/completions,timeout=300",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={model_dir}",
+            "--data",
+            data,
+            "--profile",
+            f"kind=poisson,rate={self.rate}",
+            "--constraint",
+            f"kind=max_requests,count={self.requests}",
+            "--constraint",
+            f"kind=max_duration,seconds={self.max_seconds}",
+            "--seed",
+            f"kind=static,value={self.seed}",
+            "--output",
+            f"kind=json,path={out}",
             "--disable-console",
-        ]  # fmt: skip
+        ]
 
 
 def run_guidellm(
@@ -232,9 +265,12 @@ def run_guidellm(
     out.unlink(missing_ok=True)
     done = subprocess.run(
         load.command(venv, target, model_id, model_dir, out),
-        cwd=out.parent, env={**os.environ, **OFFLINE}, capture_output=True, text=True,
+        cwd=out.parent,
+        env={**os.environ, **OFFLINE},
+        capture_output=True,
+        text=True,
         timeout=load.max_seconds + 180,
-    )  # fmt: skip
+    )
     if done.returncode != 0 or not out.is_file():
         raise RuntimeError(f"guidellm failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
     return summarize_guidellm(json.loads(out.read_text()))

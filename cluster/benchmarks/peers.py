@@ -176,9 +176,11 @@ async def router_overhead(
     d, r = statistics.median(direct) * 1e3, statistics.median(routed) * 1e3
     d90, r90 = percentile(direct, 0.9) * 1e3, percentile(routed, 0.9) * 1e3
     return {
-        "direct_p50_ms": round(d, 3), "routed_p50_ms": round(r, 3),
-        "added_p50_ms": round(r - d, 3), "added_p90_ms": round(r90 - d90, 3),
-    }  # fmt: skip
+        "direct_p50_ms": round(d, 3),
+        "routed_p50_ms": round(r, 3),
+        "added_p50_ms": round(r - d, 3),
+        "added_p90_ms": round(r90 - d90, 3),
+    }
 
 
 async def unloaded_ttft_ms(http: httpx.AsyncClient, replica: Replica, model_id: str, prompt: str) -> float:
@@ -205,10 +207,17 @@ CHAT_TURNS = 6
 RUN_TRIES = 5  # runs of one cell before a cause that keeps coming back fails the sweep
 MOONCAKE_BLOCK_TOKENS = 4  # the trace's 512-token blocks, shrunk to fit CPU replicas' KV pools
 _METRICS = (  # summarized per (router, workload, rate, generator): median, min and max over repeats
-    "hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s",
-    "requests_max_over_mean", "prefill_max_over_mean", "added_p50_ms", "added_p90_ms",
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "output_tokens_per_s",
+    "requests_max_over_mean",
+    "prefill_max_over_mean",
+    "added_p50_ms",
+    "added_p90_ms",
     "router_cpu_ms_per_request",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -297,9 +306,19 @@ class _Bench:
         cpu = {
             "router_cpu_ms_per_request": 1000 * cpu_s / max(1, sum(truth["requests_per_replica"].values()))
         }
-        return {"router": contender.name, "workload": workload, "rate": rate, "repeat": repeat,
-                "generator": generator, **client, **truth, **overhead, **cpu,
-                "replica_prefill_us_per_token": costs, **({"router_account": account} if kvmesh else {})}  # fmt: skip
+        return {
+            "router": contender.name,
+            "workload": workload,
+            "rate": rate,
+            "repeat": repeat,
+            "generator": generator,
+            **client,
+            **truth,
+            **overhead,
+            **cpu,
+            "replica_prefill_us_per_token": costs,
+            **({"router_account": account} if kvmesh else {}),
+        }
 
     async def run_honest(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
@@ -327,32 +346,54 @@ class _Bench:
             )
         if workload == "shared_prefix":
             requests = shared_prefix(
-                num_groups=load.prefix_count, prompts_per_group=max(1, load.requests // load.prefix_count),
-                system_prompt_len=load.prefix_tokens, question_len=load.prompt_tokens,
-                output_len=load.output_tokens, seed=load.seed,
-            )  # fmt: skip
+                num_groups=load.prefix_count,
+                prompts_per_group=max(1, load.requests // load.prefix_count),
+                system_prompt_len=load.prefix_tokens,
+                question_len=load.prompt_tokens,
+                output_len=load.output_tokens,
+                seed=load.seed,
+            )
             records = await run_http_load(
-                url, requests, as_text(requests, self.words), label, self.model.name,
-                concurrency=256, rate=load.rate, seed=load.seed,
-            )  # fmt: skip
+                url,
+                requests,
+                as_text(requests, self.words),
+                label,
+                self.model.name,
+                concurrency=256,
+                rate=load.rate,
+                seed=load.seed,
+            )
         elif workload == "mooncake":
             requests = mooncake_at(load)
             records = await run_http_load(
-                url, requests, as_text(requests, self.words), label, self.model.name,
-                concurrency=256, seed=load.seed, use_arrival_times=True,
-            )  # fmt: skip
+                url,
+                requests,
+                as_text(requests, self.words),
+                label,
+                self.model.name,
+                concurrency=256,
+                seed=load.seed,
+                use_arrival_times=True,
+            )
         else:  # rate r: r conversations at once, each sending its next turn when answered
             chats = conversations(
                 multi_turn(
-                    num_sessions=max(1, load.requests // CHAT_TURNS), turns=CHAT_TURNS,
-                    system_prompt_len=load.prefix_tokens, user_len=load.prompt_tokens,
-                    answer_len=load.output_tokens, seed=load.seed,
+                    num_sessions=max(1, load.requests // CHAT_TURNS),
+                    turns=CHAT_TURNS,
+                    system_prompt_len=load.prefix_tokens,
+                    user_len=load.prompt_tokens,
+                    answer_len=load.output_tokens,
+                    seed=load.seed,
                 )
-            )  # fmt: skip
+            )
             records = await run_http_conversations(
-                url, chats, lambda segment: segment_text(segment, self.words), label, self.model.name,
+                url,
+                chats,
+                lambda segment: segment_text(segment, self.words),
+                label,
+                self.model.name,
                 concurrency=max(1, round(load.rate)),
-            )  # fmt: skip
+            )
         summary = summarize(records)
         return {k: summary[k] for k in _LOADGEN_KEYS} | {"client_hit_rate": summary["hit_rate"]}
 
@@ -426,9 +467,11 @@ def sweep_plan(config: PeersConfig, done: list[dict]) -> list[tuple[int, list[tu
     for repeat in range(config.repeats):
         cells = [
             (c, w, rate, g)
-            for c in config.contenders for w in config.workloads for rate in config.rates
+            for c in config.contenders
+            for w in config.workloads
+            for rate in config.rates
             for g in config.generators(w)
-        ]  # fmt: skip
+        ]
         random.Random(config.load.seed + repeat).shuffle(cells)
         left = [cell for cell in cells if (cell[0].name, *cell[1:], repeat) not in finished]
         if left:
@@ -489,23 +532,35 @@ def cell_targets(summary: list[dict], generator_of: dict[str, str]) -> list[dict
             best = max(others, key=lambda s: s["hit_rate_median"])
             fastest = min(others, key=lambda s: s["ttft_p90_ms_median"])
             where = f"{workload} at {rate:g}/s ({generator})"
-            checks.append(target(
-                f"hit rate median, {where}: kvmesh prefix - {best['router']}",
-                round(ours["hit_rate_median"] - best["hit_rate_median"], 4), ">=", -0.01,
-            ))  # fmt: skip
-            checks.append(target(
-                f"TTFT p90 median, {where}: kvmesh prefix / {fastest['router']}",
-                _ratio(ours["ttft_p90_ms_median"], fastest["ttft_p90_ms_median"]), "<=", 1.05,
-            ))  # fmt: skip
+            checks.append(
+                target(
+                    f"hit rate median, {where}: kvmesh prefix - {best['router']}",
+                    round(ours["hit_rate_median"] - best["hit_rate_median"], 4),
+                    ">=",
+                    -0.01,
+                )
+            )
+            checks.append(
+                target(
+                    f"TTFT p90 median, {where}: kvmesh prefix / {fastest['router']}",
+                    _ratio(ours["ttft_p90_ms_median"], fastest["ttft_p90_ms_median"]),
+                    "<=",
+                    1.05,
+                )
+            )
             strict_wins.append(
                 ours["hit_rate_median"] > best["hit_rate_median"]
                 and ours["ttft_p90_ms_median"] < fastest["ttft_p90_ms_median"]
             )
     if strict_wins:
-        checks.append(target(
-            f"cells (of {len(strict_wins)}) where kvmesh prefix is strictly better on both",
-            sum(strict_wins), ">=", len(strict_wins) // 2 + 1,
-        ))  # fmt: skip
+        checks.append(
+            target(
+                f"cells (of {len(strict_wins)}) where kvmesh prefix is strictly better on both",
+                sum(strict_wins),
+                ">=",
+                len(strict_wins) // 2 + 1,
+            )
+        )
     return checks
 
 
@@ -597,8 +652,13 @@ def plot_sweep_bands(path: Path, summary: list[dict], title: str) -> None:
         rates = [s["rate"] for s in points]
         for ax, key in zip(axes, ("hit_rate", "ttft_p90_ms"), strict=True):
             (line,) = ax.plot(rates, [s[f"{key}_median"] for s in points], marker="o", label=router)
-            ax.fill_between(rates, [s[f"{key}_min"] for s in points], [s[f"{key}_max"] for s in points],
-                            color=line.get_color(), alpha=0.15)  # fmt: skip
+            ax.fill_between(
+                rates,
+                [s[f"{key}_min"] for s in points],
+                [s[f"{key}_max"] for s in points],
+                color=line.get_color(),
+                alpha=0.15,
+            )
     axes[0].set_ylabel("hit rate (replicas' counters)")
     axes[1].set_ylabel("TTFT p90 (ms)")
     for ax in axes:

@@ -74,8 +74,12 @@ async def added_latency(model_dir: str, samples: int) -> dict:
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0, max_tokens=1)
     )
-    body = {"model": ModelInfo.from_folder(model_dir, None, 16, None).api_name, "prompt": prompt,
-            "max_tokens": 1, "temperature": 0}  # fmt: skip
+    body = {
+        "model": ModelInfo.from_folder(model_dir, None, 16, None).api_name,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     # open replicas (loopback): the bench reads their own counters and calls them directly
     async with LocalCluster(config, open_replicas=True) as cluster:
         # picked once the cluster is up: Ray and the replicas take ports while starting
@@ -85,10 +89,12 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             RouterProcess(
                 Contender("kvmesh", "prefix"),
                 kvmesh_router_command(model_dir, cluster.redis_url, grpc_port, http_port),
-                http_port, scratch / "router.log", cluster.router_environment(),
+                http_port,
+                scratch / "router.log",
+                cluster.router_environment(),
             ) as router_process,
             grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as router_channel,
-        ):  # fmt: skip
+        ):
             router = pb_grpc.RouterStub(router_channel)
             _, replica_id = await _one_token(router, request)  # the prompt is cached there now
             replica_http = {r.replica_id: r.http_url for r in await replicas_of(cluster)}[replica_id]
@@ -135,9 +141,14 @@ async def added_latency(model_dir: str, samples: int) -> dict:
                 proxy.terminate()
                 proxy.wait()
         cpu = await router_cpu(
-            model_dir, body["model"], cluster.redis_url, cluster.router_environment(),
-            long_text(PromptTokenizer(model_dir), 4000), max(10, samples // 5), scratch,
-        )  # fmt: skip
+            model_dir,
+            body["model"],
+            cluster.redis_url,
+            cluster.router_environment(),
+            long_text(PromptTokenizer(model_dir), 4000),
+            max(10, samples // 5),
+            scratch,
+        )
     result = {
         "samples": samples,
         "grpc": _added({k[5:]: v for k, v in times.items() if k.startswith("grpc")}, "direct"),
@@ -155,8 +166,20 @@ async def added_latency(model_dir: str, samples: int) -> dict:
 def long_text(tokenizer: PromptTokenizer, tokens: int) -> str:
     """A text of at most ``tokens`` tokens (just under), of common words."""
     rng = random.Random(1)
-    words = ["cache", "block", "prefix", "token", "router", "replica", "index", "serve", "batch", "queue",
-             "memory", "stream"]  # fmt: skip
+    words = [
+        "cache",
+        "block",
+        "prefix",
+        "token",
+        "router",
+        "replica",
+        "index",
+        "serve",
+        "batch",
+        "queue",
+        "memory",
+        "stream",
+    ]
     text = " ".join(rng.choice(words) for _ in range(int(tokens * 1.5)))
     while len(ids := tokenizer.encode(text)) > tokens:
         text = text[: int(len(text) * tokens / len(ids))]

@@ -34,24 +34,51 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("index calls", ("kvcache/", "redis/", "hiredis")),
     (
         "policy",
-        ("router/policies", "router/decision", "router/registry", "router/load", "router/fleet_load",
-         "router/speculative", "router/index_watch"),
+        (
+            "router/policies",
+            "router/decision",
+            "router/registry",
+            "router/load",
+            "router/fleet_load",
+            "router/speculative",
+            "router/index_watch",
+        ),
     ),
     (
         "parse",
-        ("serving/openai_protocol", "serving/openai_app", "serving/limits", "serving/admission",
-         "serving/sampling", "serving/generation_config", "json/decoder", "scanstring", "pydantic"),
+        (
+            "serving/openai_protocol",
+            "serving/openai_app",
+            "serving/limits",
+            "serving/admission",
+            "serving/sampling",
+            "serving/generation_config",
+            "json/decoder",
+            "scanstring",
+            "pydantic",
+        ),
     ),
     (
         "response encoding",
-        ("serving/openai_format", "serving/openai_convert", "json/encoder", "json/__init__",
-         "encode_basestring", "google/protobuf", "SerializeToString", "FromString"),
+        (
+            "serving/openai_format",
+            "serving/openai_convert",
+            "json/encoder",
+            "json/__init__",
+            "encode_basestring",
+            "google/protobuf",
+            "SerializeToString",
+            "FromString",
+        ),
     ),
-    ("relay", ("router/relay", "router/core", "router/grpc_service", "serving/connections", "grpc/", "cygrpc")),
+    (
+        "relay",
+        ("router/relay", "router/core", "router/grpc_service", "serving/connections", "grpc/", "cygrpc"),
+    ),
     ("HTTP server", ("uvicorn", "starlette", "h11", "httptools", "anyio", "serving/http_server")),
     ("metrics and tracing", ("prometheus_client", "serving/tracing", "router/metrics", "serving/metrics")),
     ("event loop", ("asyncio/", "uvloop", "selectors", "epoll")),
-)  # fmt: skip
+)
 CASES = (("grpc", "short"), ("grpc", "4k"), ("http", "short"), ("http", "4k"))
 ANSWERS = (1, 33)  # tokens: the difference, over 32, is what one more streamed token costs
 
@@ -92,8 +119,14 @@ class _Client:
             async for _ in self.stub.Generate(request, timeout=60):
                 pass
             return
-        body = {"model": self.model, "prompt": text or self.short_ids, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": text or self.short_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with self.http.stream("POST", self.url + "/v1/completions", json=body) as response:
             response.raise_for_status()
             async for _ in response.aiter_raw():
@@ -153,15 +186,21 @@ async def router_cpu(
     streamed token; one router process for all, started under ``profiled``."""
     grpc_port, http_port = free_port(), free_port()
     profile = scratch / "window.prof"
-    command = [sys.executable, "-m", "kvmesh.cluster.benchmarks.profiled", str(profile),
-               *kvmesh_router_command(model_dir, redis_url, grpc_port, http_port)[1:]]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvmesh.cluster.benchmarks.profiled",
+        str(profile),
+        *kvmesh_router_command(model_dir, redis_url, grpc_port, http_port)[1:],
+    ]
     result = {}
     async with (
-        RouterProcess(Contender("kvmesh", "prefix"), command, http_port, scratch / "router-cpu.log", environment)
-        as router,
+        RouterProcess(
+            Contender("kvmesh", "prefix"), command, http_port, scratch / "router-cpu.log", environment
+        ) as router,
         grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
         httpx.AsyncClient(timeout=60) as http,
-    ):  # fmt: skip
+    ):
         client = _Client(pb_grpc.RouterStub(channel), http, router.url, model_name, long_text)
         for case in CASES:
             for _ in range(5):  # warm: the prompt cached on its replica, connections open

@@ -146,16 +146,23 @@ def plot(summary: list[dict], rows: list[dict], png: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for ax, key, title in zip(
-        axes, ("hit_rate", "prefill_max_over_mean", "ttft_p90"),
-        ("hit rate (replicas' counters)", "uncached prefill, max/mean replica", "TTFT p90 (ms)"), strict=True,
-    ):  # fmt: skip
+        axes,
+        ("hit_rate", "prefill_max_over_mean", "ttft_p90"),
+        ("hit rate (replicas' counters)", "uncached prefill, max/mean replica", "TTFT p90 (ms)"),
+        strict=True,
+    ):
         for shared, color in ((True, "tab:blue"), (False, "tab:orange")):
             mode = "shared load" if shared else "per-router load"
             mine = [r for r in rows if r["shared_load"] == shared]
             ax.scatter([r["routers"] for r in mine], [r[key] for r in mine], alpha=0.35, color=color)
             medians = [s for s in summary if s["shared_load"] == shared]
-            ax.plot([s["routers"] for s in medians], [s[f"{key}_median"] for s in medians], marker="o",
-                    color=color, label=f"{mode} (median; dots: runs)")  # fmt: skip
+            ax.plot(
+                [s["routers"] for s in medians],
+                [s[f"{key}_median"] for s in medians],
+                marker="o",
+                color=color,
+                label=f"{mode} (median; dots: runs)",
+            )
         xs = [r["routers"] for r in rows]
         ax.set_xticks(sorted(set(xs)))
         ax.set_xlabel("routers")
@@ -169,9 +176,13 @@ def plot(summary: list[dict], rows: list[dict], png: Path) -> None:
 async def run(config: RoutersConfig) -> dict:
     model = str(demo_model(config.cache_dir))
     workload = shared_prefix(
-        num_groups=config.groups, prompts_per_group=config.prompts_per_group, system_prompt_len=config.prefix_tokens,
-        question_len=config.question_tokens, output_len=config.output_tokens, seed=config.seed,
-    )  # fmt: skip
+        num_groups=config.groups,
+        prompts_per_group=config.prompts_per_group,
+        system_prompt_len=config.prefix_tokens,
+        question_len=config.question_tokens,
+        output_len=config.output_tokens,
+        seed=config.seed,
+    )
     cluster_config = ClusterConfig.for_model(
         model, config.replicas, engine={"num_kv_blocks": config.num_kv_blocks}, with_router=False
     )

@@ -76,8 +76,15 @@ async def closed_loop_client(
                 code = "OK"
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
-                failures.append({"at_s": round(start - t0, 2), "after_s": round(time.perf_counter() - start, 2),
-                                 "code": code, "responses": responses, "details": exc.details()})  # fmt: skip
+                failures.append(
+                    {
+                        "at_s": round(start - t0, 2),
+                        "after_s": round(time.perf_counter() - start, 2),
+                        "code": code,
+                        "responses": responses,
+                        "details": exc.details(),
+                    }
+                )
             log.append((start - t0, code, time.perf_counter() - start))
 
 
@@ -117,10 +124,12 @@ async def run(
     cut_soon = ConnectionLimits(stream_write_timeout_s=HOSTILE_WRITE_TIMEOUT_S)
     hostile = {"connections": cut_soon} if hostile_clients else {}
     config = ClusterConfig.for_model(
-        model_dir, replicas, engine={"num_kv_blocks": 1024},
+        model_dir,
+        replicas,
+        engine={"num_kv_blocks": 1024},
         router={"port": 0, "http_port": 0 if hostile_clients else -1, **hostile},
         replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
-    )  # fmt: skip
+    )
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     kill_times: list[float] = []
@@ -159,9 +168,19 @@ async def run(
         metrics = cluster.router.core.render_metrics().decode()
         truth = index_truth_report(metrics)
         series = sum(1 for (name, _) in read_samples(metrics) if name == "kvmesh_router_requests_total")
-    result = {"index_truth": truth, "minutes": _per_minute(log), "memory": _memory_report(memory), "kills": len(kill_times), "kill_times_s": kill_times, "failures": failures, "restarts": restarts,
-              "requests": len(log), "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK")),
-              "failed_ordinary": classify_failures(failures, kill_times), "request_series": series}  # fmt: skip
+    result = {
+        "index_truth": truth,
+        "minutes": _per_minute(log),
+        "memory": _memory_report(memory),
+        "kills": len(kill_times),
+        "kill_times_s": kill_times,
+        "failures": failures,
+        "restarts": restarts,
+        "requests": len(log),
+        "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK")),
+        "failed_ordinary": classify_failures(failures, kill_times),
+        "request_series": series,
+    }
     if hostile_report is not None:
         result["hostile"] = hostile_report
     return result
@@ -230,13 +249,15 @@ def _per_minute(log: list) -> list[dict]:
     for minute in range(int(max((t for t, _, _ in log), default=0) // 60) + 1):
         entries = [e for e in log if minute * 60 <= e[0] < (minute + 1) * 60]
         ok = [d for _, c, d in entries if c == "OK"]
-        rows.append({
-            "minute": minute + 1,
-            "requests": len(entries),
-            "errors": dict(collections.Counter(c for _, c, _ in entries if c != "OK")),
-            "p50_ms": round(percentile(ok, 0.5) * 1e3, 1) if ok else None,
-            "p99_ms": round(percentile(ok, 0.99) * 1e3, 1) if ok else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "minute": minute + 1,
+                "requests": len(entries),
+                "errors": dict(collections.Counter(c for _, c, _ in entries if c != "OK")),
+                "p50_ms": round(percentile(ok, 0.5) * 1e3, 1) if ok else None,
+                "p99_ms": round(percentile(ok, 0.99) * 1e3, 1) if ok else None,
+            }
+        )
     return rows
 
 
@@ -248,8 +269,14 @@ def _memory_report(memory: dict) -> dict:
     for name, samples in memory.items():
         warmed = [mb for t, mb in samples if t >= 60] or [mb for _, mb in samples]
         warm, end = statistics.median(warmed[:6]), statistics.median(warmed[-6:])
-        out[name] = {"warm_mb": warm, "end_mb": end, "growth_pct": round(100 * (end - warm) / warm, 1), "samples": len(samples),
-                     "lived_s": round(samples[-1][0] - samples[0][0], 1), "rss_mb": samples}  # fmt: skip
+        out[name] = {
+            "warm_mb": warm,
+            "end_mb": end,
+            "growth_pct": round(100 * (end - warm) / warm, 1),
+            "samples": len(samples),
+            "lived_s": round(samples[-1][0] - samples[0][0], 1),
+            "rss_mb": samples,
+        }
     return out
 
 
@@ -264,8 +291,15 @@ def main(
     hostile_clients: int = 0,
 ) -> int:
     model = str(demo_model(Path(cache_dir)))
-    result = {"benchmark": "soak", "duration_s": duration, "replicas": replicas, "clients": clients,
-              "kill_every_s": kill_every, "hostile_clients": hostile_clients, "environment": environment()}  # fmt: skip
+    result = {
+        "benchmark": "soak",
+        "duration_s": duration,
+        "replicas": replicas,
+        "clients": clients,
+        "kill_every_s": kill_every,
+        "hostile_clients": hostile_clients,
+        "environment": environment(),
+    }
     result.update(asyncio.run(run(model, duration, replicas, clients, kill_every, seed, hostile_clients)))
     long_lived = {
         k: v for k, v in result["memory"].items() if v["lived_s"] >= min(duration * 0.8, duration - 30)

@@ -113,10 +113,15 @@ def _routers(benches) -> None:
         setup_logging(False)
         modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.shared_load]
         config = RoutersConfig(
-            args.out, Path(args.cache_dir), router_counts=counts, shared_modes=modes, repeats=args.repeats,
-            replicas=args.replicas, concurrency=args.concurrency,
+            args.out,
+            Path(args.cache_dir),
+            router_counts=counts,
+            shared_modes=modes,
+            repeats=args.repeats,
+            replicas=args.replicas,
+            concurrency=args.concurrency,
             **({"groups": 4, "prompts_per_group": 4} if args.quick else {}),
-        )  # fmt: skip
+        )
         return main(config, args.png)
 
     rt.set_defaults(handler=run)
@@ -200,9 +205,15 @@ def _soak(benches) -> None:
 
         setup_logging(False)
         return main(
-            args.out, args.duration, args.replicas, args.clients, args.kill_every, args.cache_dir, args.seed,
+            args.out,
+            args.duration,
+            args.replicas,
+            args.clients,
+            args.kill_every,
+            args.cache_dir,
+            args.seed,
             args.hostile,
-        )  # fmt: skip
+        )
 
     soak.set_defaults(handler=run)
 
@@ -238,29 +249,33 @@ def _peers(benches) -> None:
     peers.add_argument("--prompt-tokens", type=int, default=64, help="unique tokens after the prefix")
     peers.add_argument("--output-tokens", type=int, default=16)
     peers.add_argument(
-        "--rates", default="2,4,6",
+        "--rates",
+        default="2,4,6",
         help="comma-separated Poisson rates per second (multi-turn: conversations at once)",
-    )  # fmt: skip
+    )
     peers.add_argument(
         "--repeats", type=_repeats, default=3, help="runs per cell, each its own seed and order"
     )
     peers.add_argument(
-        "--workloads", default="shared_prefix,multi_turn,mooncake",
+        "--workloads",
+        default="shared_prefix,multi_turn,mooncake",
         help="comma-separated: shared_prefix, multi_turn, mooncake (the trace scaled to this machine)",
-    )  # fmt: skip
+    )
     peers.add_argument("--requests", type=int, default=120, help="per run")
     peers.add_argument("--max-seconds", type=float, default=120, help="per guidellm run")
     peers.add_argument(
-        "--routers", help="comma-separated 'router policy' list (default: kvmesh prefix and consistent_hash, "
+        "--routers",
+        help="comma-separated 'router policy' list (default: kvmesh prefix and consistent_hash, "
         "sglang and vllm cache_aware)",
-    )  # fmt: skip
+    )
     peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
     peers.add_argument("--docs", help="also update this document's bench-peers section (docs/experiments.md)")
     peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
     peers.add_argument(
-        "--resume", action="store_true",
+        "--resume",
+        action="store_true",
         help="keep the runs a cut-short sweep with the same flags kept (<out>/rows.jsonl) and run the rest",
-    )  # fmt: skip
+    )
     peers.set_defaults(handler=_run_peers)
 
 
@@ -284,8 +299,15 @@ def _run_peers(args: argparse.Namespace) -> int:
         rates = tuple(float(r) for r in args.rates.split(","))
     except ValueError:
         raise UsageError(f"--rates: comma-separated numbers, got {args.rates!r}") from None
-    sizes = (args.replicas, args.num_kv_blocks, args.prefix_tokens, args.prefix_count, args.prompt_tokens,
-             args.output_tokens, args.requests)  # fmt: skip
+    sizes = (
+        args.replicas,
+        args.num_kv_blocks,
+        args.prefix_tokens,
+        args.prefix_count,
+        args.prompt_tokens,
+        args.output_tokens,
+        args.requests,
+    )
     if min(sizes) <= 0 or min(rates) <= 0 or args.max_seconds <= 0:
         raise UsageError("sizes, --rates and --max-seconds must be positive")
     contenders = tuple(known[n] for n in names)
@@ -296,15 +318,29 @@ def _run_peers(args: argparse.Namespace) -> int:
 
     setup_logging(False)
     load = GuidellmLoad(
-        args.prefix_tokens, args.prefix_count, args.prompt_tokens, args.output_tokens, rates[0], args.requests,
+        args.prefix_tokens,
+        args.prefix_count,
+        args.prompt_tokens,
+        args.output_tokens,
+        rates[0],
+        args.requests,
         args.max_seconds,
-    )  # fmt: skip
+    )
     config = PeersConfig(
-        out=args.out, venv=venv, cache_dir=Path(args.cache_dir), replicas=args.replicas,
-        num_kv_blocks=args.num_kv_blocks, load=load, rates=rates, repeats=args.repeats, workloads=workloads,
-        contenders=contenders, guidellm=not args.no_guidellm, docs=Path(args.docs) if args.docs else None,
+        out=args.out,
+        venv=venv,
+        cache_dir=Path(args.cache_dir),
+        replicas=args.replicas,
+        num_kv_blocks=args.num_kv_blocks,
+        load=load,
+        rates=rates,
+        repeats=args.repeats,
+        workloads=workloads,
+        contenders=contenders,
+        guidellm=not args.no_guidellm,
+        docs=Path(args.docs) if args.docs else None,
         resume=args.resume,
-    )  # fmt: skip
+    )
     try:
         resumed_rows(config)
     except ValueError as exc:

@@ -41,19 +41,29 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list) -> i
         block_size = await _router_block_size(address)
         ceiling = wl.infinite_cache_hit_rate(requests, block_size)
         records = await run_load(
-            address, requests, policy=args.policy or "", concurrency=args.concurrency,
-            use_arrival_times=bool(args.rate or args.trace_time), progress=not args.quiet,
-        )  # fmt: skip
+            address,
+            requests,
+            policy=args.policy or "",
+            concurrency=args.concurrency,
+            use_arrival_times=bool(args.rate or args.trace_time),
+            progress=not args.quiet,
+        )
         if cluster:
             measured = await _fleet_cost_model(cluster, block_size)
     finally:
         if cluster:
             await cluster.stop()
     meta = {
-        "workload": name, "policy": args.policy, "rate": args.rate, "trace_time": args.trace_time,
-        "speedup": args.speedup, "requests": len(requests), "hit_rate_ceiling": ceiling, "address": address,
+        "workload": name,
+        "policy": args.policy,
+        "rate": args.rate,
+        "trace_time": args.trace_time,
+        "speedup": args.speedup,
+        "requests": len(requests),
+        "hit_rate_ceiling": ceiling,
+        "address": address,
         **measured,
-    }  # fmt: skip
+    }
     write_run(Path(args.out), meta, records)
     print(json.dumps(summarize(records, ceiling=ceiling), indent=2))
     print(f"\nwrote {args.out}")

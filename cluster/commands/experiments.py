@@ -19,13 +19,15 @@ def register(commands) -> None:
     exp.add_argument("--no-real", action="store_true", help="skip the scaled-down real-cluster run")
     exp.add_argument("--cache-dir", default=".cache/tiny-models")
     exp.add_argument(
-        "--routers-grid", action="store_true",
+        "--routers-grid",
+        action="store_true",
         help="only the many-routers grid in the simulator (its section of experiments.md, sim_routers.json)",
-    )  # fmt: skip
+    )
     exp.add_argument(
-        "--fidelity", action="store_true",
+        "--fidelity",
+        action="store_true",
         help="only the simulator against a real 4-replica cluster (its section of experiments.md, fidelity.json)",
-    )  # fmt: skip
+    )
     exp.set_defaults(handler=usage_errors(experiments))
 
 

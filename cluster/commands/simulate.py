@@ -33,9 +33,11 @@ def register(commands) -> None:
         "--routers", type=int, default=1, help="routers taking requests in turn (request i: router i mod N)"
     )
     sim.add_argument(
-        "--shared-load", choices=("on", "off"), default="on",
+        "--shared-load",
+        choices=("on", "off"),
+        default="on",
         help="on: every router sees the fleet's in-flight work and speculative entries; off: its own",
-    )  # fmt: skip
+    )
     sim.add_argument(
         "--event-lag-ms",
         type=float,
@@ -46,10 +48,11 @@ def register(commands) -> None:
         "--heartbeat-ms", type=float, default=0.0, help="how often routers learn replicas' queues (0: live)"
     )
     sim.add_argument(
-        "--load", type=float,
+        "--load",
+        type=float,
         help="arrive at this fraction of the fleet's capacity (Poisson; measured first by a probe: "
         "a few replicas saturated with a sample of the workload's groups)",
-    )  # fmt: skip
+    )
     sim.add_argument("--out", default="results/simulate.json")
     sim.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(handler=usage_errors(simulate))
@@ -121,11 +124,19 @@ def simulate(args: argparse.Namespace) -> int:
         start = time.monotonic()
         with tqdm(total=total, desc=f"simulate {policy}", unit="req", disable=args.quiet) as bar:
             sim = Simulation(
-                stream(), args.replicas, policy, cost, block_size=args.block_size,
-                blocks_per_replica=args.blocks_per_replica, seed=args.seed, progress=bar.update,
-                routers=args.routers, shared_load=args.shared_load == "on",
-                event_lag_s=args.event_lag_ms / 1000, heartbeat_s=args.heartbeat_ms / 1000,
-            )  # fmt: skip
+                stream(),
+                args.replicas,
+                policy,
+                cost,
+                block_size=args.block_size,
+                blocks_per_replica=args.blocks_per_replica,
+                seed=args.seed,
+                progress=bar.update,
+                routers=args.routers,
+                shared_load=args.shared_load == "on",
+                event_lag_s=args.event_lag_ms / 1000,
+                heartbeat_s=args.heartbeat_ms / 1000,
+            )
             result["policies"][policy] = sim.run()
         result["policies"][policy]["wall_s"] = round(time.monotonic() - start, 1)
         del sim  # its replicas' ledgers before the next policy's

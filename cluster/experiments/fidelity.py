@@ -46,17 +46,25 @@ def workload(name: str, rate: float, requests: int, seed: int = 1234) -> list[wl
     load: GuidellmLoad = dataclasses.replace(DEFAULT_LOAD, rate=rate, requests=requests, seed=seed)
     if name == "shared_prefix":
         prompts = wl.shared_prefix(
-            num_groups=load.prefix_count, prompts_per_group=max(1, requests // load.prefix_count),
-            system_prompt_len=load.prefix_tokens, question_len=load.prompt_tokens,
-            output_len=load.output_tokens, seed=seed,
-        )  # fmt: skip
+            num_groups=load.prefix_count,
+            prompts_per_group=max(1, requests // load.prefix_count),
+            system_prompt_len=load.prefix_tokens,
+            question_len=load.prompt_tokens,
+            output_len=load.output_tokens,
+            seed=seed,
+        )
         return wl.poisson_arrivals(prompts, rate, seed=seed)
     if name == "multi_turn":
         return wl.multi_turn(
-            num_sessions=max(1, requests // TURNS), turns=TURNS, system_prompt_len=load.prefix_tokens,
-            user_len=load.prompt_tokens, answer_len=load.output_tokens, think_s=1.0,
-            session_rate=rate / TURNS, seed=seed,
-        )  # fmt: skip
+            num_sessions=max(1, requests // TURNS),
+            turns=TURNS,
+            system_prompt_len=load.prefix_tokens,
+            user_len=load.prompt_tokens,
+            answer_len=load.output_tokens,
+            think_s=1.0,
+            session_rate=rate / TURNS,
+            seed=seed,
+        )
     if name == "mooncake":
         return mooncake_at(load)
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
@@ -111,9 +119,11 @@ async def run_fidelity(rates: tuple[float, ...], requests: int, cache_dir: Path,
     from kvmesh.cluster.launcher import LocalCluster
 
     config = ClusterConfig.for_model(
-        str(demo_model(cache_dir)), REPLICAS, engine={"num_kv_blocks": NUM_KV_BLOCKS},
+        str(demo_model(cache_dir)),
+        REPLICAS,
+        engine={"num_kv_blocks": NUM_KV_BLOCKS},
         router={"port": 0, "http_port": -1, "block_size": BLOCK_SIZE},
-    )  # fmt: skip
+    )
     async with LocalCluster(config) as cluster:
         warm = wl.no_sharing(num_requests=8 * REPLICAS, prompt_len=256, output_len=16, seed=99)
         await run_load(cluster.router_address, warm, policy="round_robin", concurrency=8)
@@ -122,14 +132,17 @@ async def run_fidelity(rates: tuple[float, ...], requests: int, cache_dir: Path,
 
 def _row(name: str, rate: float, real: dict, sim: dict, cost: CostModel) -> dict:
     return {
-        "workload": name, "rate": rate, "requests": real["requests"], "errors": real["errors"],
+        "workload": name,
+        "rate": rate,
+        "requests": real["requests"],
+        "errors": real["errors"],
         "real": {k: real[k] for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms")},
         "simulated": {k: round(v, 4) for k, v in sim.items()},
         "hit_rate_error": round(sim["hit_rate"] - real["hit_rate"], 4),
         "ttft_p50_error": round(sim["ttft_p50_ms"] / max(real["ttft_p50_ms"], 1e-9) - 1, 3),
         "ttft_p90_error": round(sim["ttft_p90_ms"] / max(real["ttft_p90_ms"], 1e-9) - 1, 3),
         "cost_model": cost.as_dict(),
-    }  # fmt: skip
+    }
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -142,11 +155,18 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 _TABLE = (
-    ("hit real", "hit_real", "{:.3f}"), ("hit sim", "hit_sim", "{:.3f}"), ("error", "hit_rate_error", "{:+.3f}"),
-    ("p50 real", "p50_real", "{:.0f} ms"), ("p50 sim", "p50_sim", "{:.0f} ms"), ("error", "ttft_p50_error", "{:+.0%}"),
-    ("p90 real", "p90_real", "{:.0f} ms"), ("p90 sim", "p90_sim", "{:.0f} ms"), ("error", "ttft_p90_error", "{:+.0%}"),
-    ("base", "base_ms", "{:.1f} ms"), ("per prompt token", "prefill_us", "{:.0f} us"),
-)  # fmt: skip
+    ("hit real", "hit_real", "{:.3f}"),
+    ("hit sim", "hit_sim", "{:.3f}"),
+    ("error", "hit_rate_error", "{:+.3f}"),
+    ("p50 real", "p50_real", "{:.0f} ms"),
+    ("p50 sim", "p50_sim", "{:.0f} ms"),
+    ("error", "ttft_p50_error", "{:+.0%}"),
+    ("p90 real", "p90_real", "{:.0f} ms"),
+    ("p90 sim", "p90_sim", "{:.0f} ms"),
+    ("error", "ttft_p90_error", "{:+.0%}"),
+    ("base", "base_ms", "{:.1f} ms"),
+    ("per prompt token", "prefill_us", "{:.0f} us"),
+)
 
 
 def section(rows: list[dict], elapsed_s: float) -> str:
@@ -154,16 +174,21 @@ def section(rows: list[dict], elapsed_s: float) -> str:
         (
             f"{r['workload']} {r['rate']:g}/s",
             {
-                "hit_real": r["real"]["hit_rate"], "hit_sim": r["simulated"]["hit_rate"],
-                "hit_rate_error": r["hit_rate_error"], "p50_real": r["real"]["ttft_p50_ms"],
-                "p50_sim": r["simulated"]["ttft_p50_ms"], "ttft_p50_error": r["ttft_p50_error"],
-                "p90_real": r["real"]["ttft_p90_ms"], "p90_sim": r["simulated"]["ttft_p90_ms"],
-                "ttft_p90_error": r["ttft_p90_error"], "base_ms": r["cost_model"]["base_s"] * 1e3,
+                "hit_real": r["real"]["hit_rate"],
+                "hit_sim": r["simulated"]["hit_rate"],
+                "hit_rate_error": r["hit_rate_error"],
+                "p50_real": r["real"]["ttft_p50_ms"],
+                "p50_sim": r["simulated"]["ttft_p50_ms"],
+                "ttft_p50_error": r["ttft_p50_error"],
+                "p90_real": r["real"]["ttft_p90_ms"],
+                "p90_sim": r["simulated"]["ttft_p90_ms"],
+                "ttft_p90_error": r["ttft_p90_error"],
+                "base_ms": r["cost_model"]["base_s"] * 1e3,
                 "prefill_us": r["cost_model"]["prefill_token_s"] * 1e6,
             },
         )
         for r in rows
-    ]  # fmt: skip
+    ]
     met = targets(rows)
     rates = sorted({r["rate"] for r in rows})
     gaps = {

@@ -88,9 +88,14 @@ async def _http_one(
     ``answer``: where the generated text goes, when the caller needs it (conversations)."""
     record = RequestRecord(index=index, group=req.group, policy=label, prompt_tokens=0)
     body = {
-        "model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     record.sent_s = time.perf_counter() - t0
     try:
         async with http.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as response:
@@ -179,8 +184,13 @@ async def run_load(
         return await _drive(
             requests,
             lambda i, req, t0: _one(stubs[i % len(stubs)], i, req, policy, t0, timeout_s),
-            concurrency, rate, use_arrival_times, seed, policy or "default", progress,
-        )  # fmt: skip
+            concurrency,
+            rate,
+            use_arrival_times,
+            seed,
+            policy or "default",
+            progress,
+        )
     finally:
         for channel in channels:
             await channel.close()
@@ -208,8 +218,13 @@ async def run_http_load(
         return await _drive(
             requests,
             lambda i, req, t0: _http_one(http, i, req, prompts[i], label, t0, timeout_s, model),
-            concurrency, rate, use_arrival_times, seed, label, progress,
-        )  # fmt: skip
+            concurrency,
+            rate,
+            use_arrival_times,
+            seed,
+            label,
+            progress,
+        )
 
 
 async def run_http_conversations(

@@ -51,9 +51,16 @@ class GridCell:
 def run_cell(cell: GridCell) -> dict:
     start = time.monotonic()
     summary = Simulation(
-        cell.stream(), cell.replicas, "prefix", H100_LLAMA3_8B, block_size=BLOCK, routers=cell.routers,
-        shared_load=cell.shared_load, event_lag_s=EVENT_LAG_S, heartbeat_s=HEARTBEAT_S,
-    ).run()  # fmt: skip
+        cell.stream(),
+        cell.replicas,
+        "prefix",
+        H100_LLAMA3_8B,
+        block_size=BLOCK,
+        routers=cell.routers,
+        shared_load=cell.shared_load,
+        event_lag_s=EVENT_LAG_S,
+        heartbeat_s=HEARTBEAT_S,
+    ).run()
     return {**cell.__dict__, **summary, "wall_s": round(time.monotonic() - start, 1)}
 
 

@@ -143,9 +143,13 @@ async def run_real_cluster(scale: Scale, cache_dir: Path, log=print, model: Path
     async with LocalCluster(config) as cluster:
         for seed in REAL_SEEDS[: scale.n(len(REAL_SEEDS), 1)]:
             requests = wl.shared_prefix(
-                num_groups=scale.n(12, 4), prompts_per_group=8, system_prompt_len=512, question_len=32,
-                output_len=16, seed=seed,
-            )  # fmt: skip
+                num_groups=scale.n(12, 4),
+                prompts_per_group=8,
+                system_prompt_len=512,
+                question_len=32,
+                output_len=16,
+                seed=seed,
+            )
             requests = wl.poisson_arrivals(requests, 20.0, seed=seed)
             ceilings.append(wl.infinite_cache_hit_rate(requests, 16))
             for policy in random.Random(seed).sample(REAL_POLICIES, len(REAL_POLICIES)):

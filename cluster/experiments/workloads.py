@@ -239,9 +239,12 @@ def iter_mooncake(
             segments.append((_key("mooncake", ids[-1]), max(1, last * block_tokens // MOONCAKE_BLOCK)))
             arrival_ms = row["timestamp"] + copy * span_ms
             yield WorkloadRequest(
-                tuple(segments), max(1, row["output_length"]), arrival_ms / 1000 / speedup,
-                group=f"h{ids[0]}", vocab=vocab,
-            )  # fmt: skip
+                tuple(segments),
+                max(1, row["output_length"]),
+                arrival_ms / 1000 / speedup,
+                group=f"h{ids[0]}",
+                vocab=vocab,
+            )
             made += 1
 
 
