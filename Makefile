@@ -26,7 +26,7 @@ PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; 
 
 # The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
 test: venv lint
-	$(PY) -m pytest -q -m "not image"; $(PYTEST_OK_IF_EMPTY)
+	$(PY) -m pytest -q -m "not image" --durations=25; $(PYTEST_OK_IF_EMPTY)
 
 # helm/Dockerfile's CPU variant, with podman (or docker): see helm/build-image.sh.
 IMAGE_TAG ?= kvmesh:cpu

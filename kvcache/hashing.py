@@ -1,4 +1,4 @@
-"""The hash contract shared by replicas, router, index and simulator (DESIGN §2).
+"""The hash contract shared by replicas, router, index and simulator (docs/design.md#the-hash-contract).
 
 A prompt is cut into full blocks of ``block_size`` tokens. Each block's hash is
 ``xxh3_64(tokens of the block as little-endian uint32, seed=hash of the previous block)``

@@ -2,7 +2,7 @@
 
 Each field is honoured, or refused with a 400 that names it (``param``) when its value asks
 for something kvmesh does not do; a field nobody here knows is accepted, as vLLM does, and
-logged once per name. ``FIELD_RULES`` is that list: the README's "OpenAI fields" table is
+logged once per name. ``FIELD_RULES`` is that list: the "OpenAI fields" table of docs/api.md is
 rendered from it (a test keeps the two equal) and the compatibility suite walks it.
 """
 
@@ -285,7 +285,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def field_table() -> str:
-    """The README's "OpenAI fields" table (markdown), rendered from FIELD_RULES."""
+    """The "OpenAI fields" table of docs/api.md (markdown), rendered from FIELD_RULES."""
     rows = ["| field | endpoints | supported | notes |", "|---|---|---|---|"]
     for rule in FIELD_RULES:
         rows.append(f"| `{rule.name}` | {rule.endpoints} | {rule.support} | {rule.note} |")

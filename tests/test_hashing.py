@@ -1,4 +1,4 @@
-"""The hash contract of DESIGN §2: published vectors, input forms, chaining, bad input."""
+"""Hash contract (docs/design.md#the-hash-contract): published vectors, input forms, chaining, bad input."""
 
 import array
 import struct

@@ -1,4 +1,4 @@
-"""The import rules between the parts (DESIGN §1), read from the source and checked at run time.
+"""The import rules between the parts (docs/design.md#layout), read from the source and checked at run time.
 
 kvcache, protos <- serving <- router, replica <- cluster: kvcache imports nothing of ours;
 serving imports only kvcache and protos; router never imports replica, torch or ray;

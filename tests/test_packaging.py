@@ -1,4 +1,4 @@
-"""Layout contract (DESIGN §1): top-level folders install as kvmesh.* and nothing generic;
+"""Layout contract (docs/design.md#layout): top-level folders install as kvmesh.* and nothing generic;
 what ships beside the code (the index's Lua library) ships; the image copies every folder."""
 
 import re

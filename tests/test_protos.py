@@ -1,4 +1,4 @@
-"""The committed gRPC stubs match the .proto, and the fixed fields of DESIGN §6a exist."""
+"""The committed gRPC stubs match the .proto; the fixed fields (docs/design.md#the-wire-contract) exist."""
 
 from pathlib import Path
 
