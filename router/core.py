@@ -17,9 +17,7 @@ import grpc
 
 from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb
-from kvmesh.router.config import RouterLimits
-from kvmesh.router.decision import Decider, Decision
-from kvmesh.router.index_health import IndexHealthConfig
+from kvmesh.router.decision import Decider, Decision, RoutingOptions
 from kvmesh.router.index_watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
@@ -28,7 +26,6 @@ from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket
 from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
-from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai_relay import SseRequest
@@ -43,36 +40,22 @@ class RouterCore:
         tokenizer: PromptTokenizer | None,
         index: PrefixIndex,
         registry: ReplicaRegistry,
-        default_policy: str = "prefix",
-        speculative_ttl_s: float = 2.0,
-        lookup_timeout_s: float = 0.25,
+        options: RoutingOptions | None = None,
         metrics: RouterMetrics | None = None,
-        limits: RouterLimits | None = None,
-        defaults: GenerationDefaults | None = None,
-        index_health: IndexHealthConfig | None = None,
     ):
+        options = options or RoutingOptions()
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
         # This router's own speculative entries, seen at once; with shared load they also go
         # to the index for the other routers (which see them a round trip later).
-        self.overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
+        self.overlay = SpeculativeOverlay(ttl_s=options.speculative_ttl_s)
         self.metrics = metrics or RouterMetrics(model.api_name)
-        self.limits = limits or RouterLimits()
-        self.watch = IndexWatch(registry, index, self.metrics, model.block_size, index_health)
+        self.limits = options.limits
+        self.watch = IndexWatch(registry, index, self.metrics, model.block_size, options.index_health)
         self.metrics.watch_replicas(registry.gauges, lambda: registry.index_ok)
         self.decider = Decider(
-            model,
-            tokenizer,
-            index,
-            registry,
-            self.overlay,
-            self.metrics,
-            self.limits,
-            default_policy,
-            lookup_timeout_s,
-            defaults,
-            self.watch.untrusted,
+            model, tokenizer, (index, registry, self.overlay), self.metrics, options, self.watch.untrusted
         )
         self.relay = Relay(registry, self.overlay, self.metrics, model.block_size, self.watch)
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE

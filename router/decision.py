@@ -14,6 +14,7 @@ from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import IndexView, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
+from kvmesh.router.index_health import IndexHealthConfig
 from kvmesh.router.index_truth import Prediction
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import POLICIES, Policy, RouteRequest, make_policy
@@ -81,33 +82,41 @@ class Decision:
         )
 
 
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How a router decides and what it lets in, from its config (``RouterCore`` and
+    ``Decider`` take this one object instead of a list of positional settings)."""
+
+    policy: str = "prefix"  # for requests that name none
+    limits: RouterLimits = field(default_factory=RouterLimits)
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's sampling defaults
+    lookup_timeout_s: float = 0.25  # an index lookup slower than this routes by load alone
+    speculative_ttl_s: float = 2.0  # how long this router's own speculative entries last
+    index_health: IndexHealthConfig = field(default_factory=IndexHealthConfig)
+
+
 class Decider:
     def __init__(
         self,
         model: ModelInfo,
         tokenizer: PromptTokenizer | None,
-        index: PrefixIndex,
-        registry: ReplicaRegistry,
-        overlay: SpeculativeOverlay,
+        sources: tuple[PrefixIndex, ReplicaRegistry, SpeculativeOverlay],
         metrics: RouterMetrics,
-        limits: RouterLimits,
-        default_policy: str = "prefix",
-        lookup_timeout_s: float = 0.25,
-        defaults: GenerationDefaults | None = None,
+        options: RoutingOptions,
         untrusted: Callable[[], set[str]] = set,
     ):
+        """``sources``: what a decision reads (the index, the live replicas, this router's
+        speculative entries)."""
         self.model = model
         self.untrusted = untrusted  # replicas whose index entries the router ignores (LOAD_ONLY)
-        self.defaults = defaults or GenerationDefaults()
+        self.defaults = options.defaults
         self.tokenizer = tokenizer
-        self.index = index
-        self.registry = registry
-        self.overlay = overlay
+        self.index, self.registry, self.overlay = sources
         self.metrics = metrics
-        self.limits = limits
-        self.lookup_timeout_s = lookup_timeout_s
+        self.limits = options.limits
+        self.lookup_timeout_s = options.lookup_timeout_s
         self.policies: dict[str, Policy] = {}
-        self.default_policy = self.policy(default_policy).name
+        self.default_policy = self.policy(options.policy).name
         self._index_warned = False
 
     def known_policy(self, name: str) -> str:

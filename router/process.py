@@ -14,6 +14,7 @@ from kvmesh.kvcache.index import INDEX_ERRORS, IndexSettingsError
 from kvmesh.protos import pb_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
+from kvmesh.router.decision import RoutingOptions
 from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.grpc_service import RouterService
 from kvmesh.router.registry import ReplicaRegistry
@@ -103,17 +104,14 @@ class RouterServer:
             self.model = await self._learn_block_size()
         else:
             await self._store_settings()
-        self.core = RouterCore(
-            self.model,
-            self.tokenizer,
-            self.index,
-            self.registry,
+        options = RoutingOptions(
             self.config.policy,
+            self.config.limits,
+            self.defaults,
             speculative_ttl_s=self.config.speculative_ttl_s,
-            limits=self.config.limits,
-            defaults=self.defaults,
             index_health=self.config.index_health,
         )
+        self.core = RouterCore(self.model, self.tokenizer, self.index, self.registry, options)
         self.service.core = self.core
         self.registry.on_change(self._health_follows)
         if self.fleet is not None:
