@@ -33,11 +33,11 @@ IMAGE_TAG ?= kvmesh:cpu
 image:
 	helm/build-image.sh $(IMAGE_TAG)
 
-# The image run as the chart runs it (tests/test_image.py), and the chart's own pods played
-# as containers from its rendering (tests/test_chart_containers.py), after building it.
+# The image run as the chart runs it (tests/deploy/test_image.py), and the chart's own pods played
+# as containers from its rendering (tests/deploy/test_chart_containers.py), after building it.
 image-check: venv image
 	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
-		$(PY) -m pytest -q -m image tests/test_image.py tests/test_chart_containers.py
+		$(PY) -m pytest -q -m image tests/deploy/test_image.py tests/deploy/test_chart_containers.py
 
 # The tests that start nothing (no Ray, no Redis, no servers) and are not benchmark smoke
 # runs: the inner loop while editing (about 35 s on 2 cores). CI runs `make test`.
@@ -85,7 +85,7 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m pip install --quiet --no-build-isolation 'flash-attn>=2.6' \
 	  || echo "flash-attn did not install: only the torch path runs on the GPU"
 	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-	$(GPU_VENV)/bin/python -m pytest -q tests/test_cuda.py tests/test_flash_attention_cpu.py tests/test_attention.py tests/test_engine.py
+	$(GPU_VENV)/bin/python -m pytest -q tests/replica/test_cuda.py tests/replica/test_flash_attention_cpu.py tests/replica/test_attention.py tests/replica/test_engine.py
 	$(GPU_VENV)/bin/kvmesh bench engine --device cuda --out results/bench_engine_cuda.json
 
 clean:

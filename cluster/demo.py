@@ -17,10 +17,10 @@ from pathlib import Path
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
-from kvmesh.cluster.experiments.loadgen import run_load
-from kvmesh.cluster.experiments.report import summarize
-from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.measure.loadgen import run_load
+from kvmesh.cluster.measure.report import summarize
+from kvmesh.cluster.measure.workloads import shared_prefix
 
 POLICIES = ("round_robin", "prefix")
 

@@ -3,7 +3,7 @@ values, descriptions) and ``values.yaml`` (defaults) into the chart README's mar
 
     python helm/values_reference.py        # rewrite helm/kvmesh/README.md (make chart-docs)
 
-``tests/test_helm.py`` checks the README holds exactly what this generates.
+``tests/deploy/test_helm.py`` checks the README holds exactly what this generates.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every call is one round trip to server-side functions (``index.lua`` beside this file, loaded
 with ``FUNCTION LOAD`` under a name that carries its version). Replicas ``register`` (a new
 incarnation each time, a stable slot per replica id), ``heartbeat`` with their load,
-``publish`` their KV events in order and ``deregister``; routers ``decide`` (lookup + the
+``publish`` their KV events in order and ``deregister``; routers ``routing_view`` (lookup + the
 fleet's work) and ``share`` what they sent. The key layout is documented in ``index.lua``:
 block keys live in the slot of their chain's first block, so on a cluster different prefixes
 spread over every shard and a lookup is still one call to one shard.
@@ -454,7 +454,7 @@ class RedisPrefixIndex(ShareHalves):
         flat = await self._with_library(lambda: self.client.fcall_ro(function("lookup"), 1, *chain))
         return (await self._matches(flat))[0]
 
-    async def decide(self, block_hashes: Sequence[int]) -> IndexView:
+    async def routing_view(self, block_hashes: Sequence[int]) -> IndexView:
         """Everything a routing decision reads, in one round trip: the replicas' matches, the
         routers' speculative matches (one call to the chain's shard) and every router's
         in-flight work per replica (a plain HGETALL of the control slot, pipelined)."""

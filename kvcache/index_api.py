@@ -56,7 +56,7 @@ class FleetWork:
 
 @dataclass(frozen=True)
 class IndexView:
-    """What one ``decide`` call returns (blocks per replica, work per replica)."""
+    """What one ``routing_view`` call returns (blocks per replica, work per replica)."""
 
     matched: dict[str, int]  # leading blocks each replica published
     speculative: dict[str, int]  # leading blocks routers just sent it (not published yet)
@@ -161,7 +161,7 @@ class RouterLedger(Protocol):
     async def reserve(self, router_incarnation: int, deltas: Mapping[str, float]) -> bool: ...
 
     async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
-        """Every router's ``decide`` sees these blocks held by those replicas for ``ttl_s``."""
+        """Every router's ``routing_view`` sees these blocks held by those replicas for ``ttl_s``."""
 
     async def share(
         self,
@@ -172,7 +172,7 @@ class RouterLedger(Protocol):
     ) -> bool:
         """``reserve`` and ``speculate`` at once; False: the router expired."""
 
-    async def decide(self, block_hashes: Sequence[int]) -> IndexView:
+    async def routing_view(self, block_hashes: Sequence[int]) -> IndexView:
         """Everything a routing decision reads: matches, speculative matches, the fleet's work."""
 
 
@@ -197,7 +197,7 @@ class ShareHalves(ABC):
     async def speculate(self, router_incarnation: int, entries: Iterable[Speculation], ttl_s: float) -> bool:
         """Record that this router sent each replica a prompt with these blocks (of the chain
         starting at root: a speculative match, like a replica's, runs from the first block);
-        every router's ``decide`` sees them for ``ttl_s`` (Redis: to twice that, in time
+        every router's ``routing_view`` sees them for ``ttl_s`` (Redis: to twice that, in time
         buckets). False: the router expired."""
         return await self.share(router_incarnation, {}, entries, ttl_s)
 

@@ -292,7 +292,7 @@ class MemoryPrefixIndex(ShareHalves):
                 self._speculated.setdefault(h, {})[replica_id] = until
         return True
 
-    async def decide(self, block_hashes: Sequence[int]) -> IndexView:
+    async def routing_view(self, block_hashes: Sequence[int]) -> IndexView:
         self._expire()
         now = self.clock()
         live = {rid for rid, r in self._replicas.items() if r.expires_at > now}

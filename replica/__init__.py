@@ -7,14 +7,14 @@ torch to parse flags) does not pull in torch.
 from importlib import import_module
 
 _EXPORTS = {
-    "AsyncLLMEngine": "kvmesh.replica.async_engine",
-    "EngineDeadError": "kvmesh.replica.async_engine",
+    "AsyncLLMEngine": "kvmesh.replica.engine_thread",
+    "EngineDeadError": "kvmesh.replica.engine_thread",
     "EngineConfig": "kvmesh.replica.config",
     "CompletionOutput": "kvmesh.replica.engine",
     "EngineStats": "kvmesh.replica.engine",
     "LLMEngine": "kvmesh.replica.engine",
     "RequestOutput": "kvmesh.replica.request",
-    "SamplingParams": "kvmesh.serving.sampling",
+    "SamplingParams": "kvmesh.serving.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

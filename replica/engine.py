@@ -32,7 +32,7 @@ from kvmesh.replica.sampler import Pick, RequestFailed, TokenLogprob
 from kvmesh.replica.scheduler import Scheduler
 from kvmesh.replica.step_costs import StepCostFit, step_features
 from kvmesh.serving.model_lock import reading_model
-from kvmesh.serving.sampling import SamplingParams, check_vocabulary
+from kvmesh.serving.sampling_params import SamplingParams, check_vocabulary
 from kvmesh.serving.step_costs import StepCosts
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import grpc
 
 from kvmesh.kvcache import KVCacheError
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.engine_backend import EngineBackend
+from kvmesh.replica.backend import EngineBackend
 from kvmesh.serving import tracing
 from kvmesh.serving.connections import ClientStalled, end_call, send_all
 from kvmesh.serving.errors import ServingError

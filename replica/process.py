@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 
 from kvmesh.protos import pb_grpc
-from kvmesh.replica.async_engine import AsyncLLMEngine
+from kvmesh.replica.backend import EngineBackend
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.drain_socket import DrainSocket
 from kvmesh.replica.engine import LLMEngine
-from kvmesh.replica.engine_backend import EngineBackend
+from kvmesh.replica.engine_thread import AsyncLLMEngine
 from kvmesh.replica.grpc_service import ReplicaService
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
@@ -29,7 +29,7 @@ from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.openai_app import build_app
+from kvmesh.serving.openai.app import build_app
 from kvmesh.serving.options import effective_config
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import time
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import PrefixIndex
-from kvmesh.replica.async_engine import AsyncLLMEngine
+from kvmesh.replica.engine_thread import AsyncLLMEngine
 from kvmesh.serving.background import BackgroundLoops
 
 log = logging.getLogger(__name__)

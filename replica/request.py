@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.kvcache import Sequence
-from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the simulator schedules these without torch
     import torch

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvmesh.replica.request import Request

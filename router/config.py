@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.router.index_health import IndexHealthConfig
+from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.policies import POLICIES
 from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.auth import read_token_file

@@ -18,7 +18,7 @@ import grpc
 from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.decision import Decider, Decision, RoutingOptions
-from kvmesh.router.index_watch import IndexWatch
+from kvmesh.router.index_trust.watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import FailedInBand, Relay
@@ -28,7 +28,7 @@ from kvmesh.serving.admission import InflightLimit, Ticket
 from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.openai_relay import SseRequest
+from kvmesh.serving.openai.relay import SseRequest
 from kvmesh.serving.request_ids import OwnedRequests
 from kvmesh.serving.tokenizer import PromptTokenizer
 

@@ -14,8 +14,8 @@ from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import IndexView, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
-from kvmesh.router.index_health import IndexHealthConfig
-from kvmesh.router.index_truth import Prediction
+from kvmesh.router.index_trust.predictions import Prediction
+from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import POLICIES, Policy, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
@@ -162,7 +162,7 @@ class Decider:
         try:
             async with asyncio.timeout(self.lookup_timeout_s):  # no task per lookup, unlike wait_for
                 if shared:
-                    view = await self.index.decide(hashes)
+                    view = await self.index.routing_view(hashes)
                 else:
                     view = IndexView(await self.index.lookup(hashes), {}, None)
         except INDEX_ERRORS as exc:

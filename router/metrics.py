@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from prometheus_client.core import GaugeMetricFamily
 
-from kvmesh.router.index_health import STATES
+from kvmesh.router.index_trust.states import STATES
 from kvmesh.serving.metrics import FAST_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, ServerMetrics
 
 # Predicted minus reused blocks: 0 is exact, > 0 the index promised more than was there.

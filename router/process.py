@@ -15,9 +15,9 @@ from kvmesh.protos import pb_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
 from kvmesh.router.decision import RoutingOptions
-from kvmesh.router.fleet_load import FleetLoad
 from kvmesh.router.grpc_service import RouterService
 from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor
 from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
@@ -26,7 +26,7 @@ from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.open_endpoint import METRICS_TYPE, start_open_endpoint
-from kvmesh.serving.openai_app import build_app
+from kvmesh.serving.openai.app import build_app
 from kvmesh.serving.options import effective_config
 
 log = logging.getLogger(__name__)

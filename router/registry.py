@@ -19,11 +19,11 @@ import grpc
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
-from kvmesh.router.fleet_load import FleetLoad
-from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
 from kvmesh.router.replica_http import ReplicaHttp
+from kvmesh.router.replica_load import ReplicaLoad, RequestWork
+from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES

@@ -18,16 +18,16 @@ import grpc
 
 from kvmesh.protos import pb
 from kvmesh.router.decision import Decision
-from kvmesh.router.index_truth import Prediction
-from kvmesh.router.index_watch import IndexWatch
-from kvmesh.router.load import RequestWork
+from kvmesh.router.index_trust.predictions import Prediction
+from kvmesh.router.index_trust.watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaEntry, ReplicaRegistry
 from kvmesh.router.replica_http import ReplicaHttpError
+from kvmesh.router.replica_load import RequestWork
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
-from kvmesh.serving.openai_relay import SseRequest, http_failure, take_trailer, whole_events
+from kvmesh.serving.openai.relay import SseRequest, http_failure, take_trailer, whole_events
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

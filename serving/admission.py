@@ -8,7 +8,7 @@ from kvmesh.protos import pb
 from kvmesh.serving.errors import InvalidRequest, Overloaded
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.sampling import SamplingParams, check_vocabulary, sampling_from_proto
+from kvmesh.serving.sampling_params import SamplingParams, check_vocabulary, sampling_from_proto
 
 
 def admit(

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from kvmesh.protos import pb
-from kvmesh.serving.sampling import DEFAULT_MAX_TOKENS
+from kvmesh.serving.sampling_params import DEFAULT_MAX_TOKENS
 
 # generation_config.json key -> (kvmesh.v1.SamplingParams field, transformers' default)
 _KEYS = {

@@ -19,8 +19,8 @@ from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.kvcache.index_api import ReplicaRecord
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.load import RequestWork
 from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.replica_load import RequestWork
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -110,7 +110,7 @@ async def test_kill_a_replica_with_50_requests_in_flight_through_two_routers(clu
 
 
 async def _no_fleet_work(index: RedisPrefixIndex) -> bool:
-    return (await index.decide([])).fleet == {} and await index.client.hlen(f"{index.ns}load") == 0
+    return (await index.routing_view([])).fleet == {} and await index.client.hlen(f"{index.ns}load") == 0
 
 
 async def test_replica_channel_closed_mid_stream_is_an_error_not_silence(cluster):

@@ -29,11 +29,11 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.process import RouterServer
-from kvmesh.serving import openai_protocol
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.errors import ServingError
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.metrics import read_samples
+from kvmesh.serving.openai import protocol as openai_protocol
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -431,7 +431,7 @@ async def test_unknown_field_names_are_bounded_and_never_logged_raw(stack, caplo
     openai_protocol._seen_unknown.clear()
     try:
         async with httpx.AsyncClient(base_url=urls(stack)["router"], timeout=60) as http:
-            with caplog.at_level(logging.WARNING, logger="kvmesh.serving.openai_protocol"):
+            with caplog.at_level(logging.WARNING, logger="kvmesh.serving.openai.protocol"):
                 for i in range(100):
                     forged = {f"f{i}": 1, f"x{i}\nERROR forged line": 1}
                     body = {"prompt": [5, 6], "max_tokens": 1, **forged}

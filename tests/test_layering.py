@@ -2,7 +2,9 @@
 
 kvcache, protos <- serving <- router, replica <- cluster: kvcache imports nothing of ours;
 serving imports only kvcache and protos; router never imports replica, torch or ray;
-replica never imports router; nothing imports cluster. Imports inside functions count too.
+replica never imports router; nothing imports cluster. Inside cluster, the measuring kit
+(``cluster/measure``) imports neither experiments nor benchmarks, and experiments never import
+benchmarks (benchmarks may time the simulator). Imports inside functions count too.
 """
 
 import ast
@@ -66,6 +68,36 @@ def test_every_part_keeps_to_its_imports():
     assert violations(ROOT) == []
 
 
+# cluster's folders -> cluster folders they must not import
+CLUSTER_FORBIDDEN = {"measure": {"experiments", "benchmarks"}, "experiments": {"benchmarks"}}
+
+
+def cluster_violations(root: Path) -> list[str]:
+    out = []
+    for folder, forbidden in CLUSTER_FORBIDDEN.items():
+        for path in sorted((root / "cluster" / folder).rglob("*.py")):
+            package = "kvmesh." + ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+            for name in sorted(imports_of(path, package)):
+                parts = name.split(".")
+                if parts[:2] == ["kvmesh", "cluster"] and len(parts) > 2 and parts[2] in forbidden:
+                    out.append(f"{path.relative_to(root)} imports {name}")
+    return out
+
+
+def test_measure_experiments_and_benchmarks_import_one_way():
+    assert cluster_violations(ROOT) == []
+
+
+def test_the_cluster_checker_sees_a_backward_import(tmp_path):
+    (tmp_path / "cluster" / "experiments").mkdir(parents=True)
+    (tmp_path / "cluster" / "experiments" / "late.py").write_text(
+        "def f():\n    from kvmesh.cluster.benchmarks.peers_sweep import DEFAULT_LOAD\n"
+    )
+    assert cluster_violations(tmp_path) == [
+        "cluster/experiments/late.py imports kvmesh.cluster.benchmarks.peers_sweep"
+    ]
+
+
 def test_the_checker_sees_a_forbidden_import(tmp_path):
     """The walk must find imports anywhere in a file, lazy ones included."""
     for part in PARTS:
@@ -86,7 +118,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     ("modules", "renders_chat"),
     [
         (["kvmesh.kvcache", "kvmesh.kvcache.index"], False),
-        (["kvmesh.router.process", "kvmesh.serving.openai_app"], True),
+        (["kvmesh.router.process", "kvmesh.serving.openai.app"], True),
         (["kvmesh.cluster.cli", "kvmesh.cluster.commands.router"], True),
     ],
     ids=["kvcache", "router-process", "cli"],

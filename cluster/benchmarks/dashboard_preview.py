@@ -22,14 +22,14 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.cluster.benchmarks.common import environment, progress, write_result
 from kvmesh.cluster.benchmarks.soak import closed_loop_client
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
 from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.cluster.errors import UsageError
-from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.measure.common import environment, progress, write_result
+from kvmesh.cluster.measure.workloads import shared_prefix
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "kvmesh" / "files" / "dashboard.json"
 RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape and a 2 s step

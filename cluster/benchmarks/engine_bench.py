@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
+from kvmesh.cluster.measure.common import environment, progress, target, write_result
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.step_costs import StepCostFit
 

@@ -8,7 +8,7 @@
 - Memory per (block, replica) entry: ``used_memory`` growth / entries, blocks held by one
   replica each (the worst case).
 - Decisions under concurrency: 1, 2 and 4 client processes, each a closed loop of what a
-  routing decision reads (``decide``: the lookup and every router's in-flight work on each
+  routing decision reads (``routing_view``: the lookup and every router's in-flight work on each
   replica; 64 replicas, 32k-token prompts, all held); client-side decisions/s and latency, and
   the server's own cost per decision from ``INFO commandstats`` (the FCALL_RO and the HGETALL
   pipelined behind it), which says how many decisions one server core carries.
@@ -32,9 +32,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import redis.asyncio as aioredis
 
-from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.embedded_cluster import LocalCluster
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.measure.common import environment, progress, target, write_result
 from kvmesh.cluster.stats import latency_ms
 from kvmesh.kvcache import BlockStored
 from kvmesh.kvcache.index import RedisPrefixIndex, load_field
@@ -182,12 +182,12 @@ def _decision_client(
 
     async def loop() -> list[float]:
         index = RedisPrefixIndex.from_url(url, model_id, BLOCK_SIZE, 0)
-        await index.decide(hashes)  # connect and load the functions before the clock starts
+        await index.routing_view(hashes)  # connect and load the functions before the clock starts
         await asyncio.sleep(max(0.0, start_at - time.time()))
         took, end = [], time.time() + seconds
         while time.time() < end:
             begin = time.perf_counter()
-            await index.decide(hashes)
+            await index.routing_view(hashes)
             took.append(time.perf_counter() - begin)
         await index.close()
         return took
@@ -266,7 +266,7 @@ async def hot_prefix_hour(
     async def decision_usec(n: int = 200) -> tuple[float, object]:
         await index.client.config_resetstat()
         for _ in range(n):
-            view = await index.decide(hot)
+            view = await index.routing_view(hot)
         stats = (await index.client.info("commandstats"))["cmdstat_fcall_ro"]
         return stats["usec"] / stats["calls"], view
 

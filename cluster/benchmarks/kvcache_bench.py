@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.cluster.benchmarks.common import environment, median_seconds, progress, target, write_result
 from kvmesh.cluster.benchmarks.reference_ledger import ReferenceBlockManager, compute_hash
+from kvmesh.cluster.measure.common import environment, median_seconds, progress, target, write_result
 from kvmesh.kvcache import BlockManager, Sequence, block_hashes
 
 BLOCK_SIZE = 16

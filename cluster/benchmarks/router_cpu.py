@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from kvmesh.cluster.benchmarks.peer_routers import Contender, RouterProcess, kvmesh_router_command
+from kvmesh.cluster.benchmarks.peer_processes import Contender, RouterProcess, kvmesh_router_command
 from kvmesh.cluster.embedded_redis import free_port
 from kvmesh.protos import pb, pb_grpc
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-from kvmesh.cluster.benchmarks.common import environment, over_repeats, progress, target, write_result
-from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.capacity import measure_capacity
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B
 from kvmesh.cluster.experiments.simulator import Simulation
+from kvmesh.cluster.measure import workloads as wl
+from kvmesh.cluster.measure.common import environment, over_repeats, progress, target, write_result
 
 LOADS = (0.2, 0.5, 0.8)
 

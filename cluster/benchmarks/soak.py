@@ -31,11 +31,11 @@ from pathlib import Path
 import grpc
 from ray.exceptions import RayError
 
-from kvmesh.cluster.benchmarks.common import environment, progress, target, write_result
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
-from kvmesh.cluster.experiments.workloads import shared_prefix
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.cluster.measure.common import environment, progress, target, write_result
+from kvmesh.cluster.measure.workloads import shared_prefix
 from kvmesh.cluster.stats import percentile
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.serving.connections import ConnectionLimits

@@ -101,7 +101,7 @@ def _routers(benches) -> None:
         from pathlib import Path
 
         require_extra("experiments", "httpx", "matplotlib")
-        from kvmesh.cluster.benchmarks.routers_bench import RoutersConfig, main
+        from kvmesh.cluster.benchmarks.many_routers import RoutersConfig, main
         from kvmesh.cluster.logs import setup_logging
 
         try:
@@ -225,7 +225,7 @@ def _router(benches) -> None:
     rtr.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
 
     def run(args):
-        from kvmesh.cluster.benchmarks.router_bench import main
+        from kvmesh.cluster.benchmarks.router_overhead import main
         from kvmesh.cluster.logs import setup_logging
 
         setup_logging(False)
@@ -284,8 +284,13 @@ def _run_peers(args: argparse.Namespace) -> int:
 
     require_extra("experiments", "httpx", "matplotlib")
 
-    from kvmesh.cluster.benchmarks.peer_routers import CONTENDERS, SWEEP_CONTENDERS, GuidellmLoad, check_peers
+    from kvmesh.cluster.benchmarks.peer_processes import (
+        CONTENDERS,
+        SWEEP_CONTENDERS,
+        check_peers,
+    )
     from kvmesh.cluster.logs import setup_logging
+    from kvmesh.cluster.measure.peer_loads import GuidellmLoad
 
     known = {c.name: c for c in CONTENDERS}
     default = ",".join(c.name for c in SWEEP_CONTENDERS)
@@ -314,7 +319,11 @@ def _run_peers(args: argparse.Namespace) -> int:
     venv = Path(args.peers_venv).resolve()
     if not args.no_guidellm or any(c.router != "kvmesh" for c in contenders):
         check_peers(venv)
-    from kvmesh.cluster.benchmarks.peers import PeersConfig, main, resumed_rows  # Ray and the rest: only now
+    from kvmesh.cluster.benchmarks.peers_sweep import (  # Ray and the rest: only now
+        PeersConfig,
+        main,
+        resumed_rows,
+    )
 
     setup_logging(False)
     load = GuidellmLoad(

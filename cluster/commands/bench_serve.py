@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from kvmesh.cluster.commands.workload_flags import build_workload
-from kvmesh.cluster.experiments import workloads as wl
+from kvmesh.cluster.measure import workloads as wl
 
 
 def bench_serve(args: argparse.Namespace) -> int:
@@ -26,9 +26,9 @@ def bench_serve(args: argparse.Namespace) -> int:
 
 async def _bench_serve(args: argparse.Namespace, name: str, requests: list) -> int:
     from kvmesh.cluster.config import ClusterConfig
-    from kvmesh.cluster.experiments.loadgen import run_load
-    from kvmesh.cluster.experiments.report import summarize, write_run
     from kvmesh.cluster.launcher import LocalCluster
+    from kvmesh.cluster.measure.loadgen import run_load
+    from kvmesh.cluster.measure.report import summarize, write_run
 
     cluster, measured = None, {}
     address = args.address

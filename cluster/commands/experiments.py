@@ -36,7 +36,7 @@ def experiments(args: argparse.Namespace) -> int:
 
     require_extra("experiments", "matplotlib")
     if args.routers_grid:
-        from kvmesh.cluster.experiments.routers_grid import main as grid_main
+        from kvmesh.cluster.experiments.sim_many_routers import main as grid_main
 
         return grid_main(args.out_dir, args.quick)
     if args.fidelity:

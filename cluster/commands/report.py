@@ -18,7 +18,7 @@ def register(commands) -> None:
 
 
 def report(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.experiments.report import report as make_report
+    from kvmesh.cluster.measure.report import report as make_report
 
     require_extra("experiments", "matplotlib")
 

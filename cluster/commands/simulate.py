@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from kvmesh.cluster.commands.workload_flags import add_workload_flags, stream_workload, usage_errors
-from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.capacity import measure_capacity
 from kvmesh.cluster.experiments.cost_model import PRESETS, load_cost_model
+from kvmesh.cluster.measure import workloads as wl
 
 
 def register(commands) -> None:

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from kvmesh.cluster.errors import UsageError
-from kvmesh.cluster.experiments import workloads as wl
+from kvmesh.cluster.measure import workloads as wl
 
 WORKLOAD_FLAGS = {
     # flag: (type, help)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import xxhash
 
 from kvmesh.cluster.experiments.cost_model import CostModel
-from kvmesh.cluster.experiments.workloads import WorkloadRequest, with_new_content
+from kvmesh.cluster.measure.workloads import WorkloadRequest, with_new_content
 
 PROBE_REPLICAS = 8
 PROBE_BATCHES = 4  # full batches a probe replica works through: the middle half is steady

@@ -21,11 +21,11 @@ import json
 import time
 from pathlib import Path
 
-from kvmesh.cluster.benchmarks.common import target
-from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import CostModel, from_cluster
-from kvmesh.cluster.experiments.report import markdown_table, write_section
 from kvmesh.cluster.experiments.simulator import Simulation
+from kvmesh.cluster.measure import workloads as wl
+from kvmesh.cluster.measure.common import target
+from kvmesh.cluster.measure.report import markdown_table, write_section
 
 SECTION = "fidelity"
 REPLICAS = 4
@@ -40,8 +40,7 @@ P90_ERROR = 0.25  # relative
 def workload(name: str, rate: float, requests: int, seed: int = 1234) -> list[wl.WorkloadRequest]:
     """The peers sweep's shapes (512-token prefixes, 64-token questions, 16-token answers), timed
     for an open loop at ``rate`` requests per second."""
-    from kvmesh.cluster.benchmarks.peer_routers import GuidellmLoad
-    from kvmesh.cluster.benchmarks.peers import DEFAULT_LOAD, mooncake_at
+    from kvmesh.cluster.measure.peer_loads import DEFAULT_LOAD, GuidellmLoad, mooncake_at
 
     load: GuidellmLoad = dataclasses.replace(DEFAULT_LOAD, rate=rate, requests=requests, seed=seed)
     if name == "shared_prefix":
@@ -88,8 +87,8 @@ async def measure(
 ) -> list[dict]:
     """On a running ``LocalCluster`` (warmed up): one row per (workload, rate), real and
     simulated hit rate and TTFT, and the model measured."""
-    from kvmesh.cluster.experiments.loadgen import run_load
-    from kvmesh.cluster.experiments.report import summarize
+    from kvmesh.cluster.measure.loadgen import run_load
+    from kvmesh.cluster.measure.report import summarize
 
     block_size = cluster.router.core.model.block_size
     rows = []
@@ -115,8 +114,8 @@ async def run_fidelity(rates: tuple[float, ...], requests: int, cache_dir: Path,
     """``measure`` on a fresh 4-replica cluster of the demo's model, warmed up first."""
     from kvmesh.cluster.config import ClusterConfig
     from kvmesh.cluster.demo_model import demo_model
-    from kvmesh.cluster.experiments.loadgen import run_load
     from kvmesh.cluster.launcher import LocalCluster
+    from kvmesh.cluster.measure.loadgen import run_load
 
     config = ClusterConfig.for_model(
         str(demo_model(cache_dir)),

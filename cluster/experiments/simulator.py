@@ -42,16 +42,16 @@ from dataclasses import dataclass, field
 
 from kvmesh.cluster.experiments.cost_model import CostModel
 from kvmesh.cluster.experiments.lazy_scheduler import LazyDecodeScheduler
-from kvmesh.cluster.experiments.workloads import WorkloadRequest
+from kvmesh.cluster.measure.workloads import WorkloadRequest
 from kvmesh.cluster.stats import percentile
 from kvmesh.kvcache import BlockManager, block_hashes, namespace_seed
 from kvmesh.kvcache.memory_index import MemoryPrefixIndex
 from kvmesh.replica.request import Request
 from kvmesh.replica.scheduler import Scheduler
-from kvmesh.router.load import ReplicaLoad, RequestWork
 from kvmesh.router.policies import Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
+from kvmesh.router.replica_load import ReplicaLoad, RequestWork
 from kvmesh.router.speculative import SpeculativeOverlay
-from kvmesh.serving.sampling import SamplingParams
+from kvmesh.serving.sampling_params import SamplingParams
 
 _NO_BLOCKS = RouteRequest((), ())  # a policy's score of it is the load part alone
 

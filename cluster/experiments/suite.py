@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.cluster.benchmarks.common import over_repeats, target
-from kvmesh.cluster.experiments import workloads as wl
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel
 from kvmesh.cluster.experiments.fidelity import SECTION as FIDELITY_SECTION
-from kvmesh.cluster.experiments.report import PEERS_SECTION, marked_section, plot_sweep
-from kvmesh.cluster.experiments.routers_grid import SECTION as ROUTERS_SECTION
+from kvmesh.cluster.experiments.sim_many_routers import SECTION as ROUTERS_SECTION
 from kvmesh.cluster.experiments.simulator import Simulation
+from kvmesh.cluster.measure import workloads as wl
+from kvmesh.cluster.measure.common import over_repeats, target
+from kvmesh.cluster.measure.report import PEERS_SECTION, marked_section, plot_sweep
 from kvmesh.router.policies import POLICIES, PrefixAware
 
 ALL_POLICIES = list(POLICIES)  # every policy the router has, in its registration order
@@ -131,9 +131,9 @@ async def run_real_cluster(scale: Scale, cache_dir: Path, log=print, model: Path
     policy's row is the median over seeds (``runs`` keeps every run)."""
     from kvmesh.cluster.config import ClusterConfig
     from kvmesh.cluster.demo_model import demo_model
-    from kvmesh.cluster.experiments.loadgen import run_load
-    from kvmesh.cluster.experiments.report import summarize
     from kvmesh.cluster.launcher import LocalCluster
+    from kvmesh.cluster.measure.loadgen import run_load
+    from kvmesh.cluster.measure.report import summarize
 
     model = model or demo_model(cache_dir)
     config = ClusterConfig.for_model(

@@ -1,0 +1,574 @@
+"""OpenAI-compatible HTTP front end (FastAPI), served by the router and by every replica.
+
+``/v1/completions`` and ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``,
+vLLM-style ``/tokenize``, ``/detokenize``, ``/version`` and
+``/v1[/chat]/completions/render``, SGLang-style ``/server_info``, ``/health`` (503 until
+ready) and ``/metrics`` (Prometheus), over any ``OpenAIBackend``: the router's RouterCore or
+a replica's own engine, so the same code (and the same error mapping) fronts both, and
+third-party routers (sglang-router, vllm-router) can front the replicas too.
+
+Which request fields are honoured is ``openai_protocol.FIELD_RULES``. Every error, in a body
+or in band in a stream, is OpenAI's ``{"error": {"message", "type", "param", "code"}}``:
+400 for bad input (``param`` names the field), 401 without the token, 404 for an unknown
+model or path, 413 for an oversized body, 429 when overloaded, 503 when nothing can serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.metadata import version
+from typing import Protocol, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from kvmesh.protos import pb
+from kvmesh.serving import tracing
+from kvmesh.serving.admission import Ticket
+from kvmesh.serving.auth import token_matches
+from kvmesh.serving.errors import InvalidRequest, ServingError
+from kvmesh.serving.limits import InputLimits
+from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.offload import sized
+from kvmesh.serving.openai.protocol import (
+    FIELD_RULES,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeRequest,
+)
+from kvmesh.serving.openai.relay import RELAY_PATHS, ChatEnvelope, CompletionEnvelope, trailer
+from kvmesh.serving.openai.requests import Plan, chat_plan, completion_plan, tokenize_request
+from kvmesh.serving.openai.responses import Echo, ResponseBuilder, TokenNames
+from kvmesh.serving.streams import merge
+from kvmesh.serving.tokenizer import PromptTokenizer
+
+_VERSION = version("kvmesh")
+Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
+_FIELDS = frozenset(rule.name for rule in FIELD_RULES) | {"top_logprobs", "tokens"}
+# An oversized body is read (and dropped) up to this much, so the client gets its 413
+# instead of a connection reset; beyond it the connection is simply closed.
+_DRAIN_LIMIT_BYTES = 64 << 20
+
+
+class OpenAIBackend(Protocol):
+    """What the front end serves from (the router's RouterCore, or a replica's EngineBackend)."""
+
+    model: ModelInfo
+    tokenizer: PromptTokenizer | None
+    inputs: InputLimits
+
+    def admit(self, count: int = 1, policy: str = "") -> Ticket: ...
+
+    async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]: ...
+
+    def generate(
+        self, request: pb.GenerateRequest, trace: object = None
+    ) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    def render_metrics(self) -> bytes: ...
+
+    relays_sse: bool  # True: one-prompt streams go through ``generate_sse`` (the router's relay)
+
+
+class SseRelayBackend(OpenAIBackend, Protocol):
+    """A backend that streams a one-prompt request's SSE from elsewhere, byte for byte."""
+
+    def generate_sse(
+        self, request: pb.GenerateRequest, chat: bool, body: bytes, trace: object = None
+    ) -> AsyncIterator[bytes]: ...
+
+
+class _UnknownModel(ServingError):
+    http_status = 404
+
+
+class _ClientLeft(ServingError):
+    """The client disconnected before its answer was ready (nginx's 499: nobody reads it)."""
+
+    http_status = 499
+
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "service_unavailable")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param))
+
+
+def _param_of(exc: ServingError) -> str | None:
+    """The field an error is about: its own, else the request field its message starts with."""
+    if exc.param or exc.http_status != 400:
+        return exc.param
+    message = str(exc)
+    if message.startswith("replica error ("):
+        message = message.split("): ", 1)[-1]
+    word = message.replace(":", " ").split(" ", 1)[0]
+    return word if word in _FIELDS else None
+
+
+def _check_model(name: str | None, model: ModelInfo) -> None:
+    if name not in (None, "", model.api_name, model.model_id):
+        raise _UnknownModel(f"model {name!r} is not served here; this server serves {model.api_name!r}")
+
+
+def _validation_error(errors: list) -> InvalidRequest:
+    """A body that does not fit its model, as one 400 naming the first field at fault."""
+    first = errors[0] if errors else {}
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request")
+    return InvalidRequest(f"{'.'.join(where)}: {message}" if where else message, where[0] if where else None)
+
+
+async def _parsed(raw: Request, model: type[Body]) -> tuple[Body, int]:
+    """The request body as ``model``, and its size in bytes (which decides whether the work
+    for it runs off the event loop: parsing a large body included)."""
+    data = await raw.body()
+    try:
+        return await sized(len(data), _parse, data, model), len(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+def _parse(data: bytes, model: type[Body]) -> Body:
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8 JSON ({exc.reason})") from None
+    return model.model_validate_json(text)
+
+
+def build_app(
+    backend: OpenAIBackend,
+    health: Callable[[], dict],
+    auth_token: str | None = None,
+    max_body_bytes: int = 4 << 20,
+    title: str = "kvmesh router",
+    relay_routes: bool = False,
+) -> FastAPI:
+    """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503.
+
+    Every route that does work for a request (generate, render, tokenize, detokenize) takes
+    its in-flight slots (``backend.admit``) first, a batch all its prompts at once, and
+    parses, renders and tokenizes off the event loop when the request is large.
+    ``relay_routes``: serve the routes a relaying router streams from (a replica's)."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    model = backend.model.api_name
+    names = TokenNames(backend.tokenizer)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    if auth_token:
+        app.add_middleware(_TokenAuth, token=auth_token)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        error = _validation_error(exc.errors())
+        return _error(400, str(error), error.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ServingError)
+    async def _serving_error(request: Request, exc: ServingError):
+        return _error(exc.http_status, str(exc), _param_of(exc))
+
+    @app.get("/health")
+    async def health_check():
+        body = health()
+        return JSONResponse(status_code=200 if body.get("status") == "ok" else 503, content=body)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def server_version():
+        return {"version": _VERSION}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvmesh",
+            "root": backend.model.model_id,
+            "max_model_len": backend.model.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        """SGLang's metadata shape: sglang-router names the worker's model from it."""
+        return {
+            "served_model_name": model,
+            "max_model_len": backend.model.max_model_len,
+            "page_size": backend.model.block_size,
+            "version": _VERSION,
+        }
+
+    @app.post("/v1/completions/render")
+    async def render_completion(raw: Request):
+        body, size = await _parsed(raw, CompletionRequest)
+        _check_model(body.model, backend.model)
+        prompts = len(body.prompts())
+        backend.inputs.check_batch(prompts, 1)
+        with backend.admit(prompts, body.policy or ""):
+            plan = await sized(size, completion_plan, body, backend.tokenizer)
+            return [{"token_ids": await backend.prompt_ids(r)} for r in plan.requests]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(raw: Request):
+        """vLLM's render shape: vllm-router's cache_aware policy asks every worker for it."""
+        body, size = await _parsed(raw, ChatRequest)
+        _check_model(body.model, backend.model)
+        with backend.admit(1, body.policy or ""):
+            plan = await sized(size, chat_plan, body)
+            return [{"token_ids": await backend.prompt_ids(plan.requests[0])}]
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        body, size = await _parsed(raw, TokenizeRequest)
+        _check_model(body.model, backend.model)
+        with backend.admit(1):
+            request = await sized(size, tokenize_request, body, backend.tokenizer)
+            tokens = await backend.prompt_ids(request)
+            reply = {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
+            if body.return_token_strs:
+                reply["token_strs"] = await sized(size, names, tokens)
+            return reply
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        body, size = await _parsed(raw, DetokenizeRequest)
+        _check_model(body.model, backend.model)
+        if backend.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer", param="tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < backend.model.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="tokens")
+        with backend.admit(1):
+            return {"prompt": await sized(size, backend.tokenizer.decode, body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        body, size = await _parsed(raw, CompletionRequest)
+        body.check_supported()
+        _check_model(body.model, backend.model)
+        prompts = len(body.prompts())
+        backend.inputs.check_batch(prompts, body.n)
+        ticket = backend.admit(prompts, body.policy or "")
+        with _released_unless_streaming(ticket):
+            plan = await sized(size, completion_plan, body, backend.tokenizer)
+            if _relayed(body, plan):
+                return await _relay(raw, plan, False, ticket)
+            echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
+            return await _serve(raw, body, plan, False, echoes, ticket)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        body, size = await _parsed(raw, ChatRequest)
+        body.check_supported()
+        _check_model(body.model, backend.model)
+        backend.inputs.check_batch(1, body.n)
+        ticket = backend.admit(1, body.policy or "")
+        with _released_unless_streaming(ticket):
+            plan = await sized(size, chat_plan, body)
+            if _relayed(body, plan):
+                return await _relay(raw, plan, True, ticket)
+            return await _serve(raw, body, plan, True, None, ticket)
+
+    if relay_routes:
+
+        @app.post(RELAY_PATHS["completions"])
+        async def relayed_completions(raw: Request):
+            envelope, size = await _parsed(raw, CompletionEnvelope)
+            return await _serve_envelope(raw, envelope, False, size)
+
+        @app.post(RELAY_PATHS["chat"])
+        async def relayed_chat(raw: Request):
+            envelope, size = await _parsed(raw, ChatEnvelope)
+            return await _serve_envelope(raw, envelope, True, size)
+
+    def _relayed(body: CompletionRequest | ChatRequest, plan: Plan) -> bool:
+        """Whether the backend relays this request's SSE from a replica, byte for byte."""
+        return body.stream and len(plan.requests) == 1 and backend.relays_sse
+
+    async def _relay(raw: Request, plan: Plan, chat: bool, ticket: Ticket):
+        relay: SseRelayBackend = backend  # type: ignore[assignment]
+        stream = relay.generate_sse(plan.requests[0], chat, await raw.body(), tracing.extract(raw.headers))
+        first = await _unless_client_leaves(raw, anext(stream))  # routing errors: before any header
+        return _EventStream(_relayed_events(first, stream), ticket)
+
+    async def _serve_envelope(
+        raw: Request, envelope: ChatEnvelope | CompletionEnvelope, chat: bool, size: int
+    ):
+        """A router's relayed stream: the client's body, the router's token ids and ids."""
+        body = envelope.request
+        body.check_supported()
+        if not body.stream or (not chat and len(body.prompts()) != 1):
+            raise InvalidRequest("a relayed request is one streamed prompt")
+        ticket = backend.admit(1)
+        with _released_unless_streaming(ticket):
+            if chat:
+                plan = await sized(size, chat_plan, body)
+            else:
+                plan = await sized(size, completion_plan, body, backend.tokenizer)
+            envelope.upstream(plan.requests[0])
+            echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
+            return await _serve(raw, body, plan, chat, echoes, ticket, envelope.model)
+
+    async def _echoes(body: CompletionRequest, plan: Plan, size: int) -> list[Echo]:
+        """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
+        echoes = []
+        for prompt, request in zip(body.prompts(), plan.requests, strict=True):
+            ids = await backend.prompt_ids(request) if plan.logprobs is not None else None
+            if isinstance(prompt, str):
+                echoes.append(Echo(prompt, ids))
+            elif backend.tokenizer is None:
+                raise InvalidRequest("echo of token ids needs a tokenizer; this model has none", param="echo")
+            else:
+                echoes.append(Echo(await sized(size, backend.tokenizer.decode, prompt), ids))
+        return echoes
+
+    async def _serve(
+        raw: Request,
+        body: CompletionRequest | ChatRequest,
+        plan: Plan,
+        chat: bool,
+        echoes,
+        ticket,
+        relayed_as: str | None = None,
+    ):
+        """``relayed_as``: the model name a router's client sees (its stream ends with the
+        router's trailer)."""
+        trace = tracing.extract(raw.headers)
+        streams = [backend.generate(r, trace) for r in plan.requests]
+        responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
+        token_names = TokenNames(None) if body.return_tokens_as_token_ids else names
+
+        def builder_for(first) -> ResponseBuilder:
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
+            shown = relayed_as or model
+            return ResponseBuilder(plan, chat, shown, token_names, rid, int(time.time()), echoes)
+
+        if body.stream:
+            # routing errors surface here, before any header is sent
+            first = await _unless_client_leaves(raw, anext(responses))
+            options = body.stream_options or StreamOptions()
+            events = _sse(builder_for(first), first, responses, options, relayed_as is not None)
+            return _EventStream(events, ticket)
+
+        async def whole() -> dict:
+            first = await anext(responses)
+            builder = builder_for(first)
+            async for prompt, response in _chain(first, responses):
+                builder.add(prompt, response)
+            return builder.body()
+
+        return await _unless_client_leaves(raw, whole())  # one watch for the whole answer
+
+    return app
+
+
+@contextlib.contextmanager
+def _released_unless_streaming(ticket: Ticket):
+    """A request's slots go back when its handler ends, unless a stream took them over (an
+    ``_EventStream`` releases them when it ends)."""
+    try:
+        yield
+    except BaseException:
+        ticket.release()
+        raise
+    else:
+        if not ticket.streaming:
+            ticket.release()
+
+
+async def _unless_client_leaves(raw: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; or, when the client disconnects first, ``work`` cancelled (its
+    requests aborted, their blocks freed: nobody waits for the answer) and ``_ClientLeft``."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(raw.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientLeft("the client disconnected before the answer")
+    return task.result()
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that holds its request's slots until it ends, and closes its event
+    generator however it ends (a failed write included), so the request's cleanup (abort
+    upstream) runs now, not when the generator is collected."""
+
+    def __init__(self, events: AsyncIterator[str], ticket: Ticket):
+        super().__init__(events, media_type="text/event-stream")
+        self.ticket = ticket
+        ticket.streaming = True  # the handler leaves the slots to this response
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
+
+    async def stream_response(self, send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
+class _TokenAuth:
+    """401 without the deployment's bearer token (``/health`` stays open). Plain ASGI: a
+    Starlette ``BaseHTTPMiddleware`` would pass every streamed chunk through a task and a
+    memory stream of its own."""
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if token_matches(given.decode("latin-1") if given is not None else None, self.token):
+            return await self.app(scope, receive, send)
+        response = _error(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
+        await response(scope, receive, send)
+
+
+class _BodyLimit:
+    """Refuses request bodies over ``max_bytes`` with 413 (declared or chunked alike), reading
+    no more than that: the body is read here, whole, before the app sees any of it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if delivered:
+                return await receive()  # what comes after the body: the client's disconnect
+            delivered = True
+            return whole
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        """Read the rest of the body first: a server that answers and closes while the client
+        is still sending makes the client see a reset, not the 413."""
+        drained = 0
+        while drained < _DRAIN_LIMIT_BYTES:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        response = _error(413, f"request body over {self.max_bytes} bytes")
+        await response(scope, receive, send)
+
+
+def _error_event(exc: ServingError) -> str:
+    """A failure after the stream began, in band, in OpenAI's error shape."""
+    return f"data: {json.dumps(error_body(exc.http_status, str(exc), _param_of(exc)))}\n\n"
+
+
+async def _relayed_events(first: bytes, rest: AsyncIterator[bytes]):
+    """A replica's stream as relayed; when it fails midway, the error in band and the end."""
+    try:
+        yield first
+        async for block in rest:
+            yield block
+    except ServingError as exc:
+        yield _error_event(exc) + "data: [DONE]\n\n"
+    finally:
+        await rest.aclose()
+
+
+async def _tagged(stream: AsyncIterator[pb.GenerateResponse]):
+    async for response in stream:
+        yield 0, response
+
+
+async def _chain(first, rest: AsyncIterator):
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _sse(
+    builder: ResponseBuilder, first, rest: AsyncIterator, options: StreamOptions, for_router: bool = False
+):
+    """``for_router``: the stream ends with the trailer a relaying router reads."""
+    complete = None
+    try:
+        for event in builder.opening_events():
+            yield event
+        async for prompt, response in _chain(first, rest):
+            if for_router and response.WhichOneof("kind") == "complete" and response.complete.index == 0:
+                complete = response.complete
+            delta = builder.add(prompt, response)
+            text = delta["text"] if "text" in delta else delta["delta"].get("content")
+            shows = text or delta["logprobs"] or delta["finish_reason"]
+            if shows:
+                usage = builder.running_usage(delta["index"]) if options.continuous_usage_stats else None
+                yield builder.event([delta], usage)
+        if options.include_usage:
+            yield builder.event([], builder.openai_usage())
+        if complete is not None:
+            yield trailer(complete)
+    except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
+        yield _error_event(exc)
+    finally:
+        await rest.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,260 @@
+"""``kvmesh bench peers``: guidellm's report is read right, bad flags are one-line errors, and
+the kvmesh contenders run end to end (a real ``kvmesh router`` process over real replicas)
+with the truth about cached tokens taken from the replicas. The peers themselves (sglang-router,
+vllm-router, guidellm) are a 1.7 GB venv: `make peers`, then `kvmesh bench peers`."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cluster.benchmarks import peers_sweep as peers
+from kvmesh.cluster.benchmarks.peer_processes import (
+    CONTENDERS,
+    GuidellmLate,
+    PortTaken,
+    RouterProcess,
+    RunAgain,
+    main_thread_cpu_seconds,
+    session_cpu_seconds,
+    summarize_guidellm,
+)
+from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.cluster.measure.peer_loads import GuidellmLoad
+from kvmesh.cluster.measure.report import marked_section, write_section
+
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "guidellm_sample.json"
+
+
+def test_guidellm_report_is_summarized_from_its_real_fields():
+    report = json.loads(SAMPLE.read_text())
+    s = summarize_guidellm(report)
+    requests = report["benchmarks"][0]["requests"]["successful"]
+    assert s["requests"] == len(requests) == 20 and s["errors"] == 0
+    assert s["ttft_p50_ms"] == pytest.approx(27.1, abs=0.1)
+    assert s["ttft_p90_ms"] == pytest.approx(117.0, abs=0.1)
+    assert s["client_hit_rate"] == pytest.approx(2048 / 3840, abs=1e-4)
+    assert s["output_tokens_per_s"] > 0 and s["req_per_s"] > 0
+
+
+def test_a_guidellm_run_that_ignored_its_arrival_rate_is_refused():
+    """guidellm 0.8.1 sometimes sends every Poisson arrival at once and only warns: such a
+    report must not become a row (a merely late dispatcher, shorter than the run, is kept)."""
+    report = json.loads(SAMPLE.read_text())
+    bench = report["benchmarks"][0]
+    warning = {"code": "root_late", "message": "p95 root dispatch delay was 1796113117.2s", "threshold": 0.2}
+    bench["warnings"] = [warning | {"observed": bench["duration"] / 2}]
+    assert summarize_guidellm(report)["requests"] == 20
+    bench["warnings"] = [warning | {"observed": 1796113117.2}]
+    with pytest.raises(GuidellmLate, match="root dispatch delay"):
+        summarize_guidellm(report)
+
+
+async def test_a_router_that_lost_its_port_is_told_apart_and_its_run_repeated(tmp_path):
+    """A router whose picked port was taken before it bound it raises PortTaken (any other
+    exit stays an error), and the sweep runs that cell again, counting the discarded run."""
+    lost = [
+        sys.executable,
+        "-c",
+        "import sys; print('Error: Address already in use (os error 98)'); sys.exit(1)",
+    ]
+    broken = [sys.executable, "-c", "import sys; print('bad flag'); sys.exit(2)"]
+    with pytest.raises(PortTaken):
+        await RouterProcess(CONTENDERS[0], lost, free_port(), tmp_path / "lost.log").start(timeout_s=20)
+    with pytest.raises(RuntimeError, match="bad flag") as error:
+        await RouterProcess(CONTENDERS[0], broken, free_port(), tmp_path / "broken.log").start(timeout_s=20)
+    assert not isinstance(error.value, RunAgain)
+
+    bench = peers._Bench(peers.PeersConfig(str(tmp_path / "o.json"), tmp_path, tmp_path), *[None] * 6)
+    outcomes = iter([PortTaken("taken"), GuidellmLate("burst"), {"router": "r"}])
+
+    async def run(*_):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    bench.run = run  # fault injection: the first two runs did not measure the cell
+    assert await bench.run_honest(CONTENDERS[0], "shared_prefix", 2.0, "guidellm", 0) == {
+        "router": "r",
+        "runs_discarded": 2,
+    }
+    outcomes = iter([PortTaken("taken")] * peers.RUN_TRIES)
+    with pytest.raises(RuntimeError, match="did not measure it"):
+        await bench.run_honest(CONTENDERS[0], "shared_prefix", 2.0, "guidellm", 0)
+
+
+def test_a_target_with_an_unknown_comparison_is_refused_not_misread():
+    from kvmesh.cluster.measure.common import target
+
+    assert target("t", 0.667, ">=", 0.5)["met"] and not target("t", 0.667, "<=", 0.5)["met"]
+    with pytest.raises(ValueError, match="'>'"):
+        target("t", 0.667, ">", 0.5)  # it used to be checked as <=
+
+
+def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
+    load = GuidellmLoad(256, 4, 32, 8, rate=3.0, requests=40, max_seconds=60, seed=7)
+    cmd = load.command(Path("/venv"), "http://127.0.0.1:9", "m", "/models/m", tmp_path / "o.json")
+    joined = " ".join(cmd)
+    assert cmd[:2] == ["/venv/bin/guidellm", "run"]
+    assert "target=http://127.0.0.1:9" in joined and "tokenizer" in joined and "model=/models/m" in joined
+    assert "prefix_tokens=256,prefix_count=4" in joined and "kind=poisson,rate=3.0" in joined
+    assert "kind=static,value=7" in joined and "count=40" in joined
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--routers", "nginx lol"], "--routers: pick from"),
+        (["--rates", "0,6"], "must be positive"),
+        (["--rates", "fast"], "--rates: comma-separated numbers"),
+        (["--workloads", "shared_prefix,tpcc"], "--workloads:"),
+        (["--peers-venv", "/nonexistent"], "run `make peers` first"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(args, needle):
+    done = subprocess.run([KVMESH, "bench", "peers", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_router_sessions_cpu_time_is_read_from_the_kernel():
+    """A process that burns ~0.3 s of CPU in a child of its own session: all of it is counted
+    (the child's while it runs, then in its parent once reaped), and an idle one adds nothing."""
+    burn = "import time; t = time.process_time(); [0 for _ in iter(lambda: time.process_time() - t < 0.3, False)]"
+    script = (
+        f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {burn!r}]); print('reaped', flush=True); "
+        "time.sleep(30)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "reaped"
+        spent = session_cpu_seconds(proc.pid)
+        assert 0.3 <= spent < 3
+        time.sleep(0.3)  # asleep now: nothing more is counted
+        assert session_cpu_seconds(proc.pid) - spent < 0.1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_main_threads_cpu_is_told_apart_from_its_other_threads():
+    """A process whose second thread burns ~0.3 s: the session counts it, the main thread
+    (a server's event loop) does not."""
+    script = (
+        "import threading, time\n"
+        "def burn():\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.3:\n"
+        "        pass\n"
+        "w = threading.Thread(target=burn); w.start(); w.join(); print('done', flush=True); time.sleep(30)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "done"
+        assert session_cpu_seconds(proc.pid) >= 0.3
+        assert main_thread_cpu_seconds(proc.pid) < 0.2  # its start-up only
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_resuming_over_another_sweeps_runs_is_a_one_line_error(tmp_path):
+    out = tmp_path / "sweep.json"
+    out.with_suffix("").mkdir()
+    foreign = {"router": "kvmesh prefix", "workload": "mooncake", "rate": 9.0, "generator": "kvmesh_loadgen"}
+    (out.with_suffix("") / "rows.jsonl").write_text(json.dumps(foreign | {"repeat": 0}) + "\n")
+    args = ["--out", str(out), "--resume", "--no-guidellm", "--routers", "kvmesh prefix", "--rates", "2"]
+    done = subprocess.run([KVMESH, "bench", "peers", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert (
+        "holds 1 runs this sweep does not have" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    )
+
+
+def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
+    """Two real `kvmesh router` processes over 2 replicas, two repeats of three workloads at one
+    rate, kvmesh's HTTP load generator: every run's hit rate comes from the replicas' counters
+    and agrees with what the clients were told; the summary has medians and min/max."""
+    load = GuidellmLoad(128, 2, 16, 4, rate=20.0, requests=12, max_seconds=60)
+    ours = tuple(c for c in CONTENDERS if c.name in ("kvmesh prefix", "kvmesh round_robin"))
+    out = tmp_path / "peers.json"
+    config = peers.PeersConfig(
+        out=str(out), venv=tmp_path, cache_dir=tmp_path, replicas=2, num_kv_blocks=64, load=load,
+        rates=(20.0,), repeats=2, overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir,
+        docs=tmp_path / "docs" / "e.md",
+    )  # fmt: skip
+    assert peers.main(config) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 3 * 2  # routers x workloads x repeats
+    kept = out.with_suffix("") / "rows.jsonl"  # written as each run lands
+    assert [json.loads(line) for line in kept.read_text().splitlines()] == rows
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == 12, r
+        assert sum(r["requests_per_replica"].values()) == 12  # counted by the replicas
+        assert r["hit_rate"] == pytest.approx(r["client_hit_rate"], abs=1e-3)
+        assert r["routed_p50_ms"] > 0 and "added_p90_ms" in r
+        assert 0 < r["router_cpu_ms_per_request"] < 1000  # a Python router spends some, read from /proc
+        # the router's own account of the run: a decision for each request, none of the probe's
+        branches = {k: v for k, v in r["router_account"].items() if k.startswith("branch ")}
+        assert sum(branches.values()) == 12, r["router_account"]
+        assert set(r["replica_prefill_us_per_token"]) == set(r["requests_per_replica"])
+    for repeat in (0, 1):  # each repeat runs every cell once
+        assert sorted((r["router"], r["workload"]) for r in rows if r["repeat"] == repeat) == sorted(
+            (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn", "mooncake")
+        )
+    summary = {(s["router"], s["workload"]): s for s in result["summary"]}
+    assert len(summary) == 6 and all(s["runs"] == 2 and s["rate"] == 20.0 for s in summary.values())
+    for s in summary.values():
+        assert s["hit_rate_min"] <= s["hit_rate_median"] <= s["hit_rate_max"]
+    # a shared prefix 6 ways (shared_prefix) or a conversation's own history (multi_turn): prefix reuses it
+    assert summary[("kvmesh prefix", "shared_prefix")]["hit_rate_median"] > 0.5
+    assert summary[("kvmesh prefix", "multi_turn")]["hit_rate_median"] > 0.5
+    assert 0 < summary[("kvmesh prefix", "mooncake")]["hit_rate_median"] < 1  # the trace's own sharing
+    assert {t["target"].split(":")[0] for t in result["targets"]} == {
+        f"{m} median, {w} at 20/s (kvmesh_loadgen)"
+        for m in ("hit rate", "TTFT p90")
+        for w in ("shared_prefix", "multi_turn", "mooncake")
+    } | {"cells (of 3) where kvmesh prefix is strictly better on both"}
+    assert result["runs_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
+    router_logs = list(out.with_suffix("").glob("kvmesh-*.log"))  # what each router process printed
+    assert router_logs and all("event loop uvloop" in log.read_text() for log in router_logs)
+    # cut short after 9 runs: a resumed sweep keeps them as they were and runs the other 3
+    kept.write_text("".join(json.dumps(r) + "\n" for r in rows[:9]))
+    resumed = dataclasses.replace(config, resume=True)
+    plan = peers.sweep_plan(resumed, rows[:9])
+    assert [[(c.name, *cell, repeat) for c, *cell in cells] for repeat, cells in plan] == [
+        [peers._run_key(r) for r in rows[9:]]
+    ]
+    assert peers.main(resumed) == 0
+    again = json.loads(out.read_text())["rows"]
+    assert again[:9] == rows[:9] and len(again) == 12
+    assert sorted(map(peers._run_key, again)) == sorted(map(peers._run_key, rows))
+    assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
+    assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
+    docs = (tmp_path / "docs" / "e.md").read_text()
+    assert docs.count("<!-- bench peers -->") == 1 and "| kvmesh round_robin | 20 |" in docs
+    assert (tmp_path / "docs" / "img" / "peers_shared_prefix.png").stat().st_size > 0
+
+
+def test_docs_section_is_replaced_in_place_not_duplicated(tmp_path):
+    """`kvmesh bench peers` owns one marked block of docs/experiments.md; `kvmesh experiments`
+    regenerates the rest and carries that block over (marked_section)."""
+    path = tmp_path / "e.md"
+    path.write_text("# title\n\nbody\n")
+    write_section(path, "bench peers", "first")
+    write_section(path, "bench peers", "second")
+    text = path.read_text()
+    assert text.startswith("# title\n\nbody") and "second" in text and "first" not in text
+    assert text.count("<!-- bench peers -->") == 1
+    assert marked_section(text, "bench peers") == "<!-- bench peers -->\nsecond\n<!-- /bench peers -->"

@@ -1,0 +1,337 @@
+"""A streamed HTTP request goes from the router to its replica's own OpenAI port and back
+byte for byte (``router/replica_http.py``, ``serving/openai/relay.py``): the client gets
+what the replica wrote, without the trailer the replica adds for the router; the router still
+accounts for every request (cached tokens, index truth); a replica that cannot take it moves
+the request once, one that fails midway ends it in band; a client that leaves frees its
+replica's work. Real replicas, a real router, real sockets; a hand-written upstream only to
+inject the faults a real replica does not make on purpose."""
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+import pytest
+import pytest_asyncio
+from fake_http import FakeHttpServer
+from helpers import eventually, local_router_config, started_router
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.protos import pb
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.process import RouterServer
+from kvmesh.router.replica_http import ReplicaHttp
+from kvmesh.serving.metrics import read_samples
+from kvmesh.serving.openai.relay import take_trailer, trailer, whole_events
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
+
+PROMPT = "relay me the same bytes, the quick brown fox jumps over the lazy dog " * 3
+
+
+# ---------------------------------------------------------------------- the wire format
+
+
+async def test_events_are_cut_whole_and_the_trailer_is_taken_out_at_an_event_start_only():
+    complete = pb.Complete(replica_id="r0", usage=pb.Usage(prompt_tokens=40, cached_tokens=32), incarnation=7)
+    text_like_trailer = json.dumps({"text": "\n\n: kvmesh-complete AAAA"})  # what a model might write
+    stream = (
+        f"data: {text_like_trailer}\n\n" + 'data: {"a": 1}\n\n' + trailer(complete) + "data: [DONE]\n\n"
+    ).encode()
+    cuts = [stream[:7], stream[7:50], stream[50:51], stream[51:120], stream[120:]]  # across events
+    blocks, carry = [], b""
+    for data in cuts:
+        block, carry = whole_events(carry + data)
+        blocks += [block] if block else []
+    assert b"".join(blocks) == stream and all(b.endswith(b"\n\n") for b in blocks)
+    kept, found = [], []
+    for block in blocks:
+        block, got = take_trailer(block)
+        kept.append(block)
+        found += [got] if got is not None else []
+    assert found == [complete]
+    assert b"".join(kept) == stream.replace(trailer(complete).encode(), b"")
+    assert text_like_trailer.encode() in b"".join(kept)  # a data event's text is never taken
+
+
+# ---------------------------------------------------------------------- through the router
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(qwen3_dir):
+    redis = EmbeddedRedis().start()
+    engine = EngineConfig(num_kv_blocks=256, block_size=16, max_model_len=1024)
+    replicas = [
+        ReplicaServer(ReplicaConfig(str(qwen3_dir), f"relay-{i}", redis.url, engine=engine)) for i in range(2)
+    ]
+    for replica in replicas:
+        await replica.start()
+    router = await started_router(RouterServer(local_router_config(qwen3_dir, redis.url)))
+    assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 2))
+    async with httpx.AsyncClient(timeout=30) as client:
+        yield {
+            "router": router,
+            "replicas": replicas,
+            "client": client,
+            "url": f"http://127.0.0.1:{router.http_port}",
+        }
+    await router.stop(grace=0.5)
+    for replica in replicas:
+        await replica.stop(grace=0.5)
+    redis.close()
+
+
+def _metric(router: RouterServer, name: str) -> float:
+    return read_samples(router.core.render_metrics().decode()).get((name, ()), 0.0)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, **fields) -> list[bytes]:
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": True, **fields}  # fmt: skip
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        return [line async for line in response.aiter_bytes()]
+
+
+def _events(raw: bytes) -> list[dict | str]:
+    out = []
+    for event in raw.decode().split("\n\n"):
+        if event.startswith("data: "):
+            data = event[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_the_client_gets_the_replicas_own_stream_and_the_router_still_accounts_for_it(fleet):
+    router, client = fleet["router"], fleet["client"]
+    relayed = _metric(router, "kvmesh_router_relayed_streams_total")
+    cached = _metric(router, "kvmesh_router_actual_cached_tokens_total")
+    prompt_tokens = _metric(router, "kvmesh_router_prompt_tokens_total")
+    options = {"stream_options": {"include_usage": True}}
+    first = b"".join(await _stream(client, fleet["url"], **options))
+    second = b"".join(await _stream(client, fleet["url"], **options))
+    assert b"kvmesh-complete" not in first + second  # the router's trailer never reaches a client
+    events = _events(second)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # the second found the first's prefix
+    assert _metric(router, "kvmesh_router_relayed_streams_total") == relayed + 2
+    # The router read each stream's Complete from the trailer: its counters match what the
+    # client was told, request for request.
+    first_usage = _events(first)[-2]["usage"]
+    assert _metric(router, "kvmesh_router_prompt_tokens_total") - prompt_tokens == (
+        first_usage["prompt_tokens"] + usage["prompt_tokens"]
+    )
+    assert _metric(router, "kvmesh_router_actual_cached_tokens_total") - cached == (
+        first_usage["prompt_tokens_details"]["cached_tokens"]
+        + usage["prompt_tokens_details"]["cached_tokens"]
+    )
+
+
+async def test_the_relayed_stream_matches_a_direct_one(fleet):
+    router, client = fleet["router"], fleet["client"]
+    fields = {
+        "logprobs": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    via_router = _events(b"".join(await _stream(client, fleet["url"], **fields)))
+    direct_url = fleet["replicas"][0].http_address
+    direct = _events(b"".join(await _stream(client, direct_url, **fields)))
+
+    def shape(events):  # ids, clocks and how much of the prompt each found cached aside
+        for event in events:
+            if isinstance(event, dict) and "prompt_tokens_details" in event.get("usage", {}):
+                del event["usage"]["prompt_tokens_details"]
+        return [e if isinstance(e, str) else _rounded({k: v for k, v in e.items() if k not in ("id", "created", "model")})
+                for e in events]  # fmt: skip
+
+    assert shape(via_router) == shape(direct)
+    assert {e["model"] for e in via_router if isinstance(e, dict)} == {router.core.model.api_name}
+
+
+def _rounded(value):
+    """Log-probabilities to 4 places: a prompt computed anew and one partly read from the
+    prefix cache differ in the last float bits."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+async def test_a_replica_whose_port_refuses_moves_the_request_once_and_cools_down(fleet):
+    router, client = fleet["router"], fleet["client"]
+    entries = list(router.registry.entries.values())
+    broken = entries[0]
+    saved = broken.http
+    broken.http = ReplicaHttp("http://127.0.0.1:9", None)  # nothing listens on the discard port
+    failovers = _metric(router, "kvmesh_router_failovers_total")
+    try:
+        for _ in range(4):  # whichever replica the policy picks first, the request is served
+            events = _events(b"".join(await _stream(client, fleet["url"])))
+            assert events[-1] == "[DONE]" and all("error" not in e for e in events if isinstance(e, dict))
+        assert broken.failed_until > 0  # cooled down: the following requests skip it
+        assert _metric(router, "kvmesh_router_failovers_total") >= failovers + 1
+    finally:
+        broken.http, broken.failed_until = saved, 0.0
+
+
+class _Upstream(FakeHttpServer):
+    """A replica's HTTP port that answers as told: ``status`` with an OpenAI error, or a 200
+    that streams ``events`` and then drops the connection (``ends``: ends the answer properly
+    instead)."""
+
+    def __init__(self, status: int = 200, events: list[str] = (), ends: bool = False):
+        super().__init__()
+        self.status, self.events, self.ends = status, list(events), ends
+
+    async def answer(self, writer: asyncio.StreamWriter) -> bool:
+        if self.status != 200:
+            body = json.dumps({"error": {"message": "prompt: told to refuse", "code": self.status}}).encode()
+            writer.write(b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (self.status, len(body), body))
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for event in self.events:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event.encode()))
+            if self.ends:
+                writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.transport.abort()  # without ``ends``: a replica that died midway, no last chunk
+        return False
+
+
+async def _with_only(router: RouterServer, upstream_url: str):
+    """Every replica's HTTP port pointed at ``upstream_url``; returns what to restore."""
+    saved = {rid: e.http for rid, e in router.registry.entries.items()}
+    for entry in router.registry.entries.values():
+        entry.http = ReplicaHttp(upstream_url, None)
+    return saved
+
+
+def _restore(router: RouterServer, saved: dict) -> None:
+    for rid, http in saved.items():
+        router.registry.entries[rid].http = http
+        router.registry.entries[rid].failed_until = 0.0
+
+
+async def test_a_replica_failing_midway_ends_the_stream_in_band(fleet):
+    router, client = fleet["router"], fleet["client"]
+    async with _Upstream(events=['data: {"choices": [{"text": "a"}]}\n\n']) as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            events = _events(b"".join(await _stream(client, fleet["url"])))
+        finally:
+            _restore(router, saved)
+    assert events[0] == {"choices": [{"text": "a"}]}  # what the client had, it keeps
+    assert events[1]["error"]["code"] == 503 and "connection to the replica" in events[1]["error"]["message"]
+    assert events[-1] == "[DONE]" and upstream.requests == 1  # streamed: never moved
+
+
+class _CutsSlowReaders(FakeHttpServer):
+    """A replica whose write timeout cuts a stream the router stopped reading: it streams
+    until a write has waited ``stall_s`` (every buffer between it and the client is full),
+    then drops the connection."""
+
+    def __init__(self, stall_s: float = 2.0):
+        super().__init__()
+        self.stall_s, self.cut = stall_s, asyncio.Event()
+
+    async def answer(self, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b'data: {"choices": [{"text": "%s"}]}\n\n' % (b"x" * 16000)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(30):  # bounded, should the client read after all
+                while True:
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await asyncio.wait_for(writer.drain(), self.stall_s)
+        writer.transport.abort()
+        self.cut.set()
+        return False
+
+
+async def test_a_stream_cut_because_its_client_stopped_reading_does_not_cool_the_replica(fleet):
+    router, client = fleet["router"], fleet["client"]
+    async with _CutsSlowReaders() as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 5, "stream": True}
+            async with client.stream("POST", fleet["url"] + "/v1/completions", json=body) as response:
+                chunks = response.aiter_bytes()
+                first = await anext(chunks)
+                await asyncio.wait_for(upstream.cut.wait(), 40)  # not reading meanwhile
+                raw = first + b"".join([chunk async for chunk in chunks])
+            cooled = [rid for rid, e in router.registry.entries.items() if e.failed_until > 0]
+        finally:
+            _restore(router, saved)
+    last = _events(raw)[-2]
+    assert last["error"]["code"] == 504 and "did not read the stream" in last["error"]["message"]
+    assert cooled == []  # the replica did nothing wrong: later requests still go to it
+
+
+async def test_a_stream_the_replica_ended_with_an_error_counts_as_failed(fleet):
+    router, client = fleet["router"], fleet["client"]
+    error = 'data: {"error": {"message": "replica error: out of blocks", "code": 500}}\n\n'
+    failed = _metric_of(router, "kvmesh_router_requests_total", outcome="error")
+    async with _Upstream(events=[error, "data: [DONE]\n\n"], ends=True) as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            events = _events(b"".join(await _stream(client, fleet["url"])))
+        finally:
+            _restore(router, saved)
+    assert events == [
+        {"error": {"message": "replica error: out of blocks", "code": 500}},
+        "[DONE]",
+    ]  # as it was
+    assert _metric_of(router, "kvmesh_router_requests_total", outcome="error") == failed + 1
+
+
+def _metric_of(router: RouterServer, name: str, **labels) -> float:
+    """A labelled counter summed over the labels not given."""
+    return sum(
+        value
+        for (sample, have), value in read_samples(router.core.render_metrics().decode()).items()
+        if sample == name and labels.items() <= dict(have).items()
+    )
+
+
+async def test_a_replicas_refusal_reaches_the_client_with_its_status_and_message(fleet):
+    router, client = fleet["router"], fleet["client"]
+    async with _Upstream(status=400) as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+            response = await client.post(fleet["url"] + "/v1/completions", json=body)
+        finally:
+            _restore(router, saved)
+    assert response.status_code == 400 and upstream.requests == 1  # the request's fault: not moved
+    error = response.json()["error"]
+    assert "told to refuse" in error["message"] and error["param"] == "prompt"
+
+
+def _aborted(replicas) -> float:
+    return sum(
+        read_samples(r.backend.render_metrics().decode()).get(
+            ("kvmesh_replica_requests_total", (("outcome", "cancelled"),)), 0.0
+        )
+        for r in replicas
+    )
+
+
+async def test_a_client_that_leaves_midway_frees_its_replicas_work(fleet):
+    router, client, replicas = fleet["router"], fleet["client"], fleet["replicas"]
+    aborted = _aborted(replicas)
+    body = {"prompt": PROMPT, "max_tokens": 800, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", fleet["url"] + "/v1/completions", json=body) as response:
+        async for _ in response.aiter_bytes():
+            break  # one event, then gone
+
+    async def idle() -> bool:
+        return router.core.active == 0 and all(
+            not r.engine.engine.has_unfinished_requests() for r in replicas
+        )
+
+    assert await eventually(idle, timeout=10)
+    assert _aborted(replicas) == aborted + 1  # cancelled, not run to its end
