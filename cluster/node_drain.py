@@ -33,10 +33,16 @@ async def drain_local_replicas(
 ) -> tuple[list[str], list[str]]:
     """Ask every local replica (or those named) to drain, all at once; (those drained, those
     that were not within ``timeout_s``). Sockets whose process is gone are removed, not counted."""
-    paths = sorted(
-        p for p in drain_dir().glob("*-*.sock") if replica_ids is None or replica_of(p) in replica_ids
+    return await drain_sockets(
+        [p for p in drain_dir().glob("*-*.sock") if replica_ids is None or replica_of(p) in replica_ids],
+        timeout_s,
     )
-    tasks = {path: asyncio.ensure_future(_drain_one(path)) for path in paths}
+
+
+async def drain_sockets(paths: Collection[Path], timeout_s: float) -> tuple[list[str], list[str]]:
+    """``drain_local_replicas`` for the replicas behind these drain sockets only (a test's pod
+    shares its machine's drain folder with others)."""
+    tasks = {path: asyncio.ensure_future(_drain_one(path)) for path in sorted(paths)}
     if tasks:
         await asyncio.wait(tasks.values(), timeout=timeout_s)
     outcome = {

@@ -221,7 +221,7 @@ def _soak(benches) -> None:
 def _router(benches) -> None:
     rtr = benches.add_parser("router", help="latency the router adds, routing decision time")
     rtr.add_argument("--out", default="results/bench_router.json", help="JSON result file")
-    rtr.add_argument("--quick", action="store_true", help="fewer samples")
+    rtr.add_argument("--quick", action="store_true", help="40 samples instead of 500, for a smoke run")
     rtr.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
 
     def run(args):

@@ -26,7 +26,8 @@ def hub(qwen3_dir, llama_dir):
     files = repo_from_folder(qwen3_dir)
     server.repos["acme/tiny"] = Repo({"main": files, "v2": repo_from_folder(llama_dir)})
     server.repos["acme/private"] = Repo({"main": files}, token="hf_s3cret")
-    server.repos["acme/flaky"] = Repo({"main": files}, broken={"model.safetensors"})
+    # the weights refused half way through the download (403: not retried, so it fails at once)
+    server.repos["acme/flaky"] = Repo({"main": files}, broken={"model.safetensors"}, broken_status=403)
     yield server
     server.close()
 

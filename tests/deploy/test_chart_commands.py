@@ -13,6 +13,7 @@ comes from a local server in the hub's layout through the init containers'
 ``kvmesh download-model``.
 """
 
+import asyncio
 import json
 import os
 import shutil
@@ -31,7 +32,9 @@ from fake_hub import FakeHub, Repo, repo_from_folder
 from test_make_secrets import TOKEN, FakeKube
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, default_server_binary, free_port
+from kvmesh.cluster.node_drain import drain_sockets
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.drain_socket import drain_dir
 
 pytestmark = pytest.mark.servers
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,12 +83,22 @@ class Pods:
         )
 
     def stop(self) -> None:
-        for _, proc in reversed(self.procs):  # routers, controller, then the Ray nodes
+        """As the kubelet stops pods: the Ray workers' preStop (their replicas drain, found by
+        their processes: the drain folder is shared with other tests here), then SIGTERM, one
+        pod after the other, routers first and the Ray head last (a worker drains its node
+        through the head's GCS on SIGTERM: with the head gone too, it waits 30 s for it)."""
+        sockets = [
+            path
+            for path in drain_dir().glob("*-*.sock")
+            for name, proc in self.procs
+            if name.startswith("ray-worker-") and _descends_from(int(path.name.split("-", 1)[0]), proc.pid)
+        ]
+        asyncio.run(drain_sockets(sockets, timeout_s=40))
+        for name, proc in reversed(self.procs):
             with _quiet():
                 os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=30)
+            try:  # the head, last, waits out Ray's 30 s node drain on SIGTERM: nothing needs it now
+                proc.wait(timeout=5 if name == "ray-head" else 30)
             except subprocess.TimeoutExpired:
                 with _quiet():
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -407,6 +420,9 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     while pid > 1:
         if pid == ancestor:
             return True
-        status = Path(f"/proc/{pid}/status").read_text()
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:  # gone: a stale drain socket's process
+            return False
         pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
     return False

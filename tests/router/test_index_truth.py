@@ -148,11 +148,11 @@ async def exact_again(fleet, replica_id: str) -> None:
 
 
 async def test_steady_load_raises_no_alarm(fleet):
-    """20 s of shared-prefix traffic from 4 clients through the prefix policy: no lie, no
-    resync, every state EXACT all along."""
+    """10 s of shared-prefix traffic from 4 clients through the prefix policy: no lie, no
+    resync, every state EXACT all along (longer runs are `kvmesh bench soak`'s)."""
     groups = [prompt(5) for _ in range(8)]
     seen: set[str] = set()
-    stop = time.monotonic() + 20
+    stop = time.monotonic() + 10
 
     async def client(k: int) -> int:
         n = 0
@@ -168,7 +168,7 @@ async def test_steady_load_raises_no_alarm(fleet):
             await asyncio.sleep(0.05)
 
     counts, _ = await asyncio.gather(asyncio.gather(*(client(k) for k in range(4))), watch())
-    assert sum(counts) > 50
+    assert sum(counts) > 30, counts
     assert seen == {EXACT}
     assert sum(metric(fleet, "kvmesh_router_prediction_misses_total", cause=c) for c in LIES) == 0
     assert metric(fleet, "kvmesh_router_index_resyncs_total") == 0

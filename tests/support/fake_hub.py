@@ -22,7 +22,9 @@ from pathlib import Path
 class Repo:
     revisions: dict[str, dict[str, bytes]]  # revision name -> {path: content}
     token: str | None = None  # the bearer token it requires, if private
-    broken: set[str] = field(default_factory=set)  # paths whose download fails (500)
+    broken: set[str] = field(default_factory=set)  # paths whose download fails (with broken_status)
+    # 500 is retried by huggingface_hub with backoff (about 23 s before it gives up); 403 is not
+    broken_status: int = 500
 
     def commit(self, revision: str) -> str:
         files = self.revisions[revision]
@@ -93,7 +95,7 @@ class FakeHub:
             if name not in files:
                 self._send(h, 404, b"entry not found", body, {"X-Error-Code": "EntryNotFound"})
             elif name in repo.broken:
-                self._send(h, 500, b"storage backend failed", body)
+                self._send(h, repo.broken_status, b"storage backend failed", body)
             else:
                 if body:
                     time.sleep(self.delay_s)
