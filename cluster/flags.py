@@ -143,6 +143,10 @@ class FlagTable:
                     metavar={int: "N", float: "X"}.get(flag.kind, flag.name.split("-")[-1].upper()),
                 )
 
+    def given(self, args: argparse.Namespace, name: str) -> bool:
+        """Whether ``--name`` was on the command line (not its environment variable or default)."""
+        return hasattr(args, self.flags[name].dest)
+
     def build(self, args: argparse.Namespace) -> list[Any]:
         """The configs, in the order of ``roots``: flags, then environment, then defaults.
         Bad values and configs that refuse them are UsageErrors (one line, exit 2)."""

@@ -330,36 +330,24 @@ class _Bench:
             return await asyncio.to_thread(
                 run_guidellm, load, self.config.venv, url, self.model.name, str(self.model), report
             )
-        if workload == "shared_prefix":
-            requests = shared_prefix(
-                num_groups=load.prefix_count,
-                prompts_per_group=max(1, load.requests // load.prefix_count),
-                system_prompt_len=load.prefix_tokens,
-                question_len=load.prompt_tokens,
-                output_len=load.output_tokens,
-                seed=load.seed,
-            )
+        if workload in ("shared_prefix", "mooncake"):
+            if workload == "shared_prefix":  # Poisson arrivals at the load's rate
+                requests, pacing = (
+                    shared_prefix(
+                        num_groups=load.prefix_count,
+                        prompts_per_group=max(1, load.requests // load.prefix_count),
+                        system_prompt_len=load.prefix_tokens,
+                        question_len=load.prompt_tokens,
+                        output_len=load.output_tokens,
+                        seed=load.seed,
+                    ),
+                    {"rate": load.rate},
+                )
+            else:  # the trace's own arrival times, scaled to the rate
+                requests, pacing = mooncake_at(load), {"use_arrival_times": True}
+            texts = as_text(requests, self.words)
             records = await run_http_load(
-                url,
-                requests,
-                as_text(requests, self.words),
-                label,
-                self.model.name,
-                concurrency=256,
-                rate=load.rate,
-                seed=load.seed,
-            )
-        elif workload == "mooncake":
-            requests = mooncake_at(load)
-            records = await run_http_load(
-                url,
-                requests,
-                as_text(requests, self.words),
-                label,
-                self.model.name,
-                concurrency=256,
-                seed=load.seed,
-                use_arrival_times=True,
+                url, requests, texts, label, self.model.name, concurrency=256, seed=load.seed, **pacing
             )
         else:  # rate r: r conversations at once, each sending its next turn when answered
             chats = conversations(

@@ -38,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.serving.options import redacted_url
 
     (config,) = FLAGS.build(args)
+    if FLAGS.given(args, "address") and not FLAGS.given(args, "redis-url"):
+        # a router named on the command line is asked, even where the environment names the
+        # index (every chart pod has KVMESH_REDIS_URL: `kubectl exec ... kvmesh status --address`)
+        config.redis_url = None
     source = redacted_url(config.redis_url) if config.redis_url else f"the router at {config.address}"
     try:
         token = read_token_file(config.api_key_file, "--api-key-file") if config.api_key_file else None

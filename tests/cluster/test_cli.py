@@ -148,3 +148,22 @@ def test_drain_replicas_with_none_here_drains_nothing_and_says_so(tmp_path):
     out = subprocess.run([KVMESH, "drain-replicas", "--timeout", "5"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "drained 0 replica(s)", out.stderr
+
+
+def test_status_asks_the_router_named_on_the_command_line_even_where_the_environment_names_the_index():
+    """Every chart pod has KVMESH_REDIS_URL; `kubectl exec ... kvmesh status --address ...` must
+    still ask that router (here: nobody listens, so it says which router it could not read)."""
+    from kvmesh.cluster.embedded_redis import free_port
+
+    port = free_port()
+    env = {**os.environ, "KVMESH_REDIS_URL": "redis://127.0.0.1:1"}
+    out = subprocess.run(
+        [KVMESH, "status", "--address", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2 and f"cannot read the router at 127.0.0.1:{port}" in out.stderr, out.stderr
+    indexed = subprocess.run([KVMESH, "status"], capture_output=True, text=True, timeout=60, env=env)
+    assert indexed.returncode == 2 and "cannot read redis://127.0.0.1:1" in indexed.stderr, indexed.stderr
