@@ -40,7 +40,7 @@ image-check: venv image
 		$(PY) -m pytest -q -m image tests/deploy/test_image.py tests/deploy/test_chart_containers.py
 
 # The tests that start nothing (no Ray, no Redis, no servers) and are not benchmark smoke
-# runs: the inner loop while editing (about 35 s on 2 cores). CI runs `make test`.
+# runs: the inner loop while editing (about 1 min 50 s on 2 cores today). CI runs `make test`.
 test-fast: venv lint
 	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow"; $(PYTEST_OK_IF_EMPTY)
 

@@ -23,11 +23,13 @@ async def _health_round_trip() -> str:
     return event_loop.loop_name()
 
 
+@pytest.mark.servers
 def test_servers_run_on_uvloop_where_it_is_installed():
     pytest.importorskip("uvloop", reason="uvloop is a dependency on Linux and macOS only")
     assert event_loop.run(_health_round_trip()) == "uvloop"
 
 
+@pytest.mark.servers
 def test_without_uvloop_the_loop_is_asyncios_own(monkeypatch):
     monkeypatch.setattr(event_loop, "loop_factory", lambda: None)
     assert event_loop.run(_health_round_trip()) == "asyncio"
