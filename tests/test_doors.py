@@ -29,18 +29,28 @@ async def doors(qwen3_dir, valkey_server, tmp_path_factory):
     (folder / "client").write_text(CLIENT_TOKEN)
     replica = ReplicaServer(
         ReplicaConfig(
-            str(qwen3_dir), "door-0", valkey_server.url, deployment="doors", heartbeat_s=0.2,
-            api_key_file=str(folder / "replica"), pod_metrics_port=free_port(), max_message_bytes=1 << 20,
+            str(qwen3_dir),
+            "door-0",
+            valkey_server.url,
+            deployment="doors",
+            heartbeat_s=0.2,
+            api_key_file=str(folder / "replica"),
+            pod_metrics_port=free_port(),
+            max_message_bytes=1 << 20,
             engine=EngineConfig(num_kv_blocks=64),
         )
-    )  # fmt: skip
+    )
     await replica.start()
     router = RouterServer(
         local_router_config(
-            qwen3_dir, valkey_server.url, deployment="doors", metrics_port=0,
-            api_key_file=str(folder / "client"), replica_api_key_file=str(folder / "replica"),
+            qwen3_dir,
+            valkey_server.url,
+            deployment="doors",
+            metrics_port=0,
+            api_key_file=str(folder / "client"),
+            replica_api_key_file=str(folder / "replica"),
         )
-    )  # fmt: skip
+    )
     await started_router(router)
     yield router, replica
     await router.stop(grace=0.5)

@@ -28,9 +28,12 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(ray_cluster, qwen3_dir):
     config = ClusterConfig.for_model(
-        str(qwen3_dir), 3, engine={"num_kv_blocks": 512, "max_num_seqs": 16},
-        router={"port": 0, "http_port": 0}, replica={"heartbeat_s": 0.2, "ttl_s": 1.5},
-    )  # fmt: skip
+        str(qwen3_dir),
+        3,
+        engine={"num_kv_blocks": 512, "max_num_seqs": 16},
+        router={"port": 0, "http_port": 0},
+        replica={"heartbeat_s": 0.2, "ttl_s": 1.5},
+    )
     async with LocalCluster(config) as c:
         yield c
 
@@ -231,9 +234,14 @@ async def test_openai_client_streams_through_http(cluster):
     models = await client.models.list()
     assert [m.id for m in models.data] == ["qwen3"]
     stream = await client.completions.create(
-        model="qwen3", prompt="the cache block prefix", max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="qwen3",
+        prompt="the cache block prefix",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     texts, finish, usage = [], None, None
     async for chunk in stream:
         if chunk.choices:

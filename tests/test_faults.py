@@ -28,9 +28,12 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(ray_cluster, qwen3_dir):
     config = ClusterConfig.for_model(
-        str(qwen3_dir), 3, engine={"num_kv_blocks": 512, "max_num_seqs": 32},
-        router={"port": 0, "http_port": -1}, replica={"heartbeat_s": 0.2, "ttl_s": 1.5},
-    )  # fmt: skip
+        str(qwen3_dir),
+        3,
+        engine={"num_kv_blocks": 512, "max_num_seqs": 32},
+        router={"port": 0, "http_port": -1},
+        replica={"heartbeat_s": 0.2, "ttl_s": 1.5},
+    )
     async with LocalCluster(config) as c:
         c.supervisor.check_s = 0.3
         yield c

@@ -38,9 +38,15 @@ from kvmesh.serving.openai import protocol as openai_protocol
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 INPUTS = InputLimits(
-    max_batch_prompts=8, max_choices=16, max_messages=16, max_stop_strings=4, max_stop_chars=32,
-    max_stop_token_ids=8, max_logit_bias=8, max_template_bytes=2048,
-)  # fmt: skip
+    max_batch_prompts=8,
+    max_choices=16,
+    max_messages=16,
+    max_stop_strings=4,
+    max_stop_chars=32,
+    max_stop_token_ids=8,
+    max_logit_bias=8,
+    max_template_bytes=2048,
+)
 # Quick to give up on a client that does not read or answer pings (seconds).
 CONNECTIONS = ConnectionLimits(
     stream_write_timeout_s=1.0, grpc_max_streams=4, grpc_keepalive_s=1.0, grpc_keepalive_timeout_s=1.0
@@ -55,10 +61,15 @@ async def stack(qwen3_dir):
     for i in range(2):
         r = ReplicaServer(
             ReplicaConfig(
-                str(qwen3_dir), f"hostile-{i}", redis.url, heartbeat_s=0.2, inputs=INPUTS, connections=CONNECTIONS,
+                str(qwen3_dir),
+                f"hostile-{i}",
+                redis.url,
+                heartbeat_s=0.2,
+                inputs=INPUTS,
+                connections=CONNECTIONS,
                 engine=EngineConfig(num_kv_blocks=1024, max_num_batched_tokens=4096),
             )
-        )  # fmt: skip
+        )
         await r.start()
         replicas.append(r)
     limits = RouterLimits(max_inflight=MAX_INFLIGHT, inputs=INPUTS)
@@ -287,9 +298,14 @@ def big_echo_body(stream: bool) -> dict:
     for each of 8 choices) and that then keeps generating: a client that does not read it
     fills every buffer between it and the server."""
     return {
-        "prompt": prompts_of_lengths([1500], salt=4)[0], "echo": True, "logprobs": 20, "n": 8,
-        "max_tokens": 2000, "ignore_eos": True, "stream": stream,
-    }  # fmt: skip
+        "prompt": prompts_of_lengths([1500], salt=4)[0],
+        "echo": True,
+        "logprobs": 20,
+        "n": 8,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 async def test_an_http_client_that_stops_reading_is_cut_off_and_frees_everything(stack):

@@ -189,10 +189,20 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     ours = tuple(c for c in CONTENDERS if c.name in ("kvmesh prefix", "kvmesh round_robin"))
     out = tmp_path / "peers.json"
     config = peers.PeersConfig(
-        out=str(out), venv=tmp_path, cache_dir=tmp_path, replicas=2, num_kv_blocks=64, load=load,
-        rates=(20.0,), repeats=2, overhead_pairs=5, contenders=ours, guidellm=False, model_dir=qwen3_dir,
+        out=str(out),
+        venv=tmp_path,
+        cache_dir=tmp_path,
+        replicas=2,
+        num_kv_blocks=64,
+        load=load,
+        rates=(20.0,),
+        repeats=2,
+        overhead_pairs=5,
+        contenders=ours,
+        guidellm=False,
+        model_dir=qwen3_dir,
         docs=tmp_path / "docs" / "e.md",
-    )  # fmt: skip
+    )
     assert peers.main(config) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]

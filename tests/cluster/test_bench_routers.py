@@ -16,10 +16,26 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 def test_bench_routers_quick(tmp_path):
     out, png = tmp_path / "routers.json", tmp_path / "routers.png"
     run = subprocess.run(
-        [KVMESH, "bench", "routers", "--quick", "--routers", "1,2", "--repeats", "1", "--replicas", "2",
-         "--out", str(out), "--png", str(png)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "bench",
+            "routers",
+            "--quick",
+            "--routers",
+            "1,2",
+            "--repeats",
+            "1",
+            "--replicas",
+            "2",
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = result["rows"]

@@ -39,10 +39,27 @@ def test_only_a_stream_from_a_replica_killed_while_it_ran_is_the_kills():
 def test_a_short_hostile_soak_fails_no_ordinary_request(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run(
-        [KVMESH, "bench", "soak", "--duration", "30", "--replicas", "2", "--clients", "2", "--kill-every", "10",
-         "--hostile", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "bench",
+            "soak",
+            "--duration",
+            "30",
+            "--replicas",
+            "2",
+            "--clients",
+            "2",
+            "--kill-every",
+            "10",
+            "--hostile",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     # a kill every 10 s but never of the last live replica: 2 or 3 (a slow replacement delays one)

@@ -39,10 +39,18 @@ def test_help_lists_commands():
         ("drain-replicas", "--timeout", "0"),
     ],
     ids=[
-        "unknown-command", "no-command", "unknown-bench", "zero-repeats", "bad-int", "router-bad-deployment",
-        "up-empty-deployment", "no-inline-api-key", "acl-without-passwords", "drain-zero-timeout",
+        "unknown-command",
+        "no-command",
+        "unknown-bench",
+        "zero-repeats",
+        "bad-int",
+        "router-bad-deployment",
+        "up-empty-deployment",
+        "no-inline-api-key",
+        "acl-without-passwords",
+        "drain-zero-timeout",
     ],
-)  # fmt: skip
+)
 def test_usage_errors_are_one_line_and_exit_2(args):
     out = run(*args)
     assert out.returncode == 2
@@ -146,8 +154,13 @@ def test_valkey_acl_writes_a_private_file_a_server_starts_with(tmp_path):
 
 
 def test_drain_replicas_with_none_here_drains_nothing_and_says_so(tmp_path):
-    out = subprocess.run([KVMESH, "drain-replicas", "--timeout", "5"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    out = subprocess.run(
+        [KVMESH, "drain-replicas", "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "drained 0 replica(s)", out.stderr
 
 

@@ -54,9 +54,24 @@ def test_serving_commands_reject_bad_input_in_one_line(args, qwen3_dir):
 
 def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
     proc = subprocess.Popen(
-        [KVMESH, "up", "--model", str(qwen3_dir), "--replicas", "2", "--port", "0", "--http-port", "-1", "--num-kv-blocks", "128"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "up",
+            "--model",
+            str(qwen3_dir),
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--http-port",
+            "-1",
+            "--num-kv-blocks",
+            "128",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         deadline = time.monotonic() + 180
@@ -132,11 +147,33 @@ async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
 def test_bench_serve_then_report(qwen3_dir, tmp_path):
     run_file = tmp_path / "run.jsonl"
     serve = run(
-        "bench", "serve", "--model", str(qwen3_dir), "--replicas", "2", "--workload", "shared_prefix",
-        "--num-groups", "2", "--prompts-per-group", "4", "--system-prompt-len", "64", "--question-len", "8",
-        "--output-len", "4", "--rate", "20", "--policy", "prefix", "-q", "--out", str(run_file),
+        "bench",
+        "serve",
+        "--model",
+        str(qwen3_dir),
+        "--replicas",
+        "2",
+        "--workload",
+        "shared_prefix",
+        "--num-groups",
+        "2",
+        "--prompts-per-group",
+        "4",
+        "--system-prompt-len",
+        "64",
+        "--question-len",
+        "8",
+        "--output-len",
+        "4",
+        "--rate",
+        "20",
+        "--policy",
+        "prefix",
+        "-q",
+        "--out",
+        str(run_file),
         timeout=300,
-    )  # fmt: skip
+    )
     assert serve.returncode == 0, serve.stderr[-2000:]
     lines = run_file.read_text().splitlines()
     meta = json.loads(lines[0])["meta"]
@@ -159,8 +196,10 @@ def test_bench_serve_then_report(qwen3_dir, tmp_path):
 def test_up_without_router_is_the_charts_controller(qwen3_dir):
     proc = subprocess.Popen(
         [KVMESH, "up", "--no-router", "--model", str(qwen3_dir), "--replicas", "1", "--num-kv-blocks", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         text = ""
         deadline = time.monotonic() + 180
@@ -240,11 +279,30 @@ def test_two_ups_of_one_model_on_one_redis_never_collide(qwen3_dir, tmp_path):
         ups = {}
         for name in ("a", "b"):  # both load at once
             ups[name] = subprocess.Popen(
-                [KVMESH, "up", "--model", str(qwen3_dir), "--redis-url", redis.url, "--replicas", "1",
-                 "--port", "0", "--http-port", "-1", "--replica-http-port", "-1", "--num-kv-blocks", "64",
-                 "--torch-threads", "1"],
-                stdout=subprocess.PIPE, stderr=(tmp_path / f"{name}.err").open("w"), text=True,
-            )  # fmt: skip
+                [
+                    KVMESH,
+                    "up",
+                    "--model",
+                    str(qwen3_dir),
+                    "--redis-url",
+                    redis.url,
+                    "--replicas",
+                    "1",
+                    "--port",
+                    "0",
+                    "--http-port",
+                    "-1",
+                    "--replica-http-port",
+                    "-1",
+                    "--num-kv-blocks",
+                    "64",
+                    "--torch-threads",
+                    "1",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=(tmp_path / f"{name}.err").open("w"),
+                text=True,
+            )
         try:
             seen = {}
             for name, proc in ups.items():

@@ -120,9 +120,14 @@ def test_secrets_come_from_files_only_and_never_leave(monkeypatch, tmp_path):
     by_file = build(TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"))[0]
     assert by_file.client_token() == "from-file" == by_file.replica_token()  # presented to replicas too
     both = build(
-        TABLES["router"], "--model", str(tmp_path), "--api-key-file", str(tmp_path / "key"),
-        "--replica-api-key-file", str(tmp_path / "replica-key"),
-    )[0]  # fmt: skip
+        TABLES["router"],
+        "--model",
+        str(tmp_path),
+        "--api-key-file",
+        str(tmp_path / "key"),
+        "--replica-api-key-file",
+        str(tmp_path / "replica-key"),
+    )[0]
     assert (both.client_token(), both.replica_token()) == ("from-file", "replica-secret")
     assert "from-file" not in json.dumps(effective_config(both))
     (tmp_path / "empty").write_text("\n")
@@ -134,9 +139,22 @@ def test_secrets_come_from_files_only_and_never_leave(monkeypatch, tmp_path):
 
 def test_up_shares_one_flag_between_the_router_and_every_replica(tmp_path):
     (config,) = build(
-        TABLES["up"], "--model", str(tmp_path), "--block-size", "32", "--max-model-len", "900",
-        "--model-id", "m", "--max-message-bytes", "2048", "--tls-ca", "/ca.pem", "--drain-timeout", "3",
-    )  # fmt: skip
+        TABLES["up"],
+        "--model",
+        str(tmp_path),
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "900",
+        "--model-id",
+        "m",
+        "--max-message-bytes",
+        "2048",
+        "--tls-ca",
+        "/ca.pem",
+        "--drain-timeout",
+        "3",
+    )
     router, replica = config.router, config.replica
     assert router.model_dir == replica.model_dir == str(tmp_path)
     assert router.block_size == replica.engine.block_size == 32

@@ -99,9 +99,20 @@ NOT_VARIED = {
 
 
 PER_RUN = {
-    "model", "redis-url", "port", "http-port", "tls-cert", "tls-key", "tls-ca", "api-key-file",
-    "replica-api-key-file", "tokenizer", "chat-template", "pod-metrics-port", "metrics-port",
-}  # fmt: skip
+    "model",
+    "redis-url",
+    "port",
+    "http-port",
+    "tls-cert",
+    "tls-key",
+    "tls-ca",
+    "api-key-file",
+    "replica-api-key-file",
+    "tokenizer",
+    "chat-template",
+    "pod-metrics-port",
+    "metrics-port",
+}
 
 
 def per_run_values(

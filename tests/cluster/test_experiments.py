@@ -241,8 +241,13 @@ def test_a_fleets_model_from_its_heartbeats_is_the_median_of_the_replicas_that_m
     from kvmesh.serving.step_costs import StepCosts
 
     def record(rid, costs, steps, blocks=160):
-        fields = {**costs.as_fields(), "cost_steps": str(steps), "num_blocks": str(blocks),
-                  "max_num_seqs": "64", "max_num_batched_tokens": "2048"}  # fmt: skip
+        fields = {
+            **costs.as_fields(),
+            "cost_steps": str(steps),
+            "num_blocks": str(blocks),
+            "max_num_seqs": "64",
+            "max_num_batched_tokens": "2048",
+        }
         return ReplicaRecord(rid, "127.0.0.1:1", 1, 1000, fields)
 
     fleet = [
@@ -270,10 +275,29 @@ def test_a_fleets_model_from_its_heartbeats_is_the_median_of_the_replicas_that_m
 def test_simulate_cli_writes_every_policy(tmp_path):
     out = tmp_path / "sim.json"
     run = subprocess.run(
-        [KVMESH, "simulate", "--workload", "shared_prefix", "--num-groups", "4", "--prompts-per-group", "4",
-         "--rate", "20", "--replicas", "2", "--policy", "prefix,round_robin", "-q", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "simulate",
+            "--workload",
+            "shared_prefix",
+            "--num-groups",
+            "4",
+            "--prompts-per-group",
+            "4",
+            "--rate",
+            "20",
+            "--replicas",
+            "2",
+            "--policy",
+            "prefix,round_robin",
+            "-q",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     keys = {
@@ -351,9 +375,18 @@ def test_the_load_order_picks_what_ranking_every_replica_picks(routers, shared, 
     runs = {}
     for rank_all in (False, True):
         sim = Simulation(
-            _mixed_load(seed=routers), 24, "prefix", H100_LLAMA3_8B, block_size=64, blocks_per_replica=160,
-            routers=routers, shared_load=shared, event_lag_s=lag_s, heartbeat_s=heartbeat_s, rank_all=rank_all,
-        )  # fmt: skip
+            _mixed_load(seed=routers),
+            24,
+            "prefix",
+            H100_LLAMA3_8B,
+            block_size=64,
+            blocks_per_replica=160,
+            routers=routers,
+            shared_load=shared,
+            event_lag_s=lag_s,
+            heartbeat_s=heartbeat_s,
+            rank_all=rank_all,
+        )
         runs[rank_all] = (sim.run(), sim.results["replica"].tolist())
         assert (sim.routers[0].order is None) == rank_all
     (fast, fast_where), (full, full_where) = runs[False], runs[True]
@@ -367,9 +400,12 @@ def test_several_routers_sharing_their_load_place_a_burst_as_one_router_does():
     tie-breaks differ: a request apiece); each on its own counts sees an eighth of the burst (every holder looks
     nearly idle to it) and spreads it otherwise."""
     burst = wl.poisson_arrivals(
-        wl.shared_prefix(num_groups=1, prompts_per_group=160, system_prompt_len=1024, question_len=64, output_len=64),
-        400, seed=1,
-    )  # fmt: skip
+        wl.shared_prefix(
+            num_groups=1, prompts_per_group=160, system_prompt_len=1024, question_len=64, output_len=64
+        ),
+        400,
+        seed=1,
+    )
     placed = {}
     for routers, shared in ((1, True), (8, True), (8, False)):
         sim = Simulation(
@@ -386,9 +422,12 @@ def test_index_lag_hides_what_replicas_hold_until_it_passes():
     """Requests that revisit finished prompts 0.5 s later: with the index current the router
     predicts their reuse; with a lag longer than the run (and no speculative entries), none."""
     reqs = wl.poisson_arrivals(
-        wl.shared_prefix(num_groups=4, prompts_per_group=10, system_prompt_len=512, question_len=32, output_len=8),
-        2, seed=3,
-    )  # fmt: skip
+        wl.shared_prefix(
+            num_groups=4, prompts_per_group=10, system_prompt_len=512, question_len=32, output_len=8
+        ),
+        2,
+        seed=3,
+    )
     predicted = {}
     for lag_s in (0.0, 60.0):
         sim = Simulation(
@@ -415,11 +454,35 @@ def test_a_streamed_workload_is_the_listed_one_and_must_come_in_order():
 def test_simulate_cli_routers_lag_and_heartbeats(tmp_path):
     out = tmp_path / "sim.json"
     run = subprocess.run(
-        [KVMESH, "simulate", "--workload", "zipf", "--num-groups", "6", "--prompts-per-group", "5", "--rate", "50",
-         "--replicas", "4", "--routers", "3", "--shared-load", "off", "--event-lag-ms", "5", "--heartbeat-ms", "100",
-         "-q", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "simulate",
+            "--workload",
+            "zipf",
+            "--num-groups",
+            "6",
+            "--prompts-per-group",
+            "5",
+            "--rate",
+            "50",
+            "--replicas",
+            "4",
+            "--routers",
+            "3",
+            "--shared-load",
+            "off",
+            "--event-lag-ms",
+            "5",
+            "--heartbeat-ms",
+            "100",
+            "-q",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert (

@@ -76,8 +76,11 @@ def run_without_extras(code: str, tmp_path) -> subprocess.CompletedProcess:
     blocked = extras_only_modules()
     return subprocess.run(
         [sys.executable, "-c", BLOCKER.format(blocked=blocked) + code],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
 
 def test_the_extras_bring_what_serving_never_needs():

@@ -52,9 +52,17 @@ def test_parked_decoders_change_nothing_but_speed(policy, blocks, cost, routers,
     runs = {}
     for lazy in (True, False):
         sim = Simulation(
-            busy_workload(), 3, policy, cost, block_size=16, blocks_per_replica=blocks, routers=routers,
-            event_lag_s=lag_s, heartbeat_s=heartbeat_s, lazy_decode=lazy,
-        )  # fmt: skip
+            busy_workload(),
+            3,
+            policy,
+            cost,
+            block_size=16,
+            blocks_per_replica=blocks,
+            routers=routers,
+            event_lag_s=lag_s,
+            heartbeat_s=heartbeat_s,
+            lazy_decode=lazy,
+        )
         runs[lazy] = (sim.run(), rows(sim), sim.events)
     (fast, fast_rows, fast_events), (slow, slow_rows, slow_events) = runs[True], runs[False]
     assert fast_rows.keys() == slow_rows.keys() and len(fast_rows["done_s"]) == fast["num_requests"] > 0
@@ -138,10 +146,27 @@ def test_capacity_separates_a_stable_load_from_an_overload():
 def test_simulate_cli_load(tmp_path):
     out = tmp_path / "sim.json"
     run = subprocess.run(
-        [KVMESH, "simulate", "--workload", "shared_prefix", "--num-groups", "8", "--prompts-per-group", "40",
-         "--replicas", "2", "--load", "0.5", "-q", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "simulate",
+            "--workload",
+            "shared_prefix",
+            "--num-groups",
+            "8",
+            "--prompts-per-group",
+            "40",
+            "--replicas",
+            "2",
+            "--load",
+            "0.5",
+            "-q",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     config = json.loads(out.read_text())["config"]
     capacity = config["capacity"]
@@ -150,6 +175,8 @@ def test_simulate_cli_load(tmp_path):
     for bad in (["--load", "0.5", "--rate", "3"], ["--load", "0"], ["--load", "0.5", "--trace", "t.jsonl"]):
         run = subprocess.run(
             [KVMESH, "simulate", "--workload", "shared_prefix", "-q", "--out", str(out), *bad],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and "--load" in run.stderr

@@ -151,11 +151,29 @@ async def test_controller_killed_and_restarted_under_load_loses_no_request(
     token = tmp_path / "replica-token"  # the chart's Secret file: the same for every controller
     token.write_text("replica-t0ken\n")
     argv = [
-        KVMESH, "up", "--no-router", "--keep-replicas", "--ray-address", gcs, "--redis-url", valkey_server.url,
-        "--replica-api-key-file", str(token),
-        "--model", str(qwen3_dir), "--model-id", "outlive", "--replicas", "2", "--num-kv-blocks", "64",
-        "--heartbeat-interval", "0.2", "--deployment", "default",  # fixed, as the chart's: the router's too
-    ]  # fmt: skip
+        KVMESH,
+        "up",
+        "--no-router",
+        "--keep-replicas",
+        "--ray-address",
+        gcs,
+        "--redis-url",
+        valkey_server.url,
+        "--replica-api-key-file",
+        str(token),
+        "--model",
+        str(qwen3_dir),
+        "--model-id",
+        "outlive",
+        "--replicas",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        "--heartbeat-interval",
+        "0.2",
+        "--deployment",
+        "default",  # fixed, as the chart's: the router's too
+    ]
 
     def controller() -> subprocess.Popen:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -232,8 +250,10 @@ def test_placement_and_reachability_fail_in_one_line(qwen3_dir):
     assert seen and "waiting for GPUs" in seen[0]
     out = subprocess.run(
         [KVMESH, "up", "--model", str(qwen3_dir), "--ray-address", "ray://kvmesh-head:10001"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "give --redis-url of a Redis they can reach" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
@@ -259,9 +279,12 @@ def test_a_ray_client_start_failure_is_tried_again_only_for_ray_client_addresses
     no_wait = asyncio.sleep
     monkeypatch.setattr(launcher.asyncio, "sleep", lambda seconds: no_wait(0))
     config = ClusterConfig.for_model(
-        str(qwen3_dir), 1, ray_address=address, router={"redis_url": REMOTE},
+        str(qwen3_dir),
+        1,
+        ray_address=address,
+        router={"redis_url": REMOTE},
         replica={"redis_url": REMOTE, "api_key_file": "/run/secrets/kvmesh/replica-token"},
-    )  # fmt: skip
+    )
     cluster = launcher.LocalCluster(config)
     if calls == 1:
         with pytest.raises(ConnectionAbortedError):

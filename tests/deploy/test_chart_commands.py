@@ -274,8 +274,11 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
         [init] = router_pod["initContainers"]
         env = container_env(init["env"], {}, rewriter(volume="router"))
         download = subprocess.run(
-            [str(BIN / "kvmesh"), *map(rewriter(volume="router"), init["args"])], env=env, capture_output=True, text=True
-        )  # fmt: skip
+            [str(BIN / "kvmesh"), *map(rewriter(volume="router"), init["args"])],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert download.returncode == 0, download.stderr
         router = router_pod["containers"][0]
         routers = []
@@ -297,9 +300,18 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
             )
         for n in range(2):
             pods.wait_for(f"router-{n}", "kvmesh router: gRPC", timeout=120)
-        yield {"routers": routers, "work": work, "volumes": volumes, "gcs": gcs, "env": head_env, "pods": pods,
-               "redis": redis, "secrets": secrets, "started_s": time.monotonic() - started,
-               "probe": router["readinessProbe"]["httpGet"]}  # fmt: skip
+        yield {
+            "routers": routers,
+            "work": work,
+            "volumes": volumes,
+            "gcs": gcs,
+            "env": head_env,
+            "pods": pods,
+            "redis": redis,
+            "secrets": secrets,
+            "started_s": time.monotonic() - started,
+            "probe": router["readinessProbe"]["httpGet"],
+        }
     finally:
         pods.stop()
         redis.close()

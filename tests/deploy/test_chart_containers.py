@@ -199,13 +199,19 @@ def kuberay_pod(spec: dict, node: str, params: dict, head: str | None) -> dict:
     container["command"], container["args"] = ["/bin/bash", "-lc", "--"], [command]
     if head is not None:  # KubeRay's init container: the worker starts once the GCS answers
         wait = "until ray health-check --address {0} > /dev/null 2>&1; do sleep 1; done; echo GCS is ready."
-        spec.setdefault("initContainers", []).append({
-            "name": "wait-gcs-ready", "image": container["image"], "imagePullPolicy": "Never",
-            "command": ["/bin/bash", "-lc", "--"], "args": [wait.format(head)],
-            "securityContext": copy.deepcopy(container["securityContext"]),
-            "env": copy.deepcopy(container.get("env", [])), "envFrom": copy.deepcopy(container.get("envFrom", [])),
-            "volumeMounts": copy.deepcopy(container["volumeMounts"]),
-        })  # fmt: skip
+        spec.setdefault("initContainers", []).append(
+            {
+                "name": "wait-gcs-ready",
+                "image": container["image"],
+                "imagePullPolicy": "Never",
+                "command": ["/bin/bash", "-lc", "--"],
+                "args": [wait.format(head)],
+                "securityContext": copy.deepcopy(container["securityContext"]),
+                "env": copy.deepcopy(container.get("env", [])),
+                "envFrom": copy.deepcopy(container.get("envFrom", [])),
+                "volumeMounts": copy.deepcopy(container["volumeMounts"]),
+            }
+        )
     gcs = head or f"127.0.0.1:{params['port']}"
     container.setdefault("env", []).extend(
         {"name": k, "value": v}
@@ -321,8 +327,14 @@ def chart_in_containers(image, tmp_path_factory, qwen3_dir):  # noqa: F811 - ima
         cluster.wait_for("llm-kvmesh-router-pod-0-router", "kvmesh router: gRPC", timeout=240)
         router = f"127.0.0.1:{ports['grpc']}"
         first_token_s = time.monotonic() - started + first_token_seconds(router)
-        yield {"cluster": cluster, "router": router, "http": f"http://127.0.0.1:{ports['http']}",
-               "workers": workers, "first_token_s": first_token_s, "grace": group["template"]["spec"]}  # fmt: skip
+        yield {
+            "cluster": cluster,
+            "router": router,
+            "http": f"http://127.0.0.1:{ports['http']}",
+            "workers": workers,
+            "first_token_s": first_token_s,
+            "grace": group["template"]["spec"],
+        }
     finally:
         cluster.remove()
         hub.close()

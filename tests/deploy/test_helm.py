@@ -21,9 +21,20 @@ CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 DEFAULT = CHART / "ci" / "default-values.yaml"
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 CORE_KINDS = {
-    "ConfigMap", "Deployment", "Service", "StatefulSet", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-    "NetworkPolicy", "Ingress", "PersistentVolumeClaim", "ServiceAccount", "Job", "Role", "RoleBinding",
-}  # fmt: skip
+    "ConfigMap",
+    "Deployment",
+    "Service",
+    "StatefulSet",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "Ingress",
+    "PersistentVolumeClaim",
+    "ServiceAccount",
+    "Job",
+    "Role",
+    "RoleBinding",
+}
 KUBE_VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
 
 
@@ -111,15 +122,37 @@ BAD_VALUES = [
     ({"controller": {"engine": {"gpuMemoryUtilization": 1.5}}}, "gpuMemoryUtilization"),
     ({"redis": {"external": {"url": "redis://user:hunter2@redis:6379/0"}}}, "/redis/external/url"),
     ({"redis": {"bundled": {"maxMemory": "1.5gb"}}}, "/redis/bundled/maxMemory"),
-    ({"redis": {"bundled": {"maxMemory": "2Gi"}}}, "/redis/bundled/maxMemory"),  # Kubernetes' units, not Valkey's
+    (
+        {"redis": {"bundled": {"maxMemory": "2Gi"}}},
+        "/redis/bundled/maxMemory",
+    ),  # Kubernetes' units, not Valkey's
     ({"redis": {"bundled": {"maxMemory": "0"}}}, "/redis/bundled/maxMemory"),  # 0: unbounded
     ({"redis": {"bundled": {"maxMemoryPolicy": "volatile-lru"}}}, "/redis/bundled/maxMemoryPolicy"),
     ({"redis": {"bundled": {"maxMemoryPolicy": "allkeys_lru"}}}, "/redis/bundled/maxMemoryPolicy"),
-    ({"ray": {"workerGroups": [{"name": "Bad_Name", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpusPerWorker": 0, "resources": {"requests": {}, "limits": {}}}]}}, "/ray/workerGroups/0/name"),
+    (
+        {
+            "ray": {
+                "workerGroups": [
+                    {
+                        "name": "Bad_Name",
+                        "replicas": 1,
+                        "minReplicas": 0,
+                        "maxReplicas": 1,
+                        "gpusPerWorker": 0,
+                        "resources": {"requests": {}, "limits": {}},
+                    }
+                ]
+            }
+        },
+        "/ray/workerGroups/0/name",
+    ),
     ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
     ({"image": {"digest": "latest"}}, "/image/digest"),
     ({"redis": {"bundled": {"image": {"digest": "md5:0123"}}}}, "/redis/bundled/image/digest"),
-    ({"redis": {"bundled": {"image": "valkey/valkey:8.1"}}}, "/redis/bundled/image"),  # now repository/tag/digest
+    (
+        {"redis": {"bundled": {"image": "valkey/valkey:8.1"}}},
+        "/redis/bundled/image",
+    ),  # now repository/tag/digest
     ({"redis": {"bundled": {"auth": {"passwordKey": "password"}}}}, "passwordKey"),  # one password is gone
     ({"redis": {"external": {"username": "kvmesh"}}}, "username"),  # one user per role now
     ({"redis": {"external": {"usernames": {"router": ""}}}}, "/redis/external/usernames/router"),
@@ -128,7 +161,7 @@ BAD_VALUES = [
     ({"router": {"tmpSizeLimit": "lots"}}, "/router/tmpSizeLimit"),
     ({"ray": {"ports": {"nodeManager": 70000}}}, "/ray/ports/nodeManager"),
     ({"redis": {"bundled": {"pdb": {"maxUnavailable": 2}}}}, "/redis/bundled/pdb/maxUnavailable"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("override", "needle"), BAD_VALUES, ids=[n.strip("/") for _, n in BAD_VALUES])
@@ -154,32 +187,118 @@ FAILS = [
     ({"model": {"cache": {"create": True, "existingClaim": "models"}}}, "existingClaim or create, not both"),
     ({"model": {"download": {"enabled": False}}}, "must already be in model.cache.existingClaim"),
     ({"model": {"path": "/data/model"}}, "not under model.cache.mountPath"),
-    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 3, "maxReplicas": 2, "gpusPerWorker": 1, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "minReplicas 3 > maxReplicas 2"),
-    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 5, "minReplicas": 1, "maxReplicas": 2, "gpusPerWorker": 1, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "replicas 5 outside"),
-    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerWorker": 1, "resources": {"requests": {}, "limits": {}}}]}}, "need shmSize"),
+    (
+        {
+            "ray": {
+                "workerGroups": [
+                    {
+                        "name": "gpu",
+                        "replicas": 1,
+                        "minReplicas": 3,
+                        "maxReplicas": 2,
+                        "gpusPerWorker": 1,
+                        "shmSize": "1Gi",
+                        "resources": {"requests": {}, "limits": {}},
+                    }
+                ]
+            }
+        },
+        "minReplicas 3 > maxReplicas 2",
+    ),
+    (
+        {
+            "ray": {
+                "workerGroups": [
+                    {
+                        "name": "gpu",
+                        "replicas": 5,
+                        "minReplicas": 1,
+                        "maxReplicas": 2,
+                        "gpusPerWorker": 1,
+                        "shmSize": "1Gi",
+                        "resources": {"requests": {}, "limits": {}},
+                    }
+                ]
+            }
+        },
+        "replicas 5 outside",
+    ),
+    (
+        {
+            "ray": {
+                "workerGroups": [
+                    {
+                        "name": "gpu",
+                        "replicas": 1,
+                        "minReplicas": 1,
+                        "maxReplicas": 1,
+                        "gpusPerWorker": 1,
+                        "resources": {"requests": {}, "limits": {}},
+                    }
+                ]
+            }
+        },
+        "need shmSize",
+    ),
     ({"router": {"autoscaling": {"minReplicas": 9, "maxReplicas": 3}}}, "minReplicas > maxReplicas"),
-    ({"router": {"autoscaling": {"enabled": False}, "replicas": 1, "pdb": {"minAvailable": 1}}}, "below router.replicas"),
+    (
+        {"router": {"autoscaling": {"enabled": False}, "replicas": 1, "pdb": {"minAvailable": 1}}},
+        "below router.replicas",
+    ),
     ({"router": {"pdb": {"minAvailable": 2}}}, "below router.autoscaling.minReplicas"),
     ({"ingress": {"enabled": True, "host": ""}}, "needs ingress.host"),
     ({"grpcRoute": {"enabled": True}}, "needs grpcRoute.parentRefs"),
     ({"security": {"tls": {"enabled": True}}}, "needs security.tls.existingSecret"),
     ({"podMonitor": {"enabled": True}, "replicaMetricsPort": 0}, "podMonitor needs replicaMetricsPort"),
     ({"podMonitor": {"enabled": True}}, "set networkPolicy.metricsFrom"),
-    ({"redis": {"bundled": {"maxMemory": "2gb"}}}, "maxMemory 2gb must be below redis.bundled.resources.limits.memory 2Gi"),
-    ({"redis": {"bundled": {"maxMemory": "2100m", "resources": {"requests": {}, "limits": {"memory": "2G"}}}}}, "maxMemory 2100m must be below"),
+    (
+        {"redis": {"bundled": {"maxMemory": "2gb"}}},
+        "maxMemory 2gb must be below redis.bundled.resources.limits.memory 2Gi",
+    ),
+    (
+        {
+            "redis": {
+                "bundled": {"maxMemory": "2100m", "resources": {"requests": {}, "limits": {"memory": "2G"}}}
+            }
+        },
+        "maxMemory 2100m must be below",
+    ),
     ({"serviceMonitor": {"enabled": True}}, "cannot reach the router's metrics port"),
-    ({"router": {"terminationGracePeriodSeconds": 15}}, "terminationGracePeriodSeconds 15 leaves no time to drain"),
+    (
+        {"router": {"terminationGracePeriodSeconds": 15}},
+        "terminationGracePeriodSeconds 15 leaves no time to drain",
+    ),
     ({"router": {"preStopSleepSeconds": 55}}, "leaves no time to drain"),
-    ({"ray": {"workerGroups": [{"name": "gpu", "replicas": 1, "minReplicas": 1, "maxReplicas": 1, "gpusPerWorker": 2, "shmSize": "1Gi", "resources": {"requests": {}, "limits": {}}}]}}, "gpusPerWorker 2: a worker pod hosts one replica"),
+    (
+        {
+            "ray": {
+                "workerGroups": [
+                    {
+                        "name": "gpu",
+                        "replicas": 1,
+                        "minReplicas": 1,
+                        "maxReplicas": 1,
+                        "gpusPerWorker": 2,
+                        "shmSize": "1Gi",
+                        "resources": {"requests": {}, "limits": {}},
+                    }
+                ]
+            }
+        },
+        "gpusPerWorker 2: a worker pod hosts one replica",
+    ),
     ({"replica": {"grpcPort": 8080}}, "replica.grpcPort 8080 is one of Ray's ports"),
     ({"replica": {"httpPort": 12000}}, "replica.httpPort 12000 is one of Ray's ports"),
     ({"replicaMetricsPort": 6379}, "replicaMetricsPort 6379 is one of Ray's ports"),
-    ({"replica": {"httpPort": 50052}}, "replica.grpcPort, replica.httpPort and replicaMetricsPort must differ"),
+    (
+        {"replica": {"httpPort": 50052}},
+        "replica.grpcPort, replica.httpPort and replicaMetricsPort must differ",
+    ),
     ({"router": {"metricsPort": 8000}}, "router.grpcPort, httpPort and metricsPort must differ"),
     ({"ray": {"ports": {"minWorker": 20000}}}, "minWorker 20000 > maxWorker 19999"),
     ({"ray": {"ports": {"nodeManager": 8076}}}, "two of Ray's ports are the same"),
     ({"ray": {"ports": {"objectManager": 12000}}}, "port 12000 is in the worker range 10002-19999"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("override", "message"), FAILS, ids=[m for _, m in FAILS])
@@ -417,8 +536,19 @@ def test_renders_are_stable_and_nothing_is_generated_in_templates(chart):
         assert first == chart.render(values, name="llm", namespace="serving")
     for template in (CHART / "templates").iterdir():
         actions = " ".join(re.findall(r"\{\{.*?\}\}", template.read_text(), re.S))
-        for word in ("randAlphaNum", "randAlpha", "randAscii", "randBytes", "randNumeric", "uuidv4",
-                     "genPrivateKey", "genCA", "derivePassword", "lookup", "now"):  # fmt: skip
+        for word in (
+            "randAlphaNum",
+            "randAlpha",
+            "randAscii",
+            "randBytes",
+            "randNumeric",
+            "uuidv4",
+            "genPrivateKey",
+            "genCA",
+            "derivePassword",
+            "lookup",
+            "now",
+        ):
             assert not re.search(rf"\b{word}\b", actions), (template.name, word)
 
 
@@ -590,9 +720,13 @@ def test_redis_choice(chart):
     )
     # one ACL user per role, each pod with its own user and only its own password
     for docs, users, secret in (
-        (default, {"router": "kvmesh-router", "controller": "kvmesh-admin", "ray": "kvmesh-replica"}, "llm-kvmesh-redis-auth"),
+        (
+            default,
+            {"router": "kvmesh-router", "controller": "kvmesh-admin", "ray": "kvmesh-replica"},
+            "llm-kvmesh-redis-auth",
+        ),
         (external, {"router": "llm-router", "controller": "llm-admin", "ray": "llm-replica"}, "kvmesh-redis"),
-    ):  # fmt: skip
+    ):
         for owner, spec in kvmesh_pods(docs).items():
             part = (
                 "router"
@@ -606,8 +740,12 @@ def test_redis_choice(chart):
             role = {"router": "router", "controller": "admin", "ray": "replica"}[part]
             assert env["KVMESH_REDIS_USERNAME"] == users[part], owner
             assert secret_of(spec, c, env["KVMESH_REDIS_PASSWORD_FILE"]) == (secret, role), owner
-            mounted = [i["key"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == secret
-                       for i in v["secret"]["items"]]  # fmt: skip
+            mounted = [
+                i["key"]
+                for v in spec["volumes"]
+                if v.get("secret", {}).get("secretName") == secret
+                for i in v["secret"]["items"]
+            ]
             assert mounted == [role], owner  # not the other roles' passwords
     # an external Redis without credentials: no user, no password file
     values = merge(
@@ -680,10 +818,15 @@ def test_bundled_valkey_memory_is_bounded_below_its_container_limit(chart):
     assert config["maxmemory"] == "1536mb" and config["maxmemory-policy"] == "noeviction"
     # sizes in the other unit systems, each side: below the limit renders, at or above fails
     for size, limit, fits in [
-        ("2g", "2Gi", True), ("1gb", 2147483648, True), ("2GB", "4096Mi", True), ("3gb", "2.5Gi", False),
-        ("3gb", 3221225472, False), ("2000000k", "2G", False), ("1953125kb", "2G", False),
+        ("2g", "2Gi", True),
+        ("1gb", 2147483648, True),
+        ("2GB", "4096Mi", True),
+        ("3gb", "2.5Gi", False),
+        ("3gb", 3221225472, False),
+        ("2000000k", "2G", False),
+        ("1953125kb", "2G", False),
         ("1953124kb", "2G", True),
-    ]:  # fmt: skip
+    ]:
         bundled = {"maxMemory": size, "resources": {"requests": {}, "limits": {"memory": limit}}}
         if fits:
             assert valkey_config(render(chart, {"redis": {"bundled": bundled}}))["maxmemory"] == size
@@ -707,8 +850,10 @@ def test_bundled_valkey_has_users_not_a_password(chart):
     assert config["save"] == '""' and config["appendonly"] == "no" and config["protected-mode"] == "yes"
     [init] = spec["initContainers"]
     assert init["image"] == "ghcr.io/kvmesh/kvmesh:0.1.0" and init["args"] == [
-        "valkey-acl", "--passwords-dir=/etc/kvmesh/redis-passwords", "--out=/etc/valkey/acl/users.acl",
-    ]  # fmt: skip
+        "valkey-acl",
+        "--passwords-dir=/etc/kvmesh/redis-passwords",
+        "--out=/etc/valkey/acl/users.acl",
+    ]
     from kvmesh.cluster.cli import build_parser
 
     parsed = build_parser().parse_args(init["args"])  # the command the image has takes them
@@ -1080,8 +1225,12 @@ def test_each_port_admits_only_its_own_clients(chart):
     # the controller and the hook Job serve nothing
     for port in (6379, 8000, 10001, 50051):
         assert reachable(docs, controller, port) == set()
-    assert not any(_selects(np["spec"]["podSelector"], meta["labels"]) for np in by_kind(docs, "NetworkPolicy")
-                   for owner, meta, _ in pods(docs) if owner.endswith("-make-secrets"))  # fmt: skip
+    assert not any(
+        _selects(np["spec"]["podSelector"], meta["labels"])
+        for np in by_kind(docs, "NetworkPolicy")
+        for owner, meta, _ in pods(docs)
+        if owner.endswith("-make-secrets")
+    )
     # without metricsFrom nobody scrapes; rayFrom opens the head's dashboard and client only
     submitter = {"podSelector": {"matchLabels": {"app": "curl"}}}
     docs = render(chart, {"networkPolicy": {"rayFrom": [submitter]}})
@@ -1125,8 +1274,13 @@ def test_drains_fit_their_grace_periods(chart):
     a replica's --drain-timeout and shorter than the worker's grace period."""
     from kvmesh.cluster.cli import build_parser
 
-    for values in ({}, {"router": {"terminationGracePeriodSeconds": 120, "preStopSleepSeconds": 5},
-                        "replica": {"drainTimeoutSeconds": 300}}):  # fmt: skip
+    for values in (
+        {},
+        {
+            "router": {"terminationGracePeriodSeconds": 120, "preStopSleepSeconds": 5},
+            "replica": {"drainTimeoutSeconds": 300},
+        },
+    ):
         docs = render(chart, values)
         merged = chart.merge_values(values)
         spec, router = container(docs, "llm-kvmesh-router")
@@ -1163,9 +1317,16 @@ def test_replicas_listen_on_fixed_ports_one_per_worker_pod(chart):
     for group in ray["spec"]["workerGroupSpecs"]:
         params = group["rayStartParams"]
         assert params["num-cpus"] == "1" and int(params["num-gpus"]) <= 1  # a replica takes a CPU (and a GPU)
-        for key in ("node-manager-port", "object-manager-port", "dashboard-agent-grpc-port",
-                    "dashboard-agent-listen-port", "runtime-env-agent-port", "metrics-export-port",
-                    "min-worker-port", "max-worker-port"):  # fmt: skip
+        for key in (
+            "node-manager-port",
+            "object-manager-port",
+            "dashboard-agent-grpc-port",
+            "dashboard-agent-listen-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "min-worker-port",
+            "max-worker-port",
+        ):
             assert params[key] == ray["spec"]["headGroupSpec"]["rayStartParams"][key], key  # every port fixed
 
 

@@ -41,9 +41,19 @@ def host_limits() -> list[str]:
 
 # The chart's pod and container security contexts, as flags of a container run.
 AS_THE_CHART_RUNS_IT = [
-    "--network", "host", *host_limits(), "--read-only", "--user", "1000:1000",
-    "--tmpfs", "/tmp:rw,mode=1777,size=2g", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-]  # fmt: skip
+    "--network",
+    "host",
+    *host_limits(),
+    "--read-only",
+    "--user",
+    "1000:1000",
+    "--tmpfs",
+    "/tmp:rw,mode=1777,size=2g",
+    "--cap-drop",
+    "ALL",
+    "--security-opt",
+    "no-new-privileges",
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +110,13 @@ def test_download_model_fetches_from_a_hub_into_the_model_volume(image, models, 
     hub.repos["acme/tiny"] = Repo({"main": repo_from_folder(qwen3_dir)})
     try:
         out = run(
-            image, "download-model", "acme/tiny", "/models/tiny",
-            volumes=(f"{models}:/models",), env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"},
-        )  # fmt: skip
+            image,
+            "download-model",
+            "acme/tiny",
+            "/models/tiny",
+            volumes=(f"{models}:/models",),
+            env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"},
+        )
     finally:
         hub.close()
     assert out.returncode == 0, out.stderr
@@ -115,10 +129,23 @@ def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, model
     grpc_port, http_port = free_port(), free_port()
     name = f"kvmesh-up-{grpc_port}"
     argv = container(
-        image, "up", "--model", "/models/tiny", "--replicas", "1", "--host", "127.0.0.1",
-        "--port", str(grpc_port), "--http-port", str(http_port), "--num-kv-blocks", "64",
-        volumes=(f"{models}:/models:ro",), options=["-d", "--name", name],
-    )  # fmt: skip
+        image,
+        "up",
+        "--model",
+        "/models/tiny",
+        "--replicas",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--num-kv-blocks",
+        "64",
+        volumes=(f"{models}:/models:ro",),
+        options=["-d", "--name", name],
+    )
     subprocess.run(argv, check=True, capture_output=True, timeout=60)
     started = time.monotonic()
     try:

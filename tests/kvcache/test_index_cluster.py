@@ -101,8 +101,12 @@ async def test_a_shard_that_lost_the_library_gets_its_calls_again_and_no_one_els
     index = RedisPrefixIndex.from_url(cluster_url(valkey_cluster), f"cluster-{next(_models)}", 16, 1)
     inc = await index.register("r0", "a:1", ttl_s=30)
     router = await index.register_router(ttl_s=30)
-    chain = next(c for c in chains(50, 4, seed=3) if valkey_cluster.primary_for_key(index.tag(c[0]))
-                 != valkey_cluster.primary_for_key(index.ns.encode()))  # fmt: skip
+    chain = next(
+        c
+        for c in chains(50, 4, seed=3)
+        if valkey_cluster.primary_for_key(index.tag(c[0]))
+        != valkey_cluster.primary_for_key(index.ns.encode())
+    )
     await publish(index, "r0", inc, [chain])
     node = redis.Redis(port=valkey_cluster.primary_for_key(index.tag(chain[0])))
     node.function_flush()

@@ -83,9 +83,16 @@ def test_the_reference_refuses_what_flash_attn_refuses(change, message):
     case = paged_case([3], [300], 256, 4, 2, 16, dtype=torch.bfloat16, num_blocks=4)
     plan = FlashPagedAttention(256, CPU).plan(case.layout)
     call = dict(
-        q=case.q, k=case.k_cache, v=case.v_cache, cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-        max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, causal=True, block_table=plan.block_tables,
-    )  # fmt: skip
+        q=case.q,
+        k=case.k_cache,
+        v=case.v_cache,
+        cu_seqlens_q=plan.cu_seqlens_q,
+        cu_seqlens_k=plan.cu_seqlens_k,
+        max_seqlen_q=plan.max_q,
+        max_seqlen_k=plan.max_k,
+        causal=True,
+        block_table=plan.block_tables,
+    )
     flash_attn_reference.flash_attn_varlen_func(**call)  # as built: accepted
     change(call)
     with pytest.raises(RuntimeError, match=message):
@@ -192,10 +199,13 @@ def test_profiling_warm_up_keeps_no_grad_and_stays_in_the_vocabulary(qwen3_dir, 
     )
     gib = 2**30
     for name, value in {
-        "memory_allocated": lambda device=None: gib, "max_memory_allocated": lambda device=None: 2 * gib,
-        "reset_peak_memory_stats": lambda device=None: None, "synchronize": lambda device=None: None,
-        "empty_cache": lambda: None, "mem_get_info": lambda device=None: (40 * gib, 80 * gib),
-    }.items():  # fmt: skip
+        "memory_allocated": lambda device=None: gib,
+        "max_memory_allocated": lambda device=None: 2 * gib,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda device=None: (40 * gib, 80 * gib),
+    }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     blocks = runner._profile_cuda_blocks(engine.config)
     hook.remove()

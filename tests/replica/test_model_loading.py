@@ -98,9 +98,23 @@ def test_missing_and_misshapen_tensors(qwen3_dir, tmp_path):
 def test_make_tiny_model_cli_loads_offline(tmp_path):
     out = tmp_path / "tiny"
     run = subprocess.run(
-        [KVMESH, "make-tiny-model", str(out), "--arch", "llama", "--hidden", "32", "--layers", "1", "--seed", "3"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "make-tiny-model",
+            str(out),
+            "--arch",
+            "llama",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     check = (
         "from transformers import AutoTokenizer, AutoModelForCausalLM;"

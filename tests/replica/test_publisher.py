@@ -18,9 +18,13 @@ pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh process
 async def served(qwen3_dir):
     redis = EmbeddedRedis().start()
     config = ReplicaConfig(
-        str(qwen3_dir), "pub-test", redis.url, heartbeat_s=0.1, ttl_s=2.0,
+        str(qwen3_dir),
+        "pub-test",
+        redis.url,
+        heartbeat_s=0.1,
+        ttl_s=2.0,
         engine=EngineConfig(num_kv_blocks=128, block_size=16),
-    )  # fmt: skip
+    )
     server = ReplicaServer(config)
     await server.start()
     server.publisher.retry_s = 0.1

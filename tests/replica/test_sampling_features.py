@@ -143,9 +143,13 @@ def test_min_p_keeps_only_tokens_near_the_best(engine, qwen3_dir):
 
 def test_adjust_logits_is_exactly_the_formula():
     params = SamplingParams(
-        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={3: 1.0}, min_tokens=3,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias={3: 1.0},
+        min_tokens=3,
         max_tokens=8,
-    )  # fmt: skip
+    )
     request = Request("r", [1, 2], 16, params, None, frozenset({4}), None)
     request.add_token(2, None)
     request.add_token(5, None)

@@ -148,9 +148,13 @@ def test_prefix_priced_by_each_replicas_own_queue_and_costs():
     score adds the recompute weight's share of that prefill."""
     p = PrefixAware(block_size=BS)
     r = ReplicaState(
-        "r", matched_blocks=2, inflight_prefill_blocks=5, inflight_requests=3,
-        costs=StepCosts(0.01, 0.001, 0.002, 1e-5), step_tokens=40,
-    )  # fmt: skip
+        "r",
+        matched_blocks=2,
+        inflight_prefill_blocks=5,
+        inflight_requests=3,
+        costs=StepCosts(0.01, 0.001, 0.002, 1e-5),
+        step_tokens=40,
+    )
     step = 0.01 + 0.002 * 3  # base, 3 sequences in flight (not the heartbeat's context)
     queued = 5 * BS
     expected = queued * 0.001 + queued / 40 * step + step + 8 * BS * 0.001  # 8 of 10 blocks uncached

@@ -293,10 +293,26 @@ async def test_a_router_process_killed_leaks_nothing_and_its_clients_are_told(fl
     a, redis = fleet_of_routers["routers"]["a"], fleet_of_routers["redis"]
     port = _free_port()
     proc = subprocess.Popen(
-        [KVMESH, "router", "--model", str(qwen3_dir), "--redis-url", redis.url, "--port", str(port),
-         "--http-port", "-1", "--block-size", "16", "--registry-refresh", "0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            KVMESH,
+            "router",
+            "--model",
+            str(qwen3_dir),
+            "--redis-url",
+            redis.url,
+            "--port",
+            str(port),
+            "--http-port",
+            "-1",
+            "--block-size",
+            "16",
+            "--registry-refresh",
+            "0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.RouterStub(channel)

@@ -87,8 +87,7 @@ def _metric(router: RouterServer, name: str) -> float:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, **fields) -> list[bytes]:
-    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-            "stream": True, **fields}  # fmt: skip
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True, **fields}
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         return [line async for line in response.aiter_bytes()]
@@ -143,8 +142,12 @@ async def test_the_relayed_stream_matches_a_direct_one(fleet):
         for event in events:
             if isinstance(event, dict) and "prompt_tokens_details" in event.get("usage", {}):
                 del event["usage"]["prompt_tokens_details"]
-        return [e if isinstance(e, str) else _rounded({k: v for k, v in e.items() if k not in ("id", "created", "model")})
-                for e in events]  # fmt: skip
+        return [
+            e
+            if isinstance(e, str)
+            else _rounded({k: v for k, v in e.items() if k not in ("id", "created", "model")})
+            for e in events
+        ]
 
     assert shape(via_router) == shape(direct)
     assert {e["model"] for e in via_router if isinstance(e, dict)} == {router.core.model.api_name}

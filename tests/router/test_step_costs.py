@@ -135,10 +135,14 @@ async def test_a_replica_publishes_its_costs_in_heartbeats_status_and_metrics(qw
 
     replica = ReplicaServer(
         ReplicaConfig(
-            str(qwen3_dir), "costs-0", valkey_server.url, deployment="costs", heartbeat_s=0.2,
+            str(qwen3_dir),
+            "costs-0",
+            valkey_server.url,
+            deployment="costs",
+            heartbeat_s=0.2,
             engine=EngineConfig(num_kv_blocks=64),
         )
-    )  # fmt: skip
+    )
     await replica.start()
     try:
         request = pb.GenerateRequest(

@@ -192,9 +192,14 @@ async def test_logit_bias_repetition_penalty_min_tokens_stop_and_seed(
         by_text.choices[0].text == plain[: plain.index(stop)] and by_text.choices[0].finish_reason == "stop"
     )
     sampled = {
-        **base, "temperature": 1.0, "top_p": 0.9, "seed": 11, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+        **base,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 11,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
         "extra_body": {"ignore_eos": True, "top_k": 50, "min_p": 0.01},
-    }  # fmt: skip
+    }
     seeded = [(await client.completions.create(**sampled)).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
 
@@ -316,9 +321,13 @@ async def test_n_choices_and_batch_prompts(client):
 
 async def test_stream_options_usage_at_the_end_and_on_every_chunk(client):
     stream = await client.completions.create(
-        model=SERVED, prompt=PROMPT, max_tokens=4, stream=True, extra_body={"ignore_eos": True},
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=4,
+        stream=True,
+        extra_body={"ignore_eos": True},
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-    )  # fmt: skip
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     running = [c.usage.completion_tokens for c in chunks[:-1]]
@@ -349,9 +358,14 @@ async def test_tools_documents_and_template_kwargs_reach_the_template(client, hf
     ]
     documents = [{"title": "note", "text": "kvmesh routes by prefix"}]
     reply = await client.chat.completions.create(
-        model=SERVED, messages=messages, tools=[WEATHER_TOOL], tool_choice="auto", parallel_tool_calls=True,
-        max_tokens=1, extra_body={"documents": documents, "chat_template_kwargs": {"enable_thinking": False}},
-    )  # fmt: skip
+        model=SERVED,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        max_tokens=1,
+        extra_body={"documents": documents, "chat_template_kwargs": {"enable_thinking": False}},
+    )
     hf_messages = [
         messages[0],
         {
@@ -367,9 +381,14 @@ async def test_tools_documents_and_template_kwargs_reach_the_template(client, hf
         messages[2],
     ]
     expected = hf_tokenizer.apply_chat_template(
-        hf_messages, tools=[WEATHER_TOOL], documents=documents, enable_thinking=False,
-        chat_template=TEMPLATE.read_text(), add_generation_prompt=True, tokenize=False,
-    )  # fmt: skip
+        hf_messages,
+        tools=[WEATHER_TOOL],
+        documents=documents,
+        enable_thinking=False,
+        chat_template=TEMPLATE.read_text(),
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert "<think>" in expected and "get_weather" in expected
     assert reply.usage.prompt_tokens == len(hf_tokenizer.encode(expected, add_special_tokens=False))
     plain = await client.chat.completions.create(model=SERVED, messages=messages, max_tokens=1)
@@ -379,9 +398,16 @@ async def test_tools_documents_and_template_kwargs_reach_the_template(client, hf
 async def test_continue_final_message_with_echo(client):
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}]
     reply = await client.chat.completions.create(
-        model=SERVED, messages=messages, max_tokens=3,
-        extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True, "ignore_eos": True},
-    )  # fmt: skip
+        model=SERVED,
+        messages=messages,
+        max_tokens=3,
+        extra_body={
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "echo": True,
+            "ignore_eos": True,
+        },
+    )
     assert reply.choices[0].message.content.startswith("one, two,")
     with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(
@@ -499,7 +525,10 @@ async def test_grpc_chat_with_tools_is_tokenized_like_http(servers):
     async with grpc.aio.insecure_channel(servers["router"].address) as channel:
         responses = [r async for r in pb_grpc.RouterStub(channel).Generate(request)]
     async with httpx.AsyncClient(base_url=servers["urls"]["replica"], timeout=60) as http:
-        body = {"messages": [{"role": "user", "content": "weather?", "name": "ana"}], "tools": [WEATHER_TOOL],
-                "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "weather?", "name": "ana"}],
+            "tools": [WEATHER_TOOL],
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
         tokens = (await http.post("/tokenize", json=body)).json()
     assert responses[-1].complete.usage.prompt_tokens == tokens["count"]

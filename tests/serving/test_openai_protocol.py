@@ -58,10 +58,23 @@ ALL_SAMPLING = {
     "policy": "least_loaded",
 }
 EXPECTED = SamplingParams(
-    max_tokens=7, temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, presence_penalty=0.25,
-    frequency_penalty=-0.5, repetition_penalty=1.25, min_tokens=2, logit_bias={5: 3.0, 9: -100.0}, seed=123,
-    stop=["END", "STOP"], stop_token_ids=[4, 8], ignore_eos=True, n=3, prompt_logprobs=2,
-)  # fmt: skip
+    max_tokens=7,
+    temperature=0.5,
+    top_p=0.75,
+    top_k=40,
+    min_p=0.125,
+    presence_penalty=0.25,
+    frequency_penalty=-0.5,
+    repetition_penalty=1.25,
+    min_tokens=2,
+    logit_bias={5: 3.0, 9: -100.0},
+    seed=123,
+    stop=["END", "STOP"],
+    stop_token_ids=[4, 8],
+    ignore_eos=True,
+    n=3,
+    prompt_logprobs=2,
+)
 
 
 def test_every_completions_field_reaches_the_engine():

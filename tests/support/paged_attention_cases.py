@@ -40,9 +40,16 @@ class PagedCase:
 
 
 def paged_case(
-    query_lens: list[int], cached: list[int], block: int, heads: int, kv_heads: int, dim: int,
-    dtype: torch.dtype = torch.float32, num_blocks: int = 64, seed: int = 0,
-) -> PagedCase:  # fmt: skip
+    query_lens: list[int],
+    cached: list[int],
+    block: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    num_blocks: int = 64,
+    seed: int = 0,
+) -> PagedCase:
     """Sequence i has ``cached[i]`` tokens in the cache and ``query_lens[i]`` new ones."""
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.zeros(num_blocks, block, kv_heads, dim, dtype=dtype)
