@@ -239,8 +239,22 @@ class PrefixAware(Policy):
     def sort_key(self, request: RouteRequest, r: ReplicaState, cap: float) -> tuple[bool, float, int]:
         """Where ``r`` ranks for ``request``, lower first, before the rendezvous tie-break:
         over the guard's cap, then the score, then the prefill work routed there lately. The
-        one statement of the order: the simulator's fast path ranks by it too."""
-        return r.inflight_requests + 1 > cap, self.score(request, r), round(r.recent_blocks)
+        one statement of the order: the simulator's fast path ranks by its parts too."""
+        return (
+            self.over_cap(r.inflight_requests, cap),
+            self.score(request, r),
+            self.recent_rank(r.recent_blocks),
+        )
+
+    @staticmethod
+    def over_cap(inflight_requests: int, cap: float) -> bool:
+        """Whether one more request would put a replica over the guard's cap."""
+        return inflight_requests + 1 > cap
+
+    @staticmethod
+    def recent_rank(recent_blocks: float) -> int:
+        """Recent prefill work, as the order compares it (whole blocks: near-equal is a tie)."""
+        return round(recent_blocks)
 
     def rank(self, request, replicas, cap: float | None = None):
         """``cap``: the guard's cap when ``replicas`` is a subset of the fleet (the simulator

@@ -354,18 +354,18 @@ class Simulation:
     ) -> list[int]:
         """The replicas holding none of the prompt that the full ranking could put first: the
         cheapest under the guard's cap (all of them, when every one is over it), with every
-        replica tied with it on the policy's key before the rendezvous tie-break. Walks the
-        load order and asks the policy for each replica's key (``PrefixAware.sort_key``): on
-        prompts nobody holds, a replica's score differs from its load part by the same amount
-        on every replica (the simulated replicas share one cost model)."""
+        replica tied with it on the policy's key before the rendezvous tie-break. The key's
+        parts are the policy's (``PrefixAware.sort_key``): the load order holds each replica's
+        score of a prompt it holds nothing of (its load part: on such prompts the simulated
+        replicas, sharing one cost model, differ by that alone), and the guard and the recent
+        work are asked of the policy from the counts, without building a replica's state."""
+        policy = router.policy
         for guarded in (True, False):
             tied, best = [], None
-            for _, _, r in router.order.sorted:
-                if r in matched:
+            for cost, _, r in router.order.sorted:
+                if r in matched or (guarded and policy.over_cap(self._seen(router, r).requests, cap)):
                     continue
-                over_cap, *key = router.policy.sort_key(_NO_BLOCKS, self._state(router, r, 0, now), cap)
-                if guarded and over_cap:
-                    continue
+                key = (cost, policy.recent_rank(router.own[r].recent.value(now)))
                 if best is not None and key != best:
                     break
                 best = key
