@@ -27,6 +27,11 @@ def replica_of(path: Path) -> str:
     return path.stem.split("-", 1)[1]
 
 
+def pid_of(path: Path) -> int:
+    """The process a drain socket belongs to."""
+    return int(path.stem.split("-", 1)[0])
+
+
 def drain_dir() -> Path:
     """This machine's replica drain sockets (per user: another user's replicas are not ours)."""
     return Path(tempfile.gettempdir()) / f"kvmesh-replicas-{os.getuid()}"

@@ -34,7 +34,7 @@ from test_make_secrets import TOKEN, FakeKube
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, default_server_binary, free_port
 from kvmesh.cluster.node_drain import drain_sockets
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.drain_socket import drain_dir
+from kvmesh.replica.drain_socket import drain_dir, pid_of
 
 pytestmark = pytest.mark.servers
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ class Pods:
             path
             for path in drain_dir().glob("*-*.sock")
             for name, proc in self.procs
-            if name.startswith("ray-worker-") and _descends_from(int(path.name.split("-", 1)[0]), proc.pid)
+            if name.startswith("ray-worker-") and _descends_from(pid_of(path), proc.pid)
         ]
         asyncio.run(drain_sockets(sockets, timeout_s=40))
         for name, proc in reversed(self.procs):
@@ -131,11 +131,21 @@ def secret_volumes(work: Path, pod: str, spec: dict, c: dict, secrets: dict) -> 
         secret = volumes[mount["name"]]
         folder = work / "secrets" / pod / mount["name"]
         folder.mkdir(parents=True, exist_ok=True)
-        values = secrets[secret["secretName"]]
-        for item in secret.get("items") or [{"key": k, "path": k} for k in values]:
-            (folder / item["path"]).write_text(values[item["key"]])
+        secret_files(folder, secret, secrets)
         out[mount["mountPath"]] = str(folder)
     return out
+
+
+def secret_files(folder: Path, secret: dict, secrets: dict) -> list[Path]:
+    """A Secret volume's files in ``folder``: the keys its ``items`` name, at their paths (every
+    key when it names none)."""
+    values = secrets[secret["secretName"]]
+    written = []
+    for item in secret.get("items") or [{"key": k, "path": k} for k in values]:
+        path = folder / item["path"]
+        path.write_text(values[item["key"]])
+        written.append(path)
+    return written
 
 
 def ray_start(params: dict, extra: list[str]) -> list[str]:

@@ -51,8 +51,8 @@ import httpx
 import pytest
 import yaml
 from fake_hub import FakeHub, Repo, repo_from_folder
-from test_chart_commands import make_secrets, rendered, wait_live
-from test_image import ENGINE, host_limits, image  # noqa: F401 - image: the fixture
+from test_chart_commands import make_secrets, ray_params, rendered, secret_files, wait_live
+from test_image import ENGINE, first_token_seconds, host_limits, image  # noqa: F401 - image: the fixture
 
 from kvmesh.cluster.embedded_redis import default_server_binary, free_port
 from kvmesh.protos import pb, pb_grpc
@@ -61,6 +61,7 @@ pytestmark = [pytest.mark.image, pytest.mark.servers]
 
 SERVICES = ("llm-kvmesh-valkey", "llm-kvmesh-head-svc", "llm-kvmesh-router", "hub-mirror.internal")
 CHART_IMAGE = "ghcr.io/kvmesh/kvmesh:"
+ROUTER = "llm-kvmesh-router-pod-0-router"  # podman's name for the router Deployment's container
 
 
 class Cluster:
@@ -132,11 +133,7 @@ class Cluster:
             folder = self.work / "volumes" / pod / name
             folder.mkdir(parents=True)
             if "secret" in volume:
-                values = self.secrets[volume["secret"]["secretName"]]
-                items = volume["secret"].get("items") or [{"key": k, "path": k} for k in values]
-                for item in items:
-                    path = folder / item["path"]
-                    path.write_text(values[item["key"]])
+                for path in secret_files(folder, volume["secret"], self.secrets):
                     os.chown(path, 0, group)
                     path.chmod(volume["secret"].get("defaultMode", 0o644))
                 os.chown(folder, 0, group)
@@ -236,15 +233,6 @@ def kuberay_probe(params: dict, head: bool) -> str:
     return " && ".join(f"wget -T 2 -q -O- {url} | grep success" for url in urls)
 
 
-def fixed_ports_freed(params: dict) -> dict:
-    """A Ray node's start parameters with its fixed ports made free ones: the pods share one
-    network here (the worker port range stays: Ray picks free ports in it)."""
-    return {
-        k: str(free_port()) if k.endswith("-port") and k not in ("min-worker-port", "max-worker-port") else v
-        for k, v in params.items()
-    }
-
-
 @pytest.fixture(scope="module")
 def chart_in_containers(image, tmp_path_factory, qwen3_dir):  # noqa: F811 - image: the fixture
     if os.path.basename(ENGINE[0]) != "podman":
@@ -294,7 +282,7 @@ def chart_in_containers(image, tmp_path_factory, qwen3_dir):  # noqa: F811 - ima
         ray = docs["RayCluster/llm-kvmesh"]["spec"]
         head = ray["headGroupSpec"]
         params = {
-            **fixed_ports_freed(head["rayStartParams"]),
+            **ray_params(head["rayStartParams"], rewrite),  # the pods share one network here
             "port": str(ports["gcs"]),
             "ray-client-server-port": str(ports["client"]),
             "dashboard-port": str(ports["dashboard"]),
@@ -311,7 +299,7 @@ def chart_in_containers(image, tmp_path_factory, qwen3_dir):  # noqa: F811 - ima
         for pod in workers:
             spec = cluster.pod_spec(pod, group["template"]["spec"], rewrite)
             address = f"llm-kvmesh-head-svc:{ports['gcs']}"
-            params = fixed_ports_freed(group["rayStartParams"])
+            params = ray_params(group["rayStartParams"], rewrite)
             cluster.play(as_pod(pod, kuberay_pod(spec, pod, params, address)))
             ray_health.append((f"{pod}-ray-worker", kuberay_probe(params, head=False)))
         for pod in workers:
@@ -324,16 +312,16 @@ def chart_in_containers(image, tmp_path_factory, qwen3_dir):  # noqa: F811 - ima
             template = deployment["spec"]["template"]
             template["spec"] = cluster.pod_spec(name, template["spec"], rewrite)
             cluster.play(deployment)
-        cluster.wait_for("llm-kvmesh-router-pod-0-router", "kvmesh router: gRPC", timeout=240)
+        cluster.wait_for(ROUTER, "kvmesh router: gRPC", timeout=240)
         router = f"127.0.0.1:{ports['grpc']}"
-        first_token_s = time.monotonic() - started + first_token_seconds(router)
+        first_token_s = first_token_seconds(router, started, ROUTER)
         yield {
             "cluster": cluster,
             "router": router,
             "http": f"http://127.0.0.1:{ports['http']}",
             "workers": workers,
             "first_token_s": first_token_s,
-            "grace": group["template"]["spec"],
+            "worker_spec": group["template"]["spec"],
         }
     finally:
         cluster.remove()
@@ -342,20 +330,6 @@ def chart_in_containers(image, tmp_path_factory, qwen3_dir):  # noqa: F811 - ima
 
 def as_pod(name: str, spec: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
-
-
-def first_token_seconds(address: str, timeout: float = 300) -> float:
-    """Seconds from now to a first token through the router (retrying while replicas start)."""
-    started = time.monotonic()
-    request = pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(temperature=0, max_tokens=2))
-    while True:
-        try:
-            with grpc.insecure_channel(address) as channel:
-                next(pb_grpc.RouterStub(channel).Generate(request, timeout=60))
-                return time.monotonic() - started
-        except grpc.RpcError:
-            assert time.monotonic() - started < timeout, "no first token from the chart's containers"
-            time.sleep(1)
 
 
 def test_the_router_serves_grpc_and_http_from_replicas_in_the_worker_containers(chart_in_containers):
@@ -378,13 +352,7 @@ def test_kvmesh_status_in_the_router_container_reads_the_live_fleet(chart_in_con
     setup = chart_in_containers
     replicas = wait_live(setup["router"], 2)
     port = setup["router"].rsplit(":", 1)[1]
-    out = (
-        setup["cluster"]
-        .podman(
-            "exec", "llm-kvmesh-router-pod-0-router", "kvmesh", "status", "--address", f"127.0.0.1:{port}"
-        )
-        .stdout
-    )
+    out = setup["cluster"].podman("exec", ROUTER, "kvmesh", "status", "--address", f"127.0.0.1:{port}").stdout
     for replica in replicas:
         assert replica.replica_id in out, out
 
@@ -414,10 +382,10 @@ def test_a_worker_stopped_as_the_kubelet_stops_it_drains_its_replica(chart_in_co
         t.start()
     time.sleep(1.0)  # streaming
     victim = f"{setup['workers'][-1]}-ray-worker"
-    [container] = [c for c in setup["grace"]["containers"] if c["name"] == "ray-worker"]
+    [container] = [c for c in setup["worker_spec"]["containers"] if c["name"] == "ray-worker"]
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     drained = cluster.podman("exec", victim, *pre_stop, timeout=120)
-    grace = setup["grace"]["terminationGracePeriodSeconds"]
+    grace = setup["worker_spec"]["terminationGracePeriodSeconds"]
     sigterm = time.monotonic()
     cluster.podman("stop", "-t", str(grace), victim, timeout=grace + 60)
     stopped_s = time.monotonic() - sigterm

@@ -149,7 +149,7 @@ def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, model
     subprocess.run(argv, check=True, capture_output=True, timeout=60)
     started = time.monotonic()
     try:
-        first_token_s = _first_token_seconds(f"127.0.0.1:{grpc_port}", started, name)
+        first_token_s = first_token_seconds(f"127.0.0.1:{grpc_port}", started, name)
         answer = httpx.post(
             f"http://127.0.0.1:{http_port}/v1/completions",
             json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
@@ -168,7 +168,7 @@ def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, model
         subprocess.run([*ENGINE, "rm", "-f", name], capture_output=True, timeout=60)
 
 
-def _first_token_seconds(address: str, started: float, name: str) -> float:
+def first_token_seconds(address: str, started: float, name: str) -> float:
     """Seconds from the container's start to a first token through its router (retrying
     while it starts)."""
     request = pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(temperature=0, max_tokens=4))
