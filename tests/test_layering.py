@@ -47,20 +47,25 @@ def imports_of(path: Path, package: str) -> set[str]:
     return found
 
 
+def imports_under(root: Path, folder: str):
+    """(file relative to ``root``, module it imports) for every file below ``root/folder``."""
+    for path in sorted((root / folder).rglob("*.py")):
+        package = "kvmesh." + ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+        for name in sorted(imports_of(path, package)):
+            yield path.relative_to(root), name
+
+
 def violations(root: Path) -> list[str]:
     out = []
     for part in PARTS:
         allowed, forbidden = ALLOWED[part]
-        for path in sorted((root / part).rglob("*.py")):
-            package = "kvmesh." + ".".join(path.relative_to(root).with_suffix("").parts[:-1])
-            for name in sorted(imports_of(path, package)):
-                top = name.split(".")[0]
-                if name.startswith("kvmesh."):
-                    target = name.split(".")[1]
-                    if target not in allowed:
-                        out.append(f"{path.relative_to(root)} imports {name}")
-                elif top in forbidden and name not in LIGHT_EXCEPTIONS.get(part, ()):
-                    out.append(f"{path.relative_to(root)} imports {top}")
+        for path, name in imports_under(root, part):
+            top = name.split(".")[0]
+            if name.startswith("kvmesh."):
+                if name.split(".")[1] not in allowed:
+                    out.append(f"{path} imports {name}")
+            elif top in forbidden and name not in LIGHT_EXCEPTIONS.get(part, ()):
+                out.append(f"{path} imports {top}")
     return out
 
 
@@ -75,12 +80,10 @@ CLUSTER_FORBIDDEN = {"measure": {"experiments", "benchmarks"}, "experiments": {"
 def cluster_violations(root: Path) -> list[str]:
     out = []
     for folder, forbidden in CLUSTER_FORBIDDEN.items():
-        for path in sorted((root / "cluster" / folder).rglob("*.py")):
-            package = "kvmesh." + ".".join(path.relative_to(root).with_suffix("").parts[:-1])
-            for name in sorted(imports_of(path, package)):
-                parts = name.split(".")
-                if parts[:2] == ["kvmesh", "cluster"] and len(parts) > 2 and parts[2] in forbidden:
-                    out.append(f"{path.relative_to(root)} imports {name}")
+        for path, name in imports_under(root, f"cluster/{folder}"):
+            parts = name.split(".")
+            if parts[:2] == ["kvmesh", "cluster"] and len(parts) > 2 and parts[2] in forbidden:
+                out.append(f"{path} imports {name}")
     return out
 
 
