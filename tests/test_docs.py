@@ -3,6 +3,7 @@ chart's README reaches a file that exists, every ``#anchor`` names a heading of 
 (GitHub's rules), README.md stays a short front door, and nothing cites a design document
 outside the repository. Reads files only; starts nothing."""
 
+import functools
 import re
 import subprocess
 import unicodedata
@@ -56,6 +57,7 @@ def slug(text: str) -> str:
     return kept.replace(" ", "-")
 
 
+@functools.cache  # a page is read once however many links point into it
 def anchors(path: Path) -> set[str]:
     """Every anchor GitHub gives the headings of a markdown file (repeats get -1, -2, ...)."""
     seen: dict[str, int] = {}
