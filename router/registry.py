@@ -74,6 +74,7 @@ class ReplicaRegistry:
         self._https = tls.client_ssl_context() if tls else None
         self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
         self._back_until = 0.0  # after the index returns: replicas it does not list yet are kept until then
+        self._read_at = 0.0  # monotonic time of the last successful read of the live replicas
         self._loops = BackgroundLoops()
         self._listeners: list = []
 
@@ -130,7 +131,7 @@ class ReplicaRegistry:
             return False
 
     async def _apply(self, records: list[ReplicaRecord]) -> None:
-        now = time.monotonic()
+        now = self._read_at = time.monotonic()
         seen = set()
         for rec in records:
             seen.add(rec.replica_id)
@@ -195,11 +196,19 @@ class ReplicaRegistry:
     def live(self) -> list[ReplicaEntry]:
         """Replicas a request may go to now."""
         now = time.monotonic()
+        news_until = self._news_until(now)
         return [
             e
             for e in self.entries.values()
-            if e.failed_until <= now and (e.live_until > now or not self.index_ok)
+            if e.failed_until <= now and (e.live_until > news_until or not self.index_ok)
         ]
+
+    def _news_until(self, now: float) -> float:
+        """The time up to which this router has news of the fleet: now, unless its own reads
+        fell behind (its event loop stalled, its process starved of CPU). A heartbeat TTL
+        running out in that gap is this router's silence, not a replica's death: until the
+        next read, the replicas live at the last one stay live."""
+        return min(now, self._read_at + 2 * self.refresh_s)
 
     def states(
         self, matched: dict[str, int], fleet: dict[str, FleetWork] | None = None

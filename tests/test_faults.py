@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import time
+import types
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.kvcache.index_api import ReplicaRecord
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.router import registry as registry_module
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.replica_load import RequestWork
 
@@ -174,6 +176,29 @@ async def test_replicas_not_yet_back_in_a_returned_index_stay_for_a_heartbeat(va
     await index.register("r0", "127.0.0.1:9", ttl_s=1.0)
     await registry.refresh()
     assert {e.record.replica_id for e in registry.live()} == {"r0"}
+    await registry.stop()
+    await index.client.flushall()
+    await index.close()
+
+
+async def test_a_router_whose_loop_stalled_keeps_its_live_replicas(valkey_server, monkeypatch):
+    """The router's event loop stalled past the heartbeat TTL (a 2 MB body parsed under CPU
+    contention did it in a soak): the request that runs first after the stall must not find
+    "no live replica" while every replica heartbeats on. A real death still removes one."""
+    index = RedisPrefixIndex.from_url(valkey_server.url, "stalled-router", 16, 1)
+    await index.ensure_settings()
+    await index.register("r0", "127.0.0.1:9", ttl_s=1.0)
+    registry = ReplicaRegistry(index, refresh_s=0.1)
+    await registry.refresh()
+    real = time.monotonic
+    monkeypatch.setattr(registry_module, "time", types.SimpleNamespace(monotonic=lambda: real() + 5.0))
+    assert [e.record.replica_id for e in registry.live()] == ["r0"]  # 5 s without a read: no news
+    await registry.refresh()  # r0 still heartbeats: live as read
+    assert [e.record.replica_id for e in registry.live()] == ["r0"]
+    monkeypatch.setattr(registry_module, "time", time)
+    await asyncio.sleep(1.2)  # r0's TTL runs out in the index: a death the next read sees
+    await registry.refresh()
+    assert registry.live() == []
     await registry.stop()
     await index.client.flushall()
     await index.close()
