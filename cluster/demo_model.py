@@ -7,10 +7,9 @@ from pathlib import Path
 
 
 def demo_model(cache_dir: Path) -> Path:
-    from kvmesh.replica.tiny_model import make_tiny_model
+    from kvmesh.replica.tiny_model import cached_tiny_model
 
     path = Path(cache_dir) / "demo-qwen3-h256-l4"
     if not (path / "config.json").is_file():
         print(f"building the tiny model in {path} (once)")
-        make_tiny_model(path, hidden=256, layers=4, heads=4, kv_heads=2)
-    return path
+    return cached_tiny_model(path, hidden=256, layers=4, heads=4, kv_heads=2)

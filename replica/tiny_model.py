@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvmesh.serving.model_lock import lock_file, locked
+
 ARCHS = ("qwen3", "qwen2", "llama")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -288,3 +290,16 @@ def make_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def cached_tiny_model(path: str | Path, **settings) -> Path:
+    """The tiny model at ``path``, built there the first time (``make_tiny_model``'s
+    settings): the demo's, the benchmarks' and the tests' cache. Built under a lock, so
+    processes asking at once (parallel test workers, two benchmarks) build it once and never
+    replace a folder another is reading."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with locked(lock_file(path, "build"), exclusive=True):
+        if not (path / "config.json").is_file():
+            make_tiny_model(path, **settings)
+    return path

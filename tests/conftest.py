@@ -45,13 +45,10 @@ CACHE = Path(
 
 def tiny_model_dir(arch: str = "qwen3", **kwargs) -> Path:
     """Build (once) and return a tiny model folder; the name encodes every setting."""
-    from kvmesh.replica.tiny_model import make_tiny_model
+    from kvmesh.replica.tiny_model import cached_tiny_model
 
     name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(kwargs.items())]) or arch
-    path = CACHE / name
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, arch=arch, **kwargs)
-    return path
+    return cached_tiny_model(CACHE / name, arch=arch, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -32,12 +32,9 @@ MODEL = dict(
 
 
 def bench_model_dir(cache: Path) -> Path:
-    from kvmesh.replica.tiny_model import make_tiny_model
+    from kvmesh.replica.tiny_model import cached_tiny_model
 
-    path = cache / "bench-qwen3-h512-l4"
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, **MODEL)
-    return path
+    return cached_tiny_model(cache / "bench-qwen3-h512-l4", **MODEL)
 
 
 def workload(n: int, rng: random.Random, vocab: int) -> list[tuple[list[int], int]]:

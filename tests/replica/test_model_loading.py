@@ -148,3 +148,25 @@ def test_every_dtype_name_the_config_accepts_is_one_the_loader_knows():
     from kvmesh.replica.models.loader import DTYPES
 
     assert set(DTYPE_NAMES) == set(DTYPES) | {"auto"}
+
+
+def test_a_cached_tiny_model_is_built_once_under_its_lock(tmp_path):
+    """Parallel test workers and benchmarks ask for the cache at once: a builder waits for
+    the one holding the build lock, then finds the folder built and leaves it as it is."""
+    import threading
+
+    from kvmesh.replica.tiny_model import cached_tiny_model, make_tiny_model
+    from kvmesh.serving.model_lock import lock_file, locked
+
+    path = tmp_path / "cache" / "qwen3"
+    path.parent.mkdir()
+    with locked(lock_file(path, "build"), exclusive=True):
+        waiter = threading.Thread(target=cached_tiny_model, args=(path,))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not path.exists()  # it waits for the holder
+        make_tiny_model(path)  # the holder builds it
+        built = path.stat().st_ino
+    waiter.join(30)
+    assert not waiter.is_alive() and path.stat().st_ino == built  # found built: not replaced
+    assert sorted(p.name for p in path.parent.iterdir()) == [".qwen3.build.lock", "qwen3"]
