@@ -24,9 +24,15 @@ demo: venv
 # pytest's exit code 5 means "no tests collected": not a failure of the code.
 PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# Test files are shared out to TEST_WORKERS processes (pytest-xdist; a file's tests stay on one
+# worker, so its module fixtures start once): most tests wait on servers and subprocesses, so
+# two workers take about 0.7x the time of one on 2 cores. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 # The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
 test: venv lint
-	$(PY) -m pytest -q -m "not image" --durations=25; $(PYTEST_OK_IF_EMPTY)
+	$(PY) -m pytest -q -m "not image" $(PARALLEL) --durations=25; $(PYTEST_OK_IF_EMPTY)
 
 # helm/Dockerfile's CPU variant, with podman (or docker): see helm/build-image.sh.
 IMAGE_TAG ?= kvmesh:cpu

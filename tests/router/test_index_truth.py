@@ -176,7 +176,10 @@ async def test_steady_load_raises_no_alarm(fleet):
     exact = metric(fleet, "kvmesh_router_prediction_error_blocks_bucket", le="0.5") - metric(
         fleet, "kvmesh_router_prediction_error_blocks_bucket", le="-0.5"
     )
-    assert checked >= sum(counts) and exact / checked > 0.9
+    # a lookup that timed out on a starved machine routes by load only, and checks nothing
+    fell_back = metric(fleet, "kvmesh_router_index_errors_total")
+    assert checked + fell_back >= sum(counts) and fell_back <= sum(counts) * 0.05
+    assert exact / checked > 0.9
 
 
 async def test_a_replica_hashing_with_another_seed_is_routed_by_load_only(fleet):
