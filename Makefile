@@ -28,7 +28,8 @@ PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; 
 # worker, so its module fixtures start once): most tests wait on servers and subprocesses, so
 # two workers take about 0.7x the time of one on 2 cores. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
+PARALLEL = $(if $(WORKERS),$(WORKERS) --dist loadfile)
 
 # The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
 test: venv lint
@@ -45,10 +46,11 @@ image-check: venv image
 	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
 		$(PY) -m pytest -q -m image tests/deploy/test_image.py tests/deploy/test_chart_containers.py
 
-# The tests that start nothing (no Ray, no Redis, no servers) and are not benchmark smoke
-# runs: the inner loop while editing (about 1 min 50 s on 2 cores today). CI runs `make test`.
+# The tests that start nothing (no Ray, no Redis, no servers) and take no seconds of their own
+# (benchmark smoke runs, subprocesses that import torch: marker `slow`): the inner loop while
+# editing, test by test over the workers (about 50 s on 2 cores today). CI runs `make test`.
 test-fast: venv lint
-	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow"; $(PYTEST_OK_IF_EMPTY)
+	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow" $(WORKERS); $(PYTEST_OK_IF_EMPTY)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -243,16 +243,15 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
 ) -> Path:
     """Write the model folder atomically (built in a temp folder, then renamed)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}), heads by kv_heads ({kv_heads})")
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}), heads by kv_heads ({kv_heads})")
     out = Path(out_dir)
     tokenizer = build_tokenizer(vocab_size, seed)
     eos_ids = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])

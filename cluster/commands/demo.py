@@ -19,12 +19,13 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.demo import main as demo_main
     from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.logs import setup_logging
 
     if args.replicas <= 0:
         raise UsageError("--replicas must be positive")
     require_extra("experiments", "matplotlib")
+    from kvmesh.cluster.demo import main as demo_main  # Ray and torch: only now
+
     setup_logging(args.verbose)
     return demo_main(args.out_dir, args.replicas, args.cache_dir, args.verbose)

@@ -20,15 +20,17 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.commands.checks import check_files, check_model_folder
     from kvmesh.cluster.errors import UsageError
-    from kvmesh.cluster.launcher import serve_cluster
     from kvmesh.cluster.logs import setup_logging
-    from kvmesh.cluster.supervisor import ReplicaStartError
     from kvmesh.serving.grpc_server import ListenError
 
     (config,) = FLAGS.build(args)
     if config.ray_address is None:  # with a Ray cluster, the model folder is on its workers
         check_model_folder(config.router.model_dir)
     check_files(config.router)
+    # Ray and torch only once the flags are known good: a usage error is answered at once.
+    from kvmesh.cluster.launcher import serve_cluster
+    from kvmesh.cluster.supervisor import ReplicaStartError
+
     setup_logging(config.verbose)
     try:
         asyncio.run(serve_cluster(config))

@@ -168,6 +168,7 @@ def test_a_main_threads_cpu_is_told_apart_from_its_other_threads():
         proc.wait()
 
 
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_resuming_over_another_sweeps_runs_is_a_one_line_error(tmp_path):
     out = tmp_path / "sweep.json"
     out.with_suffix("").mkdir()

@@ -62,6 +62,7 @@ def test_usage_errors_are_one_line_and_exit_2(args):
         assert "deployment must be 1 to 128 characters" in lines[0]
 
 
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where there is no CUDA")
 def test_bench_engine_cuda_without_cuda_is_a_usage_error():
     out = run("bench", "engine", "--device", "cuda")
@@ -71,6 +72,7 @@ def test_bench_engine_cuda_without_cuda_is_a_usage_error():
     )
 
 
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_bench_kvcache_writes_json_with_targets(tmp_path):
     out_file = tmp_path / "bench.json"
     out = run("bench", "kvcache", "--quick", "--repeats", "1", "--out", str(out_file))
@@ -116,6 +118,7 @@ def test_bench_engine_quick_writes_json(tmp_path):
     }
 
 
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_nothing_the_user_made_is_deleted_or_flushed_without_force(tmp_path):
     target = tmp_path / "mine"
     target.mkdir()

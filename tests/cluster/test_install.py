@@ -98,6 +98,7 @@ def test_the_extras_bring_what_serving_never_needs():
     }
 
 
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_every_command_and_server_module_imports_without_extras(tmp_path):
     code = f"""
 import importlib, pkgutil, json

@@ -95,6 +95,7 @@ def test_missing_and_misshapen_tensors(qwen3_dir, tmp_path):
         LLMEngine(bad, num_kv_blocks=4)
 
 
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_make_tiny_model_cli_loads_offline(tmp_path):
     out = tmp_path / "tiny"
     run = subprocess.run(
