@@ -176,3 +176,13 @@ def test_nothing_cites_a_design_outside_the_repository():
         data = path.read_bytes()
         offenders += [f"{rel}: {needle}" for needle in FOREIGN_DESIGN if needle.encode() in data]
     assert offenders == [], "cite docs/design.md instead"
+
+
+def test_the_benchmarks_page_shows_every_committed_runs_targets_as_its_json_has_them():
+    from kvmesh.cluster.benchmarks.docs_page import BEGIN, PAGE, render
+
+    page = PAGE.read_text()
+    assert BEGIN in page, "run: python -m kvmesh.cluster.benchmarks.docs_page"
+    assert page == render(page), "docs/benchmarks.md is stale: python -m kvmesh.cluster.benchmarks.docs_page"
+    for name in ("bench_router.json", "bench_peers.json", "bench_soak.json", "fidelity.json"):
+        assert f"### [{name}]({name})" in page
