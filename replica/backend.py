@@ -107,6 +107,7 @@ class EngineBackend:
             "kvmesh.replica.request", trace, replica_id=self.replica_id, request_id=request.request_id
         )
         try:
+            self.model.check_named(request.model)
             ids = await self.prompt_ids(request)
             _, params = admit(request, len(ids), self.model, self.defaults)
             with _engine_errors():

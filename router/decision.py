@@ -134,7 +134,9 @@ class Decider:
         return await prompt_ids(request, self.tokenizer, self.model.vocab_size)
 
     async def validate(self, request: pb.GenerateRequest) -> tuple[list[int], pb.SamplingParams, str]:
-        """(prompt ids, resolved sampling, policy name) or InvalidRequest with the reason."""
+        """(prompt ids, resolved sampling, policy name); NotFound for another model's request,
+        InvalidRequest with the reason for a bad one."""
+        self.model.check_named(request.model)
         ids = await self.prompt_ids(request)
         try:
             policy = self.policy(request.policy or self.default_policy).name

@@ -15,7 +15,7 @@ from kvmesh.router.core import RouterCore
 from kvmesh.router.metrics import heartbeat_age
 from kvmesh.serving import tracing
 from kvmesh.serving.connections import ClientStalled, end_call, send_all
-from kvmesh.serving.errors import ServingError
+from kvmesh.serving.errors import NotFound, ServingError
 
 
 class _CutOff(Exception):
@@ -98,6 +98,10 @@ class RouterService(pb_grpc.RouterServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         m = (await self._ready(context)).model
+        try:
+            m.check_named(request.model)
+        except NotFound as exc:
+            await context.abort(exc.grpc_code, str(exc))
         return pb.ModelInfo(
             model=m.model_id,
             block_size=m.block_size,

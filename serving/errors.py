@@ -21,6 +21,13 @@ class InvalidRequest(ServingError):
     http_status = 400
 
 
+class NotFound(ServingError):
+    """A model this server does not serve (OpenAI answers an unknown model with 404)."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
 class Unavailable(ServingError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503

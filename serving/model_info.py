@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.kvcache import namespace_seed
+from kvmesh.serving.errors import NotFound
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,12 @@ class ModelInfo:
     @property
     def api_name(self) -> str:
         return self.served_model_name or self.model_id
+
+    def check_named(self, name: str | None) -> None:
+        """NotFound unless ``name``, a request's model field, names this model: its served
+        name, its id, or nothing (a server of one model takes a request that names none)."""
+        if name not in (None, "", self.api_name, self.model_id):
+            raise NotFound(f"model {name!r} is not served here; this server serves {self.api_name!r}")
 
     @classmethod
     def from_folder(

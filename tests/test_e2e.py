@@ -229,6 +229,32 @@ async def test_model_info_replicas_health(cluster, qwen3_dir):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_a_request_names_its_model_and_another_models_is_not_found(cluster):
+    """gRPC names the model as OpenAI does: its served name, its id, or nothing; any other
+    name is NOT_FOUND (OpenAI's 404) at the router and at a replica alike."""
+    ids = prompts_of_lengths([20], salt=90)[0]
+    named = greedy(ids)
+    named.model = "qwen3"
+    assert complete(await call(cluster, named)).finish_reason == "length"
+    named.model = "llama-70b"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(cluster, named)
+    assert (
+        err.value.code() == grpc.StatusCode.NOT_FOUND
+        and "'llama-70b' is not served here" in err.value.details()
+    )
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.RouterStub(channel).GetModelInfo(pb.GetModelInfoRequest(model="llama-70b"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    replica = cluster.supervisor.addresses["replica-0"]
+    async with grpc.aio.insecure_channel(replica) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            auth = bearer_metadata(cluster.config.replica.token())
+            [r async for r in pb_grpc.ReplicaStub(channel).Generate(named, timeout=30, metadata=auth)]
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_openai_client_streams_through_http(cluster):
     client = openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0)
     models = await client.models.list()

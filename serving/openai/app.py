@@ -89,10 +89,6 @@ class SseRelayBackend(OpenAIBackend, Protocol):
     ) -> AsyncIterator[bytes]: ...
 
 
-class _UnknownModel(ServingError):
-    http_status = 404
-
-
 class _ClientLeft(ServingError):
     """The client disconnected before its answer was ready (nginx's 499: nobody reads it)."""
 
@@ -125,11 +121,6 @@ def _param_of(exc: ServingError) -> str | None:
         message = message.split("): ", 1)[-1]
     word = message.replace(":", " ").split(" ", 1)[0]
     return word if word in _FIELDS else None
-
-
-def _check_model(name: str | None, model: ModelInfo) -> None:
-    if name not in (None, "", model.api_name, model.model_id):
-        raise _UnknownModel(f"model {name!r} is not served here; this server serves {model.api_name!r}")
 
 
 def _validation_error(errors: list) -> InvalidRequest:
@@ -231,7 +222,7 @@ def build_app(
     @app.post("/v1/completions/render")
     async def render_completion(raw: Request):
         body, size = await _parsed(raw, CompletionRequest)
-        _check_model(body.model, backend.model)
+        backend.model.check_named(body.model)
         prompts = len(body.prompts())
         backend.inputs.check_batch(prompts, 1)
         with backend.admit(prompts, body.policy or ""):
@@ -242,7 +233,7 @@ def build_app(
     async def render_chat(raw: Request):
         """vLLM's render shape: vllm-router's cache_aware policy asks every worker for it."""
         body, size = await _parsed(raw, ChatRequest)
-        _check_model(body.model, backend.model)
+        backend.model.check_named(body.model)
         with backend.admit(1, body.policy or ""):
             plan = await sized(size, chat_plan, body)
             return [{"token_ids": await backend.prompt_ids(plan.requests[0])}]
@@ -250,7 +241,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(raw: Request):
         body, size = await _parsed(raw, TokenizeRequest)
-        _check_model(body.model, backend.model)
+        backend.model.check_named(body.model)
         with backend.admit(1):
             request = await sized(size, tokenize_request, body, backend.tokenizer)
             tokens = await backend.prompt_ids(request)
@@ -262,7 +253,7 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         body, size = await _parsed(raw, DetokenizeRequest)
-        _check_model(body.model, backend.model)
+        backend.model.check_named(body.model)
         if backend.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer", param="tokens")
         bad = next((t for t in body.tokens if not 0 <= t < backend.model.vocab_size), None)
@@ -275,7 +266,7 @@ def build_app(
     async def completions(raw: Request):
         body, size = await _parsed(raw, CompletionRequest)
         body.check_supported()
-        _check_model(body.model, backend.model)
+        backend.model.check_named(body.model)
         prompts = len(body.prompts())
         backend.inputs.check_batch(prompts, body.n)
         ticket = backend.admit(prompts, body.policy or "")
@@ -290,7 +281,7 @@ def build_app(
     async def chat_completions(raw: Request):
         body, size = await _parsed(raw, ChatRequest)
         body.check_supported()
-        _check_model(body.model, backend.model)
+        backend.model.check_named(body.model)
         backend.inputs.check_batch(1, body.n)
         ticket = backend.admit(1, body.policy or "")
         with _released_unless_streaming(ticket):
