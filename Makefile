@@ -29,11 +29,12 @@ PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; 
 # docs/development.md), so CI does not use it yet. `make test-fast` starts no Ray: it uses them.
 TEST_WORKERS ?= 0
 FAST_WORKERS ?= 2
-PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# $(call workers,N,OPTIONS): pytest-xdist's flags for N workers (none for 0)
+workers = $(if $(filter 0,$(1)),,-n $(1) $(2))
 
 # The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
 test: venv lint
-	$(PY) -m pytest -q -m "not image" $(PARALLEL) --durations=25; $(PYTEST_OK_IF_EMPTY)
+	$(PY) -m pytest -q -m "not image" $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=25; $(PYTEST_OK_IF_EMPTY)
 
 # helm/Dockerfile's CPU variant, with podman (or docker): see helm/build-image.sh.
 IMAGE_TAG ?= kvmesh:cpu
@@ -50,7 +51,7 @@ image-check: venv image
 # (benchmark smoke runs, subprocesses that import torch: marker `slow`): the inner loop while
 # editing, test by test over the workers (about 50 s on 2 cores today). CI runs `make test`.
 test-fast: venv lint
-	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow" $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS)); $(PYTEST_OK_IF_EMPTY)
+	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow" $(call workers,$(FAST_WORKERS)); $(PYTEST_OK_IF_EMPTY)
 
 lint: venv
 	$(VENV)/bin/ruff check .
