@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,7 +41,7 @@ def new_deployment_name() -> str:
 class ClusterConfig:
     router: RouterConfig = option(help="the router's settings")
     replica: ReplicaConfig = option(help="every replica's settings (the supervisor names each one)")
-    replicas: int = option(2, help="replica actors (one GPU each where present)")
+    replicas: int = option(2, per_model=True, help="replica actors (one GPU each where present)")
     ray_address: str | None = option(None, help="join this Ray cluster instead of starting a local one")
     with_router: bool = option(
         True,
@@ -125,6 +127,29 @@ class ClusterConfig:
             deployment=deployment,
             **launcher,
         )
+
+    @staticmethod
+    def together(configs: Sequence[ClusterConfig]) -> list[ClusterConfig]:
+        """Several models' configs as one deployment (``kvmesh up --model A --model B``): one
+        deployment name for all (the first's), the launcher's own settings alike, and each
+        model its own id."""
+        first = configs[0]
+        together = [first] + [dataclasses.replace(c, deployment=first.deployment) for c in configs[1:]]
+        for name in ("ray_address", "with_router", "keep_replicas", "verbose"):
+            if len({getattr(c, name) for c in together}) > 1:
+                raise ValueError(f"the models of one deployment differ in {name}")
+        ids = [c.model_id for c in together]
+        if len(set(ids)) < len(ids):
+            raise ValueError(
+                f"two models have one id ({', '.join(ids)}): give each its own, --model DIR,model-id=NAME"
+            )
+        return together
+
+    @property
+    def model_id(self) -> str:
+        """The model's name in the index (its id, else its folder's name)."""
+        replica = self.replica
+        return replica.model_id or Path(replica.model_dir).resolve().name
 
     @property
     def _remote_ray(self) -> bool:

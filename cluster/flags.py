@@ -7,6 +7,12 @@ reaches the router and every replica. Where such fields differ in their defaults
 flag shows the command's own field's (``kvmesh up --deployment``), else the first config's,
 and a field keeps its own default while neither the flag nor its environment variable is set.
 
+Several models (``kvmesh up``, ``kvmesh router``): ``--model`` may be repeated, each as
+``DIR[,KEY=VALUE...]``, where each KEY is a per-model flag (``option(per_model=True)``:
+``--replicas``, ``--block-size``, the engine's, ...) that overrides the command line's for
+that model alone; ``build_models`` builds one set of configs per model. ``KVMESH_MODEL``
+holds the same, the models separated by ``;`` or new lines.
+
 Precedence: the flag, then ``KVMESH_<FLAG>`` (``kvmesh.serving.options`` has the one rule
 for reading it), then the field's default. No flag carries a secret: tokens and passwords
 are files, and their flags name the file (``--api-key-file``).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -37,6 +44,7 @@ class Flag:
     default: Any
     help: str
     choices: tuple[str, ...] | None
+    per_model: bool = False  # each model may override it in its --model spec
     targets: list[Path] = field(default_factory=list)
 
     @property
@@ -75,25 +83,31 @@ def _unwrap(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-class FlagTable:
-    """The flags of one command, derived from its config dataclasses (``roots``, in order)."""
+MODEL_FLAG = "model"
+MODEL_SEPARATORS = re.compile(r"[;\n]")  # between the models in KVMESH_MODEL
 
-    def __init__(self, roots: Sequence[type]):
+
+class FlagTable:
+    """The flags of one command, derived from its config dataclasses (``roots``, in order).
+    ``several_models``: ``--model`` may be repeated (``build_models``)."""
+
+    def __init__(self, roots: Sequence[type], several_models: bool = False):
         self.roots = list(roots)
+        self.several_models = several_models
         self.flags: dict[str, Flag] = {}
         for i, root in enumerate(self.roots):
             self._collect(root, (i,))
 
-    def _collect(self, cls: type, path: Path) -> None:
+    def _collect(self, cls: type, path: Path, per_model: bool = False) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind, optional = _unwrap(hints[f.name])
-            if dataclasses.is_dataclass(kind):
-                self._collect(kind, (*path, f.name))
-                continue
             meta = f.metadata
             if "help" not in meta:
                 raise TypeError(f"{cls.__name__}.{f.name} is not declared with option(...)")
+            if dataclasses.is_dataclass(kind):
+                self._collect(kind, (*path, f.name), per_model or meta.get("per_model", False))
+                continue
             if not meta["cli"]:
                 continue
             name = meta["flag"] or f.name.replace("_", "-")
@@ -116,6 +130,7 @@ class FlagTable:
                 flag.help = meta["help"]
                 flag.default = None if f.default is dataclasses.MISSING else f.default
             flag.required = flag.required and not has_default
+            flag.per_model = flag.per_model or per_model or meta["per_model"]
             flag.targets.append((*path, f.name))
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
@@ -125,7 +140,16 @@ class FlagTable:
             )
             text = f"{flag.help} [{shown}env {flag.env}]".replace("%", "%%")
             names = [f"--{flag.name}"] + (["-v"] if flag.name == "verbose" else [])
-            if flag.kind is bool:
+            if flag.name == MODEL_FLAG and self.several_models:
+                parser.add_argument(
+                    *names,
+                    dest=flag.dest,
+                    action="append",
+                    default=argparse.SUPPRESS,
+                    help=text,
+                    metavar="DIR",
+                )
+            elif flag.kind is bool:
                 parser.add_argument(
                     *names,
                     dest=flag.dest,
@@ -147,12 +171,57 @@ class FlagTable:
         """Whether ``--name`` was on the command line (not its environment variable or default)."""
         return hasattr(args, self.flags[name].dest)
 
-    def build(self, args: argparse.Namespace) -> list[Any]:
-        """The configs, in the order of ``roots``: flags, then environment, then defaults.
-        Bad values and configs that refuse them are UsageErrors (one line, exit 2)."""
+    def build_models(self, args: argparse.Namespace) -> list[list[Any]]:
+        """One list of configs (as ``build``) per ``--model`` spec, in the order given; a model
+        named twice is a UsageError."""
+        flag = self.flags[MODEL_FLAG]
+        if hasattr(args, flag.dest):
+            specs = list(getattr(args, flag.dest))
+        elif (text := read_env(MODEL_FLAG)) is not None:
+            specs = [s.strip() for s in MODEL_SEPARATORS.split(text) if s.strip()]
+        else:
+            raise UsageError(f"--{MODEL_FLAG} is required (or set {flag.env})")
+        built = [self.build(args, self._model_spec(spec)) for spec in specs]
+        folders = [spec.split(",", 1)[0] for spec in specs]
+        if len(set(folders)) < len(folders):
+            raise UsageError(f"--{MODEL_FLAG}: a model folder is given twice ({', '.join(folders)})")
+        return built
+
+    def _model_spec(self, spec: str) -> dict[str, str]:
+        """``DIR[,KEY=VALUE...]`` as flag overrides: {"model": DIR, KEY: VALUE, ...}."""
+        folder, *pairs = spec.split(",")
+        overrides = {MODEL_FLAG: folder}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            flag = self.flags.get(key)
+            if not sep or flag is None or not flag.per_model or key == MODEL_FLAG:
+                per_model = sorted(n for n, f in self.flags.items() if f.per_model and n != MODEL_FLAG)
+                raise UsageError(
+                    f"--{MODEL_FLAG} {spec}: {pair!r} is not KEY=VALUE with a per-model KEY "
+                    f"({', '.join(per_model)})"
+                )
+            overrides[key] = value
+        if not folder:
+            raise UsageError(f"--{MODEL_FLAG} {spec}: the model folder comes first")
+        return overrides
+
+    def build(self, args: argparse.Namespace, overrides: dict[str, str] | None = None) -> list[Any]:
+        """The configs, in the order of ``roots``: ``overrides`` (one model's spec), flags,
+        then environment, then defaults. Bad values and configs that refuse them are
+        UsageErrors (one line, exit 2). A command of several models: its one model's."""
+        if self.several_models and overrides is None:
+            built = self.build_models(args)
+            if len(built) > 1:
+                raise UsageError(f"one --{MODEL_FLAG} here, got {len(built)}")
+            return built[0]
         values: dict[Path, Any] = {}
         for flag in self.flags.values():
-            if hasattr(args, flag.dest):
+            if overrides and flag.name in overrides:
+                try:
+                    value = flag.parse(overrides[flag.name])
+                except ValueError as exc:
+                    raise UsageError(f"--{MODEL_FLAG} {overrides[MODEL_FLAG]},{flag.name}=: {exc}") from None
+            elif hasattr(args, flag.dest):
                 value = getattr(args, flag.dest)
             elif (text := read_env(flag.name)) is not None:
                 try:

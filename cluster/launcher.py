@@ -1,4 +1,4 @@
-"""A whole kvmesh deployment in one process tree: Ray, Redis, N replica actors, the router.
+"""A whole kvmesh deployment in one process tree: Ray, Redis, N replica actors per model, the router.
 
 ``kvmesh up``, ``kvmesh demo``, the end-to-end tests and the router benchmark all use
 LocalCluster, so they exercise exactly what users run.
@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ray
@@ -51,24 +51,39 @@ def check_gpus(replicas: int, gpus: float, local: bool, progress: Callable[[str]
 class LocalCluster:
     def __init__(
         self,
-        config: ClusterConfig,
+        config: ClusterConfig | Sequence[ClusterConfig],
         progress: Callable[[str], None] | None = None,
         *,
         open_replicas: bool = False,
     ):
-        """``open_replicas``: replicas without a token (on loopback only), for the benchmarks
+        """``config``: one model's deployment, or one per model (``ClusterConfig.together``):
+        each model its own replicas and supervisor, one router for all.
+        ``open_replicas``: replicas without a token (on loopback only), for the benchmarks
         that put third-party routers, which cannot present kvmesh's token, in front of them."""
-        self.config = config
+        self.configs = [config] if isinstance(config, ClusterConfig) else ClusterConfig.together(config)
         self.open_replicas = open_replicas
         self.progress = progress or (lambda line: None)  # one line per step while starting
         self.redis: EmbeddedRedis | None = None
-        self.redis_url = config.router.redis_url
-        self.supervisor: Supervisor | None = None
+        self.redis_url = self.config.router.redis_url
+        self.supervisors: dict[str, Supervisor] = {}  # by model id, in the order given
         self.router: RouterServer | None = None
-        self._index: PrefixIndex | None = None
+        self._indexes: dict[str, PrefixIndex] = {}  # each model's, as the index's admin
         self._owns_ray = False
         self._secrets = LocalSecrets()  # what it generates where the user gave none
         self.router_redis = RedisCredentials()  # the router's index user (set at start)
+
+    # One model's deployment (of several: the first model's).
+    @property
+    def config(self) -> ClusterConfig:
+        return self.configs[0]
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        return next(iter(self.supervisors.values()), None)
+
+    @property
+    def index(self) -> PrefixIndex | None:
+        return next(iter(self._indexes.values()), None)
 
     @property
     def router_address(self) -> str:
@@ -85,20 +100,19 @@ class LocalCluster:
         return self._secrets.folder
 
     @property
-    def index(self) -> PrefixIndex:
-        return self._index
-
-    @property
     def http_url(self) -> str | None:
         return f"http://{self.config.router.host}:{self.router.http_port}" if self.router.http_port else None
 
     async def start(self, ready_timeout_s: float = 600.0) -> LocalCluster:
-        c = self.config
+        configs = self.configs
         if not ray.is_initialized():
             await self._init_ray()
             self._owns_ray = True
-        if c.replica.api_key_file is None and not self.open_replicas:  # every replica door takes a token
-            c = c.with_replica_token(self._secrets.new("replica-token")[0])
+        if (
+            self.config.replica.api_key_file is None and not self.open_replicas
+        ):  # every replica door takes a token
+            token = self._secrets.new("replica-token")[0]
+            configs = [c.with_replica_token(token) for c in configs]
         # An external Redis: this process and its router are who its environment says; the
         # replicas read their own (on Kubernetes, their pods' Secret).
         admin = self.router_redis = RedisCredentials.from_env()
@@ -110,35 +124,44 @@ class LocalCluster:
                 users["router"],
                 users["replica"].environment(),
             )
-            c = c.with_redis(self.redis_url)
-        self.config = c
-        replica = c.replica
-        model_id = replica.model_id or os.path.basename(os.path.realpath(replica.model_dir))
-        block_size = replica.engine.block_size
-        seed = namespace_seed(model_id, block_size) if block_size else None
-        self._index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment, admin)
-        if not await self._index.load_functions():
+            configs = [c.with_redis(self.redis_url) for c in configs]
+        self.configs = configs
+        use_gpu = cluster_has_gpus()
+        total = sum(c.replicas for c in configs)
+        check_gpus(total, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
+        for c in configs:
+            self._add_model(c, use_gpu, total, admin, replica_env)
+        if not await self.index.load_functions():
             log.warning(
                 "this Redis user may not load the index functions: routers and replicas wait for an admin to"
             )
-        use_gpu = cluster_has_gpus()
-        check_gpus(c.replicas, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
-        if replica.torch_threads is None and not use_gpu:  # CPU replicas share this machine's cores
-            replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // c.replicas))
-        self.supervisor = Supervisor(
-            replica, c.replicas, use_gpu, self._index, on_ready=self._ready, environment=replica_env
-        )
-        self.progress(
-            f"starting {c.replicas} replica(s) of {replica.model_dir} ({'GPU' if use_gpu else 'CPU'}) ..."
-        )
-        await self.supervisor.start()
-        if not c.with_router:
-            await self.wait_for_replicas(c.replicas, ready_timeout_s)
-            return self
-        self.router = RouterServer(c.router, redis_credentials=self.router_redis)
-        await self.router.start()
-        await self.wait_for_replicas(c.replicas, ready_timeout_s)
+        where = "GPU" if use_gpu else "CPU"
+        for supervisor in self.supervisors.values():
+            self.progress(
+                f"starting {len(supervisor.slots)} replica(s) of {supervisor.template.model_dir} ({where}) ..."
+            )
+        await asyncio.gather(*(supervisor.start() for supervisor in self.supervisors.values()))
+        if self.config.with_router:
+            self.router = RouterServer([c.router for c in configs], redis_credentials=self.router_redis)
+            await self.router.start()
+        await self.wait_for_replicas(total, ready_timeout_s)
         return self
+
+    def _add_model(
+        self, c: ClusterConfig, use_gpu: bool, total: int, admin: RedisCredentials, env: dict[str, str]
+    ) -> None:
+        """One model's index connection and supervisor (CPU replicas share the cores evenly)."""
+        replica, model_id = c.replica, c.model_id
+        block_size = replica.engine.block_size
+        seed = namespace_seed(model_id, block_size) if block_size else None
+        index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment, admin)
+        if replica.torch_threads is None and not use_gpu:
+            replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // total))
+        prefix = model_id if len(self.configs) > 1 else "replica"
+        self._indexes[model_id] = index
+        self.supervisors[model_id] = Supervisor(
+            replica, c.replicas, use_gpu, index, on_ready=self._ready, environment=env, replica_prefix=prefix
+        )
 
     def _start_embedded_redis(self) -> dict[str, RedisCredentials]:
         """A private Valkey with one ACL user per role (generated passwords): the router,
@@ -187,9 +210,12 @@ class LocalCluster:
 
     async def _live_count(self) -> int:
         if self.router is None:
-            return len(await self._index.live_replicas())
-        await self.router.registry.refresh()
-        return len(self.router.registry.live())
+            return sum([len(await index.live_replicas()) for index in self._indexes.values()])
+        live = 0
+        for route in self.router.models.routes:
+            await route.registry.refresh()
+            live += len(route.registry.live())
+        return live
 
     def _ready(self, replica_id: str, address: str, seconds: float) -> None:
         self.progress(f"  {replica_id} serving at {address} ({seconds:.1f} s)")
@@ -199,7 +225,8 @@ class LocalCluster:
         forget their prefixes, and the router's speculative entries, which would still point
         at the old holders, expire."""
         auth = bearer_metadata(self.config.replica.token())
-        for address in self.supervisor.addresses.values():
+        addresses = [a for supervisor in self.supervisors.values() for a in supervisor.addresses.values()]
+        for address in addresses:
             async with open_channel(address, self.config.router.tls) as channel:
                 stub = pb_grpc.ReplicaStub(channel)
                 await stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30, metadata=auth)
@@ -211,11 +238,12 @@ class LocalCluster:
         ``grace``: seconds in-flight requests get (default: the configured drain timeouts)."""
         if self.router:
             await self.router.stop(grace)
-        if self.supervisor:
-            grace = self.config.replica.drain_timeout_s if grace is None else grace
-            await self.supervisor.stop(grace, keep_replicas=self.config.keep_replicas)
-        if self._index:
-            await self._index.close()
+        grace = self.config.replica.drain_timeout_s if grace is None else grace
+        await asyncio.gather(
+            *(s.stop(grace, keep_replicas=self.config.keep_replicas) for s in self.supervisors.values())
+        )
+        for index in self._indexes.values():
+            await index.close()
         if self.redis:
             self.redis.close()
         self._secrets.close()
@@ -229,12 +257,14 @@ class LocalCluster:
         await self.stop()
 
 
-async def serve_cluster(config: ClusterConfig) -> None:
+async def serve_cluster(config: ClusterConfig | Sequence[ClusterConfig]) -> None:
     """``kvmesh up``: start everything, print the endpoints, drain and stop on a signal."""
     cluster = LocalCluster(config, progress=lambda line: print(line, flush=True))
+    config = cluster.config
     try:
         await cluster.start()
-        print(f"kvmesh up: {config.replicas} replicas of {config.replica.model_dir}", flush=True)
+        for c in cluster.configs:
+            print(f"kvmesh up: {c.replicas} replicas of {c.replica.model_dir}", flush=True)
         if cluster.router is not None:
             print(f"  router gRPC  {cluster.router_address}", flush=True)
         if cluster.router is not None and cluster.http_url:

@@ -36,7 +36,8 @@ COLUMNS = (
 async def from_router(
     address: str, tls_ca: str | None, token: str | None = None, timeout: float = 10.0
 ) -> list[dict]:
-    """One model: what a router knows (it asks nobody else); ``token``: the router's bearer token."""
+    """Each model a router serves (with a live replica): what the router knows (it asks nobody
+    else); ``token``: the router's bearer token."""
     metadata = bearer_metadata(token)
     if tls_ca:
         with open(tls_ca, "rb") as f:
@@ -45,22 +46,32 @@ async def from_router(
         channel = grpc.aio.insecure_channel(address)
     async with channel:
         stub = pb_grpc.RouterStub(channel)
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=timeout)
-        listing = await stub.ListReplicas(pb.ListReplicasRequest(), metadata=metadata, timeout=timeout)
-    replicas = [{c: getattr(r, c) for c in COLUMNS} for r in listing.replicas]
+        every = await stub.ListReplicas(pb.ListReplicasRequest(), metadata=metadata, timeout=timeout)
+        names = list(dict.fromkeys(r.model for r in every.replicas)) or [""]  # none live: the only model
+        models = []
+        for name in names:
+            info = await stub.GetModelInfo(
+                pb.GetModelInfoRequest(model=name), metadata=metadata, timeout=timeout
+            )
+            listing = await stub.ListReplicas(
+                pb.ListReplicasRequest(model=name), metadata=metadata, timeout=timeout
+            )
+            models.append(_router_model(address, info, listing))
+    return models
+
+
+def _router_model(address: str, info: pb.ModelInfo, listing: pb.ListReplicasResponse) -> dict:
     deployment = json.loads(info.effective_config or "{}").get("deployment", DEFAULT_DEPLOYMENT)
-    return [
-        {
-            "model_id": info.model,
-            "deployment": deployment,
-            "block_size": info.block_size,
-            "router": address,
-            "replicas": replicas,
-            "controller": json.loads(listing.controller_state or "{}"),
-            "index_state": listing.index_state,
-            "index_state_cause": listing.index_state_cause,
-        }
-    ]
+    return {
+        "model_id": info.model,
+        "deployment": deployment,
+        "block_size": info.block_size,
+        "router": address,
+        "replicas": [{c: getattr(r, c) for c in COLUMNS} for r in listing.replicas],
+        "controller": json.loads(listing.controller_state or "{}"),
+        "index_state": listing.index_state,
+        "index_state_cause": listing.index_state_cause,
+    }
 
 
 async def from_index(redis_url: str) -> list[dict]:

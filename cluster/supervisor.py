@@ -89,7 +89,10 @@ class Supervisor:
         backoff_s: tuple[float, float] = (1.0, 60.0),
         on_ready: Callable[[str, str, float], None] | None = None,
         environment: dict[str, str] | None = None,
+        replica_prefix: str = "replica",
     ):
+        """``replica_prefix``: replicas are ``<prefix>-0`` .. ``<prefix>-N-1`` (a deployment of
+        several models names them by model, so a replica id says which model it serves)."""
         self.template = template  # every replica's config; the supervisor names each one
         self.environment = environment or {}  # the replica processes' own (their Redis user)
         self.use_gpu = use_gpu
@@ -98,7 +101,8 @@ class Supervisor:
         self.start_timeout_s = start_timeout_s
         self.backoff_s = backoff_s  # first retry after backoff_s[0], doubling up to backoff_s[1]
         self.on_ready = on_ready  # (replica id, address, seconds it took)
-        self.slots = {f"replica-{i}": Slot(f"replica-{i}") for i in range(replicas)}
+        self.replica_prefix = replica_prefix
+        self.slots = {f"{replica_prefix}-{i}": Slot(f"{replica_prefix}-{i}") for i in range(replicas)}
         self.restarts = 0
         self.reattached = 0
         self.watch_errors = 0  # checks that failed unexpectedly (the watch went on)
@@ -187,7 +191,7 @@ class Supervisor:
 
     def _retire_extra_actors(self) -> None:
         """Replicas left from a larger deployment of this model (the count went down)."""
-        prefix = self.actor_name("replica-")
+        prefix = self.actor_name(f"{self.replica_prefix}-")
         wanted = {self.actor_name(rid) for rid in self.slots}
         for entry in ray.util.list_named_actors(all_namespaces=True):
             name = entry["name"]

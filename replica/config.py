@@ -75,10 +75,12 @@ class EngineConfig:
 
 @dataclass
 class ReplicaConfig:
-    model_dir: str = option(flag="model", help="local Hugging Face model folder")
+    model_dir: str = option(flag="model", per_model=True, help="local Hugging Face model folder")
     replica_id: str = option("replica-0", cli=False, help="this replica's name in the index")
     redis_url: str | None = option(None, help="Redis/Valkey URL of the prefix index")
-    model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
+    model_id: str | None = option(
+        None, per_model=True, help="name of the model in the index (default: the folder name)"
+    )
     deployment: str = option(
         DEFAULT_DEPLOYMENT,
         help="which deployment of the model this is: deployments on one Redis keep their replicas and "
@@ -117,7 +119,7 @@ class ReplicaConfig:
         5.0, flag="heartbeat-ttl", help="seconds without a heartbeat before a replica is dead"
     )
     torch_threads: int | None = option(
-        None, help="torch threads per replica (default: CPU replicas share the cores)"
+        None, per_model=True, help="torch threads per replica (default: CPU replicas share the cores)"
     )
     drain_timeout_s: float = option(
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
@@ -135,8 +137,8 @@ class ReplicaConfig:
         None,
         help="OpenTelemetry collector (OTLP/gRPC, e.g. http://otel-collector:4317) for traces; needs kvmesh[otel]",
     )
-    engine: EngineConfig = option(factory=EngineConfig, help="the engine's settings")
-    api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
+    engine: EngineConfig = option(factory=EngineConfig, per_model=True, help="the engine's settings")
+    api: APIConfig = option(factory=APIConfig, per_model=True, help="how the model is presented to clients")
     inputs: InputLimits = option(factory=InputLimits, help="bounds on what one request may ask for")
 
     def __post_init__(self) -> None:

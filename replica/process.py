@@ -29,7 +29,7 @@ from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
 from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.openai.app import build_app
+from kvmesh.serving.openai.app import OneModel, build_app
 from kvmesh.serving.options import effective_config
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class ReplicaServer:
         }
         if c.serves_http:
             app = build_app(
-                backend,
+                OneModel(backend),
                 self.health,
                 auth_token=token,
                 max_body_bytes=c.max_message_bytes,

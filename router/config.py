@@ -54,20 +54,31 @@ class RouterLimits:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model_dir: str = option(flag="model", help="local Hugging Face model folder")
+    model_dir: str = option(
+        flag="model",
+        per_model=True,
+        help="local Hugging Face model folder; several models: repeat it, each as DIR[,KEY=VALUE...] "
+        "with its own per-model settings (docs/configuration.md)",
+    )
     redis_url: str | None = option(
         None, help="Redis/Valkey URL of the prefix index (kvmesh up: an embedded valkey-server if unset)"
     )
-    model_id: str | None = option(None, help="name of the model in the index (default: the folder name)")
+    model_id: str | None = option(
+        None, per_model=True, help="name of the model in the index (default: the folder name)"
+    )
     deployment: str = option(
         DEFAULT_DEPLOYMENT,
         help="which deployment of the model this is: deployments on one Redis keep their replicas and "
         "index entries apart",
     )
     block_size: int | None = option(
-        None, help="KV block size in tokens; auto: the replicas' choice (256 where flash-attn runs, else 16)"
+        None,
+        per_model=True,
+        help="KV block size in tokens; auto: the replicas' choice (256 where flash-attn runs, else 16)",
     )
-    max_model_len: int | None = option(None, help="longest prompt + output (default: the model's)")
+    max_model_len: int | None = option(
+        None, per_model=True, help="longest prompt + output (default: the model's)"
+    )
     host: str = option("127.0.0.1", help="address the router listens on")
     port: int = option(50051, help="router gRPC port (0: any free port)")
     http_port: int = option(8000, help="router OpenAI HTTP port (0: any free port, -1: off)")
@@ -80,7 +91,7 @@ class RouterConfig:
         help="on: the policy sees every router's in-flight work (kept in the index); off: this router's own",
     )
     limits: RouterLimits = option(factory=RouterLimits, help="request limits")
-    api: APIConfig = option(factory=APIConfig, help="how the model is presented to clients")
+    api: APIConfig = option(factory=APIConfig, per_model=True, help="how the model is presented to clients")
     index_health: IndexHealthConfig = option(
         factory=IndexHealthConfig, help="when the router stops trusting the index for a replica"
     )

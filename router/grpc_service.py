@@ -1,11 +1,13 @@
-"""The ``kvmesh.v1.Router`` gRPC service over RouterCore.
+"""The ``kvmesh.v1.Router`` gRPC service over the router's models (a RouterCore each).
 
-It serves from the moment the router listens; until the router has its core (block size
-"auto": until a replica stored it) every call is UNAVAILABLE with the reason."""
+It serves from the moment the router listens; until a model's route has its core (block
+size "auto": until a replica stored it) every call for that model is UNAVAILABLE with the
+reason. A call names its model as OpenAI's requests do (empty: the router's only model)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 
@@ -13,9 +15,11 @@ from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.metrics import heartbeat_age
+from kvmesh.router.models import ModelRoute, ModelRoutes
 from kvmesh.serving import tracing
 from kvmesh.serving.connections import ClientStalled, end_call, send_all
-from kvmesh.serving.errors import NotFound, ServingError
+from kvmesh.serving.errors import ServingError
+from kvmesh.serving.options import effective_config
 
 
 class _CutOff(Exception):
@@ -23,10 +27,9 @@ class _CutOff(Exception):
 
 
 class RouterService(pb_grpc.RouterServicer):
-    def __init__(self, core: RouterCore | None, effective_config: str = "{}", write_timeout_s: float = 30.0):
-        self.core = core  # set by the router process once the model's block size is known
+    def __init__(self, models: ModelRoutes, write_timeout_s: float = 30.0):
+        self.models = models
         self.write_timeout_s = write_timeout_s  # a client that does not read for this long is cut off
-        self.effective_config = effective_config  # JSON, secrets left out
         self._streams: set[asyncio.Task] = set()  # Generate calls in flight
         self._cut_off = False
 
@@ -52,16 +55,15 @@ class RouterService(pb_grpc.RouterServicer):
             # stop then cancels mid-refusal (CANCELLED instead of UNAVAILABLE).
             await asyncio.sleep(0.005)
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
-        if self.core is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "router starting: waiting for a replica to register the block size",
-            )
-        return self.core
+    async def _ready(self, context: grpc.aio.ServicerContext, model: str) -> RouterCore:
+        """The routing core of the model a call names (NOT_FOUND, or UNAVAILABLE while starting)."""
+        try:
+            return self.models.backend(model)
+        except ServingError as exc:
+            await context.abort(exc.grpc_code, str(exc))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        core = await self._ready(context)
+        core = await self._ready(context, request.model)
         task = asyncio.current_task()
         self._streams.add(task)
         try:
@@ -88,58 +90,73 @@ class RouterService(pb_grpc.RouterServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Abort what this connection sent under ``request_id`` (another client's requests
         with the same id are not this client's to abort)."""
-        core = await self._ready(context)
+        found = False
         try:
-            return pb.AbortResponse(found=await core.abort(request.request_id, context.peer()))
+            for core in self.models.cores:  # request ids are the router's, across its models
+                found = await core.abort(request.request_id, context.peer()) or found
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
+        return pb.AbortResponse(found=found)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        m = (await self._ready(context)).model
-        try:
-            m.check_named(request.model)
-        except NotFound as exc:
-            await context.abort(exc.grpc_code, str(exc))
+        core = await self._ready(context, request.model)
+        m, route = core.model, self.models.route(request.model)
         return pb.ModelInfo(
             model=m.model_id,
             block_size=m.block_size,
             max_model_len=m.max_model_len,
             vocab_size=m.vocab_size,
             hash_seed=m.hash_seed,
-            effective_config=self.effective_config,
+            effective_config=json.dumps(effective_config(route.config)),
         )
 
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext):
-        core = await self._ready(context)
-        replicas = []
-        for e in sorted(core.registry.live(), key=lambda e: e.record.replica_id):
-            rec = e.record
-            state, cause = core.watch.state(rec.replica_id)
-            replicas.append(
-                pb.ReplicaInfo(
-                    replica_id=rec.replica_id,
-                    address=rec.address,
-                    incarnation=rec.incarnation,
-                    num_running=int(rec.load("num_running")),
-                    num_waiting=int(rec.load("num_waiting")),
-                    num_free_blocks=int(rec.load("num_free_blocks")),
-                    num_blocks=int(rec.load("num_blocks")),
-                    tokens_per_s=rec.load("tokens_per_s"),
-                    heartbeat_age_s=heartbeat_age(rec.load("heartbeat_at")),
-                    index_state=state,
-                    index_state_cause=cause,
-                )
-            )
+        """The live replicas of the model named (of every model when none is); the controller
+        state and the index's trust are those of the model named (or of the first)."""
         try:
-            controller = await core.registry.index.controller_state() or ""
+            routes = [self.models.route(request.model)] if request.model else self.models.routes
+        except ServingError as exc:
+            await context.abort(exc.grpc_code, str(exc))
+        started = [route for route in routes if route.core is not None]
+        if not started:
+            await self._ready(context, request.model or routes[0].api_name)  # UNAVAILABLE, why
+        replicas = [info for route in started for info in _replica_infos(route)]
+        first = started[0]
+        try:
+            controller = await first.index.controller_state() or ""
         except INDEX_ERRORS:  # Redis away: the live replicas are still known
             controller = ""
-        state, cause = core.watch.overall()
+        state, cause = first.core.watch.overall()
         return pb.ListReplicasResponse(
             replicas=replicas, controller_state=controller, index_state=state, index_state_cause=cause
         )
+
+
+def _replica_infos(route: ModelRoute) -> list[pb.ReplicaInfo]:
+    core = route.core
+    infos = []
+    for e in sorted(core.registry.live(), key=lambda e: e.record.replica_id):
+        rec = e.record
+        state, cause = core.watch.state(rec.replica_id)
+        infos.append(
+            pb.ReplicaInfo(
+                replica_id=rec.replica_id,
+                address=rec.address,
+                incarnation=rec.incarnation,
+                num_running=int(rec.load("num_running")),
+                num_waiting=int(rec.load("num_waiting")),
+                num_free_blocks=int(rec.load("num_free_blocks")),
+                num_blocks=int(rec.load("num_blocks")),
+                tokens_per_s=rec.load("tokens_per_s"),
+                heartbeat_age_s=heartbeat_age(rec.load("heartbeat_at")),
+                index_state=state,
+                index_state_cause=cause,
+                model=route.api_name,
+            )
+        )
+    return infos
 
 
 def _trace(context: grpc.aio.ServicerContext) -> object:

@@ -18,7 +18,13 @@ from typing import ClassVar
 from prometheus_client.core import GaugeMetricFamily
 
 from kvmesh.router.index_trust.states import STATES
-from kvmesh.serving.metrics import FAST_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, ServerMetrics
+from kvmesh.serving.metrics import (
+    FAST_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    MetricsRegistry,
+    ServerMetrics,
+)
 
 # Predicted minus reused blocks: 0 is exact, > 0 the index promised more than was there.
 PREDICTION_ERROR_BUCKETS = (-64, -16, -4, -2, -1, -0.5, 0, 0.5, 1, 2, 4, 16, 64)
@@ -38,8 +44,8 @@ class ReplicaGauges:
 
 
 class RouterMetrics(ServerMetrics):
-    def __init__(self, model_name: str = "") -> None:
-        super().__init__(model_name)
+    def __init__(self, model_name: str = "", registry: MetricsRegistry | None = None) -> None:
+        super().__init__(model_name, registry)
         self.requests = self.counter(
             "kvmesh_router_requests", "Generate requests by outcome", ("policy", "outcome")
         )
@@ -142,8 +148,11 @@ class RouterMetrics(ServerMetrics):
     def watch_replicas(
         self, gauges: Callable[[], Iterable[ReplicaGauges]], index_up: Callable[[], bool]
     ) -> None:
-        """Per-replica gauges and the index's reachability, read at each scrape."""
-        self.registry.register(_ReplicaCollector(self.model_name, gauges, index_up))
+        """Per-replica gauges and the index's reachability, read at each scrape (one collector
+        for every model of this router: a family appears once on the page)."""
+        self.registry.family("kvmesh_router_replica_gauges", _ReplicaCollector).watch(
+            self.model_name, gauges, index_up
+        )
 
 
 class _ReplicaCollector:
@@ -174,12 +183,13 @@ class _ReplicaCollector:
         ),
     }
 
-    def __init__(
+    def __init__(self) -> None:
+        self.models: list[tuple[str, Callable[[], Iterable[ReplicaGauges]], Callable[[], bool]]] = []
+
+    def watch(
         self, model_name: str, gauges: Callable[[], Iterable[ReplicaGauges]], index_up: Callable[[], bool]
     ) -> None:
-        self.model_name = model_name
-        self.gauges = gauges
-        self.index_up = index_up
+        self.models.append((model_name, gauges, index_up))
 
     def describe(self):
         return []  # collected lazily: no describe-time read of the registry
@@ -192,17 +202,18 @@ class _ReplicaCollector:
         families["live"] = GaugeMetricFamily(
             "kvmesh_router_live_replicas", "Replicas a request may go to", labels=["model_name"]
         )
-        rows = list(self.gauges())
-        for row in rows:
-            for attr, family in families.items():
-                if attr != "live":
-                    family.add_metric([self.model_name, row.replica_id], getattr(row, attr))
-        families["live"].add_metric([self.model_name], len(rows))
-        yield from families.values()
         up = GaugeMetricFamily(
             "kvmesh_router_index_up", "1 while the prefix index is reachable and whole", labels=["model_name"]
         )
-        up.add_metric([self.model_name], 1 if self.index_up() else 0)
+        for model_name, gauges, index_up in self.models:
+            rows = list(gauges())
+            for row in rows:
+                for attr, family in families.items():
+                    if attr != "live":
+                        family.add_metric([model_name, row.replica_id], getattr(row, attr))
+            families["live"].add_metric([model_name], len(rows))
+            up.add_metric([model_name], 1 if index_up() else 0)
+        yield from families.values()
         yield up
 
 

@@ -1,79 +1,71 @@
-"""One router process assembled: gRPC ``kvmesh.v1.Router`` + OpenAI HTTP, over the shared index.
+"""One router process assembled: gRPC ``kvmesh.v1.Router`` + OpenAI HTTP, over the shared index,
+for one model or several (``models.py``: a route per model).
 
-Reads the model folder only for its tokenizer and config (never loads weights or torch).
+Reads the model folders only for their tokenizers and configs (never loads weights or torch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-from pathlib import Path
+from collections.abc import Sequence
 
-from kvmesh.kvcache.index import INDEX_ERRORS, IndexSettingsError
+from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
-from kvmesh.router.decision import RoutingOptions
 from kvmesh.router.grpc_service import RouterService
+from kvmesh.router.models import ModelRoutes
 from kvmesh.router.registry import ReplicaRegistry
-from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor
 from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
-from kvmesh.serving.index_connection import RedisCredentials, connect_index
-from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.model_lock import reading_model
+from kvmesh.serving.index_connection import RedisCredentials
 from kvmesh.serving.open_endpoint import METRICS_TYPE, start_open_endpoint
 from kvmesh.serving.openai.app import build_app
-from kvmesh.serving.options import effective_config
 
 log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, redis_credentials: RedisCredentials | None = None):
+    """``config``: one model's router, or one config per model (alike but for their per-model
+    fields: ``option(per_model=True)``), all behind the same ports."""
+
+    def __init__(
+        self, config: RouterConfig | Sequence[RouterConfig], redis_credentials: RedisCredentials | None = None
+    ):
         """``redis_credentials``: its Redis user (default: from this process's environment)."""
-        if not config.redis_url:
+        configs = [config] if isinstance(config, RouterConfig) else list(config)
+        if not configs or not configs[0].redis_url:
             raise ValueError("the router needs the prefix index's redis_url")
-        self.config = config
-        self.model_id = config.model_id or Path(config.model_dir).resolve().name
-        with reading_model(config.model_dir):  # no download swaps the folder while it is read
-            self.tokenizer = config.api.load_tokenizer(config.model_dir)
-            self.defaults = config.api.load_defaults(config.model_dir)
-        # With block size "auto" the model's hash namespace is known once a replica stored it.
-        self.model = self._model_info(config.block_size) if config.block_size else None
-        seed = self.model.hash_seed if self.model else None
-        self.index = connect_index(
-            config.redis_url, self.model_id, config.block_size, seed, config.deployment, redis_credentials
-        )
-        self.fleet = (
-            FleetLoad(self.index, speculative_ttl_s=config.speculative_ttl_s)
-            if config.shared_load == "on"
-            else None
-        )
-        self.registry = ReplicaRegistry(
-            self.index,
-            refresh_s=config.refresh_s,
-            tls=config.tls,
-            fleet=self.fleet,
-            replica_token=config.replica_token(),
-        )
-        self.service = RouterService(
-            None, json.dumps(effective_config(config)), config.connections.stream_write_timeout_s
-        )
-        self.core: RouterCore | None = None
+        _check_alike(configs)
+        self.config = configs[0]
+        self.models = ModelRoutes(configs, redis_credentials)
+        self.service = RouterService(self.models, self.config.connections.stream_write_timeout_s)
         self.grpc: GrpcServer | None = None
         self.http: HttpServer | None = None
         self.open_endpoint: asyncio.Server | None = None  # /metrics and /health, no token
+        self._starts: list[asyncio.Task] = []  # each model's route, until its block size is known
 
-    def _model_info(self, block_size: int) -> ModelInfo:
-        c = self.config
-        with reading_model(c.model_dir):
-            return ModelInfo.from_folder(
-                c.model_dir, self.model_id, block_size, c.max_model_len, c.api.served_model_name
-            )
+    # A one-model router's parts (of several models: the first's).
+    @property
+    def core(self) -> RouterCore | None:
+        return self.models.routes[0].core
+
+    @property
+    def registry(self) -> ReplicaRegistry:
+        return self.models.routes[0].registry
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.models.routes[0].index
+
+    @property
+    def model_id(self) -> str:
+        return self.models.routes[0].model_id
 
     @property
     def address(self) -> str:
@@ -100,28 +92,11 @@ class RouterServer:
             max_message_bytes=self.config.max_message_bytes,
             connections=self.config.connections,
         )
-        if self.model is None:
-            self.model = await self._learn_block_size()
-        else:
-            await self._store_settings()
-        options = RoutingOptions(
-            self.config.policy,
-            self.config.limits,
-            self.defaults,
-            speculative_ttl_s=self.config.speculative_ttl_s,
-            index_health=self.config.index_health,
-        )
-        self.core = RouterCore(self.model, self.tokenizer, self.index, self.registry, options)
-        self.service.core = self.core
-        self.registry.on_change(self._health_follows)
-        if self.fleet is not None:
-            self.fleet.on_synced = self.core.metrics.fleet_sync.observe
-            self.core.metrics.fleet_routers.set_function(lambda: self.fleet.routers)
-            await self.fleet.start()
-        await self.registry.start()
+        self._starts = [asyncio.create_task(r.start(self._health_follows)) for r in self.models.routes]
+        await self._first_route()
         if self.config.serves_http:
             app = build_app(
-                self.core,
+                self.models,
                 self.health,
                 auth_token=token,
                 max_body_bytes=self.config.max_message_bytes,
@@ -137,7 +112,7 @@ class RouterServer:
 
     async def _start_open_endpoint(self) -> asyncio.Server:
         async def metrics() -> tuple[int, str, bytes]:
-            return 200, METRICS_TYPE, self.core.render_metrics() if self.core else b""
+            return 200, METRICS_TYPE, self.models.render_metrics()
 
         async def health() -> tuple[int, str, bytes]:
             body = self.health()
@@ -151,52 +126,41 @@ class RouterServer:
     def metrics_port(self) -> int | None:
         return self.open_endpoint.sockets[0].getsockname()[1] if self.open_endpoint else None
 
-    async def _store_settings(self) -> None:
-        try:
-            await self.index.ensure_settings()
-        except IndexSettingsError:
-            raise
-        except INDEX_ERRORS as exc:  # Redis away at start: serve anyway, the registry keeps trying
-            log.warning("prefix index unreachable at start", extra={"error": str(exc)})
-
-    async def _learn_block_size(self) -> ModelInfo:
-        """Block size "auto": the one the replicas chose (they store it when they register)."""
-        said = False
-        while True:
-            try:
-                settings = await self.index.settings()
-            except INDEX_ERRORS as exc:
-                settings = None
-                if not said:
-                    log.warning("prefix index unreachable, waiting for it", extra={"error": str(exc)})
-            if settings:
-                model = self._model_info(int(settings["block_size"]))
-                if str(model.hash_seed) != settings.get("hash_seed"):
-                    raise IndexSettingsError(
-                        f"the replicas of {self.model_id!r} hash with seed {settings.get('hash_seed')}, "
-                        f"this router would use {model.hash_seed}"
-                    )
-                log.info("block size from the replicas", extra={"block_size": model.block_size})
-                return model
-            if not said:
-                log.info(
-                    "waiting for a replica to register the model's block size", extra={"model": self.model_id}
-                )
-                said = True
-            await asyncio.sleep(self.config.refresh_s)
+    async def _first_route(self) -> None:
+        """Until one model routes (HTTP starts then); a model whose route fails to start fails
+        the router while none routes yet, later it is logged and that model stays unavailable."""
+        pending = set(self._starts)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises a start's error
+            if self.models.cores:
+                break
+        for task in pending:
+            task.add_done_callback(_log_failed_start)
 
     async def _health_follows(self, live: int) -> None:
-        await self.grpc.set_serving(live > 0)
+        await self.grpc.set_serving(any(route.live for route in self.models.routes))
 
     @property
     def http_port(self) -> int | None:
         return self.http.port if self.http else None
 
     def health(self) -> dict:
-        """/health: ok while this router routes (503 while draining, or with no live replica)."""
-        live = len(self.registry.live()) if self.core else 0
-        draining = bool(self.core and self.core.draining)
-        return {"status": "draining" if draining else "ok" if live else "no live replica", "replicas": live}
+        """/health: ok while this router routes (503 while draining, or with no live replica of
+        any model); the live replicas in all, and of each model."""
+        models = {route.api_name: route.live for route in self.models.routes}
+        live = sum(models.values())
+        status = "draining" if self._draining else "ok" if live else "no live replica"
+        return {"status": status, "replicas": live, "models": models}
+
+    @property
+    def _draining(self) -> bool:
+        return any(core.draining for core in self.models.cores)
+
+    @property
+    def _active(self) -> int:
+        return sum(core.active for core in self.models.cores)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: health goes NOT_SERVING (and /health 503) and new requests are refused at
@@ -204,11 +168,13 @@ class RouterServer:
         drain timeout), which bounds the whole stop; then everything closes."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.config.drain_timeout_s if grace is None else grace)
-        if self.core:
-            self.core.draining = True
+        for task in self._starts:
+            task.cancel()
+        for core in self.models.cores:
+            core.draining = True
         if self.grpc:
             await self.grpc.set_serving(False)
-            while self.core and self.core.active and loop.time() < deadline:
+            while self._active and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             await self.service.cut_off()
             # No grace: during one the server accepts calls it never serves, and they end
@@ -218,9 +184,19 @@ class RouterServer:
             await self.http.stop(max(0.0, deadline - loop.time()))
         if self.open_endpoint:
             self.open_endpoint.close()
-        if self.core:
-            await self.core.stop()
-        if self.fleet is not None:
-            await self.fleet.stop()
-        await self.registry.stop()
-        await self.index.close()
+        for route in self.models.routes:
+            await route.stop()
+
+
+def _check_alike(configs: Sequence[RouterConfig]) -> None:
+    """The models of one router differ only in their per-model settings."""
+    shared = [f.name for f in dataclasses.fields(RouterConfig) if not f.metadata["per_model"]]
+    for config in configs[1:]:
+        differ = [name for name in shared if getattr(config, name) != getattr(configs[0], name)]
+        if differ:
+            raise ValueError(f"the models of one router differ in router-wide settings: {', '.join(differ)}")
+
+
+def _log_failed_start(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a model's route failed to start", extra={"error": str(task.exception())})

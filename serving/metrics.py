@@ -1,5 +1,5 @@
 """What the router's and the replicas' Prometheus metrics share: one registry per server (so
-tests can run several in one process) with the process collectors, the ``model_name``
+tests can run several in one process; a router's models share its one) with the process collectors, the ``model_name``
 label, vLLM's histogram buckets, and the exposition.
 
 Replicas export vLLM's metric names (``vllm:num_requests_running``, ...) with vLLM's
@@ -8,6 +8,9 @@ kvmesh replica as they read vLLM; what vLLM has no name for is ``kvmesh_*``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,6 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so percentiles agree across both.
 TTFT_BUCKETS = (
@@ -104,33 +109,57 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
         scale *= 10
 
 
-class ServerMetrics:
-    """Base of a server's metrics: subclasses register theirs on ``self.registry``, each with
-    a ``model_name`` label (``self.counter`` / ``self.histogram`` bind it)."""
+class MetricsRegistry(CollectorRegistry):
+    """One server's registry, with the process collectors: the metrics of every model it
+    serves share it, each family registered once (``family``) and labelled by model."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        ProcessCollector(registry=self)
+        PlatformCollector(registry=self)
+        GCCollector(registry=self)
+        self._families: dict[str, object] = {}
+
+    def family(self, name: str, make: Callable[[], T]) -> T:
+        """The metric (or collector) called ``name``, made and registered by its first user."""
+        if name not in self._families:
+            self._families[name] = made = make()
+            if not isinstance(made, Counter | Gauge | Histogram):  # those register themselves
+                self.register(made)
+        return self._families[name]
+
+    def render(self) -> bytes:
+        return generate_latest(self)
+
+
+class ServerMetrics:
+    """Base of a server's metrics: subclasses declare theirs with ``self.counter`` /
+    ``self.histogram`` / ``self.gauge``, which bind this model's ``model_name`` label. Each
+    model a server serves has its own instance over the server's one ``registry``."""
+
+    def __init__(self, model_name: str, registry: MetricsRegistry | None = None) -> None:
         self.model_name = model_name
-        self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+        self.registry = registry or MetricsRegistry()
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()):
         """A counter for this model: ``.inc()``, or ``.labels(*values).inc()`` with ``labels``."""
-        return self._bind(Counter(name, doc, ["model_name", *labels], registry=self.registry), labels)
+        return self._declare(Counter, name, doc, labels)
 
     def histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()):
-        metric = Histogram(name, doc, ["model_name", *labels], buckets=buckets, registry=self.registry)
-        return self._bind(metric, labels)
+        return self._declare(Histogram, name, doc, labels, buckets=buckets)
 
     def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()):
-        return self._bind(Gauge(name, doc, ["model_name", *labels], registry=self.registry), labels)
+        return self._declare(Gauge, name, doc, labels)
 
-    def _bind(self, metric, labels: tuple[str, ...]):
+    def _declare(self, kind: type, name: str, doc: str, labels: tuple[str, ...], **options):
+        def make():
+            return kind(name, doc, ["model_name", *labels], registry=self.registry, **options)
+
+        metric = self.registry.family(name, make)
         return _ModelBound(metric, self.model_name) if labels else metric.labels(self.model_name)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.registry.render()
 
 
 def read_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -32,12 +32,14 @@ def option(
     flag: str | None = None,
     choices: tuple[str, ...] | None = None,
     cli: bool = True,
+    per_model: bool = False,
     factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A config field: ``flag`` overrides the flag name derived from the field name (and so
     its ``KVMESH_<FLAG>`` variable); ``cli=False`` keeps it off the command line (set by the
-    launcher)."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli}
+    launcher); ``per_model``: each model of a several-model deployment may set its own
+    (``--model DIR,KEY=VALUE``; on a nested config, every field in it)."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli, "per_model": per_model}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

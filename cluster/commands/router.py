@@ -16,7 +16,7 @@ class Logging:
     verbose: bool = option(False, help="info-level logs")
 
 
-FLAGS = FlagTable([RouterConfig, Logging])
+FLAGS = FlagTable([RouterConfig, Logging], several_models=True)
 
 
 def register(commands) -> None:
@@ -31,30 +31,38 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.logs import setup_logging
     from kvmesh.serving.grpc_server import ListenError
 
-    config, logging = FLAGS.build(args)
-    if not config.redis_url:
+    built = FLAGS.build_models(args)
+    configs, logging = [config for config, _ in built], built[0][1]
+    if not configs[0].redis_url:
         raise UsageError(
             "--redis-url is required (or set KVMESH_REDIS_URL): the router serves over an existing index"
         )
-    check_model_folder(config.model_dir)
-    check_files(config)
+    for config in configs:
+        check_model_folder(config.model_dir)
+        check_files(config)
     setup_logging(logging.verbose)
     try:
-        event_loop.run(serve_router(config))
+        event_loop.run(serve_router(configs))
     except ListenError as exc:
         raise UsageError(str(exc)) from None
     return 0
 
 
-async def serve_router(config: RouterConfig) -> None:
+async def serve_router(configs: list[RouterConfig]) -> None:
     """The router alone (Kubernetes), until a signal; never loads torch or Ray."""
+    from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.signals import wait_for_signal
     from kvmesh.router.process import RouterServer
 
-    router = RouterServer(config)
-    if config.block_size is None:
+    try:
+        router = RouterServer(configs)
+    except ValueError as exc:  # models that clash: two answer to one name, or differ router-wide
+        raise UsageError(str(exc)) from None
+    config = router.config
+    waiting = [route.model_id for route in router.models.routes if route.config.block_size is None]
+    if waiting:
         print(
-            f"kvmesh router: waiting for a replica of {router.model_id} (deployment {config.deployment}) "
+            f"kvmesh router: waiting for a replica of {', '.join(waiting)} (deployment {config.deployment}) "
             "to store its block size",
             flush=True,
         )

@@ -1,4 +1,5 @@
-"""``kvmesh up``: Ray, Redis (embedded unless given), N replicas and the router, until a signal."""
+"""``kvmesh up``: Ray, Redis (embedded unless given), N replicas of each model and the router, until
+a signal. Several models: ``--model DIR[,KEY=VALUE...]`` repeated (``cluster/flags.py``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import asyncio
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.flags import FlagTable
 
-FLAGS = FlagTable([ClusterConfig])
+FLAGS = FlagTable([ClusterConfig], several_models=True)
 
 
 def register(commands) -> None:
-    up = commands.add_parser("up", help="serve a model: Ray, Redis, N replicas and the router")
+    up = commands.add_parser(
+        "up", help="serve one model or several: Ray, Redis, N replicas of each, and one router for all"
+    )
     FLAGS.add_to(up)
     up.set_defaults(handler=run)
 
@@ -23,17 +26,21 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.logs import setup_logging
     from kvmesh.serving.grpc_server import ListenError
 
-    (config,) = FLAGS.build(args)
-    if config.ray_address is None:  # with a Ray cluster, the model folder is on its workers
-        check_model_folder(config.router.model_dir)
-    check_files(config.router)
+    try:
+        configs = ClusterConfig.together([config for (config,) in FLAGS.build_models(args)])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for config in configs:
+        if config.ray_address is None:  # with a Ray cluster, the model folders are on its workers
+            check_model_folder(config.router.model_dir)
+        check_files(config.router)
     # Ray and torch only once the flags are known good: a usage error is answered at once.
     from kvmesh.cluster.launcher import serve_cluster
     from kvmesh.cluster.supervisor import ReplicaStartError
 
-    setup_logging(config.verbose)
+    setup_logging(configs[0].verbose)
     try:
-        asyncio.run(serve_cluster(config))
+        asyncio.run(serve_cluster(configs))
     except (ReplicaStartError, ListenError) as exc:
         raise UsageError(str(exc)) from None
     return 0

@@ -3,9 +3,10 @@
 ``/v1/completions`` and ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``,
 vLLM-style ``/tokenize``, ``/detokenize``, ``/version`` and
 ``/v1[/chat]/completions/render``, SGLang-style ``/server_info``, ``/health`` (503 until
-ready) and ``/metrics`` (Prometheus), over any ``OpenAIBackend``: the router's RouterCore or
-a replica's own engine, so the same code (and the same error mapping) fronts both, and
-third-party routers (sglang-router, vllm-router) can front the replicas too.
+ready) and ``/metrics`` (Prometheus), over the ``ServedModels`` of a server: the router's
+(a RouterCore per model) or a replica's one engine (``OneModel``), so the same code (and the
+same error mapping) fronts both, and third-party routers (sglang-router, vllm-router) can
+front the replicas too. A request's ``model`` picks its backend.
 
 Which request fields are honoured is ``openai_protocol.FIELD_RULES``. Every error, in a body
 or in band in a stream, is OpenAI's ``{"error": {"message", "type", "param", "code"}}``:
@@ -89,6 +90,38 @@ class SseRelayBackend(OpenAIBackend, Protocol):
     ) -> AsyncIterator[bytes]: ...
 
 
+class ServedModels(Protocol):
+    """What a front end serves: each model's backend, found by the name a request gives."""
+
+    def backend(self, name: str | None) -> OpenAIBackend:
+        """The backend of model ``name`` (a served name or id; none: the only model's);
+        NotFound for a model not served here."""
+        ...
+
+    def serving(self) -> list[OpenAIBackend]:
+        """The models clients can use now (/v1/models)."""
+        ...
+
+    def render_metrics(self) -> bytes: ...
+
+
+class OneModel:
+    """A server of one model (a replica): its backend answers to its served name, its id, or none."""
+
+    def __init__(self, backend: OpenAIBackend):
+        self._backend = backend
+
+    def backend(self, name: str | None) -> OpenAIBackend:
+        self._backend.model.check_named(name)
+        return self._backend
+
+    def serving(self) -> list[OpenAIBackend]:
+        return [self._backend]
+
+    def render_metrics(self) -> bytes:
+        return self._backend.render_metrics()
+
+
 class _ClientLeft(ServingError):
     """The client disconnected before its answer was ready (nginx's 499: nobody reads it)."""
 
@@ -150,7 +183,7 @@ def _parse(data: bytes, model: type[Body]) -> Body:
 
 
 def build_app(
-    backend: OpenAIBackend,
+    models: ServedModels,
     health: Callable[[], dict],
     auth_token: str | None = None,
     max_body_bytes: int = 4 << 20,
@@ -159,13 +192,11 @@ def build_app(
 ) -> FastAPI:
     """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503.
 
-    Every route that does work for a request (generate, render, tokenize, detokenize) takes
-    its in-flight slots (``backend.admit``) first, a batch all its prompts at once, and
+    Every route that does work for a request (generate, render, tokenize, detokenize) finds
+    its model's backend, then takes its in-flight slots (``backend.admit``) first, a batch all its prompts at once, and
     parses, renders and tokenizes off the event loop when the request is large.
     ``relay_routes``: serve the routes a relaying router streams from (a replica's)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
-    model = backend.model.api_name
-    names = TokenNames(backend.tokenizer)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if auth_token:
         app.add_middleware(_TokenAuth, token=auth_token)
@@ -190,30 +221,34 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics():
-        return Response(backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(models.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def server_version():
         return {"version": _VERSION}
 
     @app.get("/v1/models")
-    async def models():
-        card = {
-            "id": model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvmesh",
-            "root": backend.model.model_id,
-            "max_model_len": backend.model.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+    async def model_list():
+        cards = [
+            {
+                "id": backend.model.api_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvmesh",
+                "root": backend.model.model_id,
+                "max_model_len": backend.model.max_model_len,
+            }
+            for backend in models.serving()
+        ]
+        return {"object": "list", "data": cards}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        """SGLang's metadata shape: sglang-router names the worker's model from it."""
+        """SGLang's metadata shape (one model: sglang-router names the worker's model from it)."""
+        backend = models.backend(None)
         return {
-            "served_model_name": model,
+            "served_model_name": backend.model.api_name,
             "max_model_len": backend.model.max_model_len,
             "page_size": backend.model.block_size,
             "version": _VERSION,
@@ -222,7 +257,7 @@ def build_app(
     @app.post("/v1/completions/render")
     async def render_completion(raw: Request):
         body, size = await _parsed(raw, CompletionRequest)
-        backend.model.check_named(body.model)
+        backend = models.backend(body.model)
         prompts = len(body.prompts())
         backend.inputs.check_batch(prompts, 1)
         with backend.admit(prompts, body.policy or ""):
@@ -233,7 +268,7 @@ def build_app(
     async def render_chat(raw: Request):
         """vLLM's render shape: vllm-router's cache_aware policy asks every worker for it."""
         body, size = await _parsed(raw, ChatRequest)
-        backend.model.check_named(body.model)
+        backend = models.backend(body.model)
         with backend.admit(1, body.policy or ""):
             plan = await sized(size, chat_plan, body)
             return [{"token_ids": await backend.prompt_ids(plan.requests[0])}]
@@ -241,19 +276,19 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(raw: Request):
         body, size = await _parsed(raw, TokenizeRequest)
-        backend.model.check_named(body.model)
+        backend = models.backend(body.model)
         with backend.admit(1):
             request = await sized(size, tokenize_request, body, backend.tokenizer)
             tokens = await backend.prompt_ids(request)
             reply = {"count": len(tokens), "max_model_len": backend.model.max_model_len, "tokens": tokens}
             if body.return_token_strs:
-                reply["token_strs"] = await sized(size, names, tokens)
+                reply["token_strs"] = await sized(size, TokenNames(backend.tokenizer), tokens)
             return reply
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         body, size = await _parsed(raw, DetokenizeRequest)
-        backend.model.check_named(body.model)
+        backend = models.backend(body.model)
         if backend.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer", param="tokens")
         bad = next((t for t in body.tokens if not 0 <= t < backend.model.vocab_size), None)
@@ -266,29 +301,29 @@ def build_app(
     async def completions(raw: Request):
         body, size = await _parsed(raw, CompletionRequest)
         body.check_supported()
-        backend.model.check_named(body.model)
+        backend = models.backend(body.model)
         prompts = len(body.prompts())
         backend.inputs.check_batch(prompts, body.n)
         ticket = backend.admit(prompts, body.policy or "")
         with _released_unless_streaming(ticket):
             plan = await sized(size, completion_plan, body, backend.tokenizer)
-            if _relayed(body, plan):
-                return await _relay(raw, plan, False, ticket)
-            echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
-            return await _serve(raw, body, plan, False, echoes, ticket)
+            if _relayed(backend, body, plan):
+                return await _relay(backend, raw, plan, False, ticket)
+            echoes = await _echoes(backend, body, plan, size) if plan.echo_prompt else None
+            return await _serve(backend, raw, body, plan, False, echoes, ticket)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         body, size = await _parsed(raw, ChatRequest)
         body.check_supported()
-        backend.model.check_named(body.model)
+        backend = models.backend(body.model)
         backend.inputs.check_batch(1, body.n)
         ticket = backend.admit(1, body.policy or "")
         with _released_unless_streaming(ticket):
             plan = await sized(size, chat_plan, body)
-            if _relayed(body, plan):
-                return await _relay(raw, plan, True, ticket)
-            return await _serve(raw, body, plan, True, None, ticket)
+            if _relayed(backend, body, plan):
+                return await _relay(backend, raw, plan, True, ticket)
+            return await _serve(backend, raw, body, plan, True, None, ticket)
 
     if relay_routes:
 
@@ -302,11 +337,11 @@ def build_app(
             envelope, size = await _parsed(raw, ChatEnvelope)
             return await _serve_envelope(raw, envelope, True, size)
 
-    def _relayed(body: CompletionRequest | ChatRequest, plan: Plan) -> bool:
+    def _relayed(backend: OpenAIBackend, body: CompletionRequest | ChatRequest, plan: Plan) -> bool:
         """Whether the backend relays this request's SSE from a replica, byte for byte."""
         return body.stream and len(plan.requests) == 1 and backend.relays_sse
 
-    async def _relay(raw: Request, plan: Plan, chat: bool, ticket: Ticket):
+    async def _relay(backend: OpenAIBackend, raw: Request, plan: Plan, chat: bool, ticket: Ticket):
         relay: SseRelayBackend = backend  # type: ignore[assignment]
         stream = relay.generate_sse(plan.requests[0], chat, await raw.body(), tracing.extract(raw.headers))
         first = await _unless_client_leaves(raw, anext(stream))  # routing errors: before any header
@@ -315,7 +350,9 @@ def build_app(
     async def _serve_envelope(
         raw: Request, envelope: ChatEnvelope | CompletionEnvelope, chat: bool, size: int
     ):
-        """A router's relayed stream: the client's body, the router's token ids and ids."""
+        """A router's relayed stream: the client's body, the router's token ids and ids (the
+        router chose this server's model: the body's name is the router's for it)."""
+        backend = models.backend(None)
         body = envelope.request
         body.check_supported()
         if not body.stream or (not chat and len(body.prompts()) != 1):
@@ -327,10 +364,10 @@ def build_app(
             else:
                 plan = await sized(size, completion_plan, body, backend.tokenizer)
             envelope.upstream(plan.requests[0])
-            echoes = await _echoes(body, plan, size) if plan.echo_prompt else None
-            return await _serve(raw, body, plan, chat, echoes, ticket, envelope.model)
+            echoes = await _echoes(backend, body, plan, size) if plan.echo_prompt else None
+            return await _serve(backend, raw, body, plan, chat, echoes, ticket, envelope.model)
 
-    async def _echoes(body: CompletionRequest, plan: Plan, size: int) -> list[Echo]:
+    async def _echoes(backend: OpenAIBackend, body: CompletionRequest, plan: Plan, size: int) -> list[Echo]:
         """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
         echoes = []
         for prompt, request in zip(body.prompts(), plan.requests, strict=True):
@@ -344,6 +381,7 @@ def build_app(
         return echoes
 
     async def _serve(
+        backend: OpenAIBackend,
         raw: Request,
         body: CompletionRequest | ChatRequest,
         plan: Plan,
@@ -357,11 +395,11 @@ def build_app(
         trace = tracing.extract(raw.headers)
         streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
-        token_names = TokenNames(None) if body.return_tokens_as_token_ids else names
+        token_names = TokenNames(None if body.return_tokens_as_token_ids else backend.tokenizer)
 
         def builder_for(first) -> ResponseBuilder:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
-            shown = relayed_as or model
+            shown = relayed_as or backend.model.api_name
             return ResponseBuilder(plan, chat, shown, token_names, rid, int(time.time()), echoes)
 
         if body.stream:

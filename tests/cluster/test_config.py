@@ -228,3 +228,70 @@ def test_a_bad_deployment_is_a_usage_error(name, tmp_path):
             build(table, "--model", str(tmp_path), "--deployment", name)
     with pytest.raises(ValueError, match="deployment must be"):
         ReplicaConfig(str(tmp_path), deployment=name)
+
+
+def build_models(table: FlagTable, *argv: str):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    table.add_to(parser)
+    return table.build_models(parser.parse_args(argv))
+
+
+def test_up_takes_several_models_each_with_its_own_per_model_settings():
+    built = build_models(
+        TABLES["up"],
+        "--model",
+        "/models/qwen3,replicas=3,block-size=32,kv-cache-memory=1000000",
+        "--model",
+        "/models/llama,model-id=llama,served-model-name=chat,max-model-len=512",
+        "--replicas",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        "--policy",
+        "round_robin",
+    )
+    qwen, llama = ClusterConfig.together([config for (config,) in built])
+    assert (qwen.replicas, llama.replicas) == (3, 2)  # its own, else the command line's
+    assert (qwen.router.block_size, qwen.replica.engine.block_size, llama.router.block_size) == (32, 32, None)
+    assert (qwen.replica.engine.kv_cache_memory, llama.replica.engine.num_kv_blocks) == (1000000, 64)
+    assert (llama.model_id, llama.router.api.served_model_name, llama.replica.engine.max_model_len) == (
+        "llama",
+        "chat",
+        512,
+    )
+    assert qwen.router.policy == llama.router.policy == "round_robin"  # router-wide: the same
+    assert qwen.deployment == llama.deployment == qwen.router.deployment == llama.replica.deployment
+
+
+def test_the_models_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVMESH_MODEL", "/models/a,block-size=32;\n/models/b")
+    built = build_models(TABLES["router"])
+    assert [(router.model_dir, router.block_size) for router, _ in built] == [
+        ("/models/a", 32),
+        ("/models/b", None),
+    ]
+    assert len(build_models(TABLES["router"], "--model", "/models/c")) == 1  # the flag wins
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["/m/a,port=1"], "'port=1' is not KEY=VALUE with a per-model KEY"),  # router-wide
+        (["/m/a,replicas"], "'replicas' is not KEY=VALUE"),
+        (["/m/a,replicas=two"], "--model /m/a,replicas=: --replicas expects an integer, got 'two'"),
+        (["/m/a", "/m/a,replicas=1"], "a model folder is given twice"),
+        ([",replicas=1"], "the model folder comes first"),
+    ],
+)
+def test_a_bad_model_spec_is_a_usage_error_that_says_why(specs, message):
+    argv = [arg for spec in specs for arg in ("--model", spec)]
+    with pytest.raises(UsageError, match=re.escape(message)):
+        build_models(TABLES["up"], *argv)
+
+
+def test_two_models_with_one_id_are_refused():
+    built = build_models(TABLES["up"], "--model", "/a/m", "--model", "/b/m")
+    with pytest.raises(ValueError, match="two models have one id"):
+        ClusterConfig.together([config for (config,) in built])
+    with pytest.raises(UsageError, match="one --model here, got 2"):
+        build(TABLES["up"], "--model", "/a/m", "--model", "/b/m")

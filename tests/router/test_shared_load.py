@@ -153,13 +153,18 @@ async def fleet_of_routers(qwen3_dir):
         routers[name] = RouterServer(
             local_router_config(qwen3_dir, redis.url, http_port=-1, shared_load=shared)
         )
-        if routers[name].fleet is not None:
-            routers[name].fleet.heartbeat_s, routers[name].fleet.ttl_s = 0.2, 1.0  # die fast in this test
+        if routers[name].registry.fleet is not None:
+            routers[name].registry.fleet.heartbeat_s, routers[name].registry.fleet.ttl_s = (
+                0.2,
+                1.0,
+            )  # die fast in this test
         await routers[name].start()
     for router in routers.values():
         assert await eventually(lambda r=router: asyncio.sleep(0, result=len(r.registry.live()) == 2))
     for name in ("a", "b"):  # each has seen the other (a heartbeat): both share every request
-        assert await eventually(lambda f=routers[name].fleet: asyncio.sleep(0, result=f.active), timeout=10)
+        assert await eventually(
+            lambda f=routers[name].registry.fleet: asyncio.sleep(0, result=f.active), timeout=10
+        )
     yield {"routers": routers, "redis": redis}
     for router in routers.values():
         await router.stop(grace=0.5)
@@ -277,12 +282,12 @@ async def test_a_dead_routers_reservations_end_with_its_heartbeat(fleet_of_route
     tasks = await _long_requests(a, 3)
     try:
         assert await eventually(lambda: _equals(_seen_by(b), 3))
-        await a.fleet._loops.stop()  # the fault: router a stops talking to the index, holding 3
-        a.fleet.incarnation = None
+        await a.registry.fleet._loops.stop()  # the fault: router a stops talking to the index, holding 3
+        a.registry.fleet.incarnation = None
         assert await eventually(lambda: _equals(_seen_by(b), 0), timeout=5)  # its TTL is 1 s here
     finally:
         await _stop(tasks)
-        await a.fleet.start()  # a comes back: a new incarnation holding what it has (nothing)
+        await a.registry.fleet.start()  # a comes back: a new incarnation holding what it has (nothing)
     assert await eventually(lambda: _equals(_seen_by(a), 0))
 
 
@@ -417,9 +422,13 @@ async def test_two_routers_ride_out_redis_away_and_the_fleet_counts_return_to_ze
     await asyncio.sleep(1.0)
     redis.stop()
     await asyncio.sleep(10.0)
-    assert not a.fleet.active and not b.fleet.active  # routing on their own counts meanwhile
+    assert (
+        not a.registry.fleet.active and not b.registry.fleet.active
+    )  # routing on their own counts meanwhile
     redis.start()
-    assert await eventually(lambda: asyncio.sleep(0, result=a.fleet.active and b.fleet.active), timeout=15)
+    assert await eventually(
+        lambda: asyncio.sleep(0, result=a.registry.fleet.active and b.registry.fleet.active), timeout=15
+    )
     await asyncio.sleep(1.0)
     stop.set()
     await asyncio.wait_for(asyncio.gather(*clients), 60)  # nothing hangs

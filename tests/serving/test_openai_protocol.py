@@ -13,7 +13,7 @@ from kvmesh.serving.errors import InvalidRequest, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
-from kvmesh.serving.openai.app import build_app
+from kvmesh.serving.openai.app import OneModel, build_app
 from kvmesh.serving.openai.protocol import FIELD_RULES, ChatRequest, CompletionRequest, field_table
 from kvmesh.serving.openai.requests import chat_plan, completion_plan
 from kvmesh.serving.sampling_params import SamplingParams, sampling_from_proto
@@ -163,7 +163,7 @@ class _FailingBackend:
 
 
 async def test_a_mid_stream_failure_is_an_in_band_openai_error():
-    app = build_app(_FailingBackend(), lambda: {"status": "ok"})
+    app = build_app(OneModel(_FailingBackend()), lambda: {"status": "ok"})
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         reply = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "stream": True})
         whole = await http.post("/v1/completions", json={"prompt": [1, 2, 3]})

@@ -226,11 +226,13 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., effective_config: _Optional[str] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause")
+    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause", "model")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class ReplicaInfo(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
     INDEX_STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     incarnation: int
@@ -253,7 +256,8 @@ class ReplicaInfo(_message.Message):
     heartbeat_age_s: float
     index_state: str
     index_state_cause: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas", "controller_state", "index_state", "index_state_cause")
