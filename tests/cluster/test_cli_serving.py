@@ -125,6 +125,82 @@ def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
             proc.kill()
 
 
+def test_up_serves_two_models_of_two_architectures_behind_one_router(qwen3_dir, tmp_path):
+    """Issue 31's done-when: a tiny Qwen3 and a tiny Llama with a tokenizer of its own, one
+    replica each, one router: each request lands on its model's replica, a prefix shared in
+    text never crosses models, /v1/models, the metrics and ``kvmesh status`` show both."""
+    import httpx
+    from conftest import tiny_model_dir
+
+    llama_dir = tiny_model_dir("llama", vocab_size=640, seed=1)
+    err = tmp_path / "stderr"
+    proc = subprocess.Popen(
+        [
+            KVMESH,
+            "up",
+            "--model",
+            f"{qwen3_dir},replicas=1",
+            "--model",
+            f"{llama_dir},model-id=llama,replicas=1,num-kv-blocks=48",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--num-kv-blocks",
+            "96",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=err.open("w"),
+        text=True,
+    )
+    try:
+        text = wait_for_ctrl_c(proc, err)
+        assert f"1 replicas of {qwen3_dir}" in text and f"1 replicas of {llama_dir}" in text
+        assert "qwen3-0 serving at" in text and "llama-0 serving at" in text
+        address = re.search(r"router gRPC\s+(\S+)", text).group(1)
+        http_url = re.search(r"router HTTP\s+(\S+)/v1", text).group(1)
+        cards = httpx.get(f"{http_url}/v1/models", timeout=30).json()["data"]
+        assert sorted(c["id"] for c in cards) == ["llama", "qwen3"]
+
+        shared = "one system prompt sent to both models, word for word, " * 4
+
+        def generate(model: str) -> pb.Complete:
+            request = pb.GenerateRequest(
+                text=shared, model=model, sampling=pb.SamplingParams(temperature=0, max_tokens=2)
+            )
+            with grpc.insecure_channel(address) as channel:
+                return list(pb_grpc.RouterStub(channel).Generate(request, timeout=60))[-1].complete
+
+        first, again, llama = generate("qwen3"), generate("qwen3"), generate("llama")
+        assert (first.replica_id, again.replica_id, llama.replica_id) == ("qwen3-0", "qwen3-0", "llama-0")
+        assert again.usage.cached_tokens > 0  # qwen3's replica holds the prefix now
+        assert llama.usage.cached_tokens == 0 and llama.predicted_cached_tokens == 0  # never crosses
+        tokens = {
+            m: httpx.post(f"{http_url}/tokenize", json={"model": m, "prompt": shared}, timeout=30).json()[
+                "tokens"
+            ]
+            for m in ("qwen3", "llama")
+        }
+        assert tokens["qwen3"] != tokens["llama"]  # two tokenizers
+        metrics = httpx.get(f"{http_url}/metrics", timeout=30).text
+        assert 'kvmesh_router_routing_decisions_total{model_name="qwen3",replica="qwen3-0"} 2.0' in metrics
+        assert 'kvmesh_router_routing_decisions_total{model_name="llama",replica="llama-0"} 1.0' in metrics
+
+        status = run("status", "--address", address, "--json")
+        assert status.returncode == 0, status.stderr
+        assert {
+            m["model_id"]: [r["replica_id"] for r in m["replicas"]] for m in json.loads(status.stdout)
+        } == {
+            "qwen3": ["qwen3-0"],
+            "llama": ["llama-0"],
+        }
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
     from kvmesh.cluster import demo
 
