@@ -43,6 +43,12 @@ class ClusterConfig:
     replica: ReplicaConfig = option(help="every replica's settings (the supervisor names each one)")
     replicas: int = option(2, per_model=True, help="replica actors (one GPU each where present)")
     ray_address: str | None = option(None, help="join this Ray cluster instead of starting a local one")
+    ray_resource: str | None = option(
+        None,
+        per_model=True,
+        help="a custom Ray resource every replica takes one of, so it runs only on the nodes that "
+        "offer it (the chart: each model's worker group offers its own)",
+    )
     with_router: bool = option(
         True,
         flag="router",

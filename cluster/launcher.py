@@ -160,7 +160,14 @@ class LocalCluster:
         prefix = model_id if len(self.configs) > 1 else "replica"
         self._indexes[model_id] = index
         self.supervisors[model_id] = Supervisor(
-            replica, c.replicas, use_gpu, index, on_ready=self._ready, environment=env, replica_prefix=prefix
+            replica,
+            c.replicas,
+            use_gpu,
+            index,
+            on_ready=self._ready,
+            environment=env,
+            replica_prefix=prefix,
+            ray_resource=c.ray_resource,
         )
 
     def _start_embedded_redis(self) -> dict[str, RedisCredentials]:

@@ -90,9 +90,11 @@ class Supervisor:
         on_ready: Callable[[str, str, float], None] | None = None,
         environment: dict[str, str] | None = None,
         replica_prefix: str = "replica",
+        ray_resource: str | None = None,
     ):
         """``replica_prefix``: replicas are ``<prefix>-0`` .. ``<prefix>-N-1`` (a deployment of
-        several models names them by model, so a replica id says which model it serves)."""
+        several models names them by model, so a replica id says which model it serves).
+        ``ray_resource``: a custom resource each replica takes one of (its model's nodes)."""
         self.template = template  # every replica's config; the supervisor names each one
         self.environment = environment or {}  # the replica processes' own (their Redis user)
         self.use_gpu = use_gpu
@@ -102,6 +104,7 @@ class Supervisor:
         self.backoff_s = backoff_s  # first retry after backoff_s[0], doubling up to backoff_s[1]
         self.on_ready = on_ready  # (replica id, address, seconds it took)
         self.replica_prefix = replica_prefix
+        self.ray_resource = ray_resource
         self.slots = {f"{replica_prefix}-{i}": Slot(f"{replica_prefix}-{i}") for i in range(replicas)}
         self.restarts = 0
         self.reattached = 0
@@ -168,6 +171,7 @@ class Supervisor:
             namespace=RAY_NAMESPACE,
             lifetime="detached",
             **({"runtime_env": {"env_vars": self.environment}} if self.environment else {}),
+            **({"resources": {self.ray_resource: 1}} if self.ray_resource else {}),
         )
         slot.actor, slot.state = cls.remote(self.config_of(slot.replica_id)), "starting"
         slot.address = await asyncio.wait_for(slot.actor.start.remote(), self.start_timeout_s)

@@ -135,7 +135,14 @@ def ray_cluster():
     import ray
 
     # address="local": a new cluster, whatever an earlier `ray start` left behind
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        resources={"kvmesh-model-test": 1},  # one node of one model's worker group (the chart's)
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
     yield ray
     ray.shutdown()
 

@@ -17,7 +17,7 @@ import ray
 from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 
-from kvmesh.cluster.supervisor import RAY_NAMESPACE, Supervisor
+from kvmesh.cluster.supervisor import RAY_NAMESPACE, ReplicaStartError, Supervisor
 from kvmesh.kvcache import namespace_seed
 from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
@@ -60,6 +60,34 @@ async def test_a_new_supervisor_reattaches_and_replaces_only_what_changed(
     assert changed.reattached == 0 and await changed.actors["replica-0"].pid.remote() != pid
     await changed.stop(grace=1)
     assert not any(a["name"].startswith("reattach/") for a in ray.util.list_named_actors(all_namespaces=True))
+    await index.close()
+
+
+async def test_a_models_replicas_run_only_where_its_ray_resource_is(ray_cluster, qwen3_dir, valkey_server):
+    """Each model's worker group offers a Ray resource of its own (the chart): its replicas
+    take one each, so they land on its nodes (the only ones with its model folder) or wait."""
+    index = index_for(valkey_server.url, "placed")
+    placed = Supervisor(
+        template(qwen3_dir, valkey_server.url, "placed"), 1, False, index, ray_resource="kvmesh-model-test"
+    )
+    await placed.start()
+    assert ray.available_resources().get("kvmesh-model-test", 0) == 0  # it holds the node's one
+    elsewhere = Supervisor(
+        template(qwen3_dir, valkey_server.url, "elsewhere"),
+        1,
+        False,
+        index_for(valkey_server.url, "elsewhere"),
+        start_timeout_s=3,
+        ray_resource="kvmesh-model-absent",
+    )
+    with pytest.raises(ReplicaStartError, match="replica-0"):
+        await elsewhere.start()  # no node offers it: the actor waits, unplaced
+    Supervisor._kill(elsewhere.slots["replica-0"].actor)
+    await placed.stop(grace=1)
+    async def freed() -> bool:
+        return ray.available_resources().get("kvmesh-model-test", 0) == 1
+
+    assert await eventually(freed)
     await index.close()
 
 
