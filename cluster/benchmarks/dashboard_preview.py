@@ -33,6 +33,7 @@ from kvmesh.cluster.measure.workloads import shared_prefix
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "kvmesh" / "files" / "dashboard.json"
 RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape and a 2 s step
+ALL_MODELS = ".+"  # the model selector's "All" (its allValue)
 
 
 class Prometheus:
@@ -138,7 +139,7 @@ async def run(
             for panel in panels:
                 lines = []
                 for target in panel["targets"]:
-                    expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
+                    expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL).replace("$model", ALL_MODELS)
                     for result in await prometheus.query_range(http, expr, start, end):
                         points = [(float(t) - start, float(v)) for t, v in result["values"]]
                         lines.append(

@@ -116,3 +116,19 @@ def test_fast_ttft_raises_no_alert(tmp_path):
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": [test]}))
     run = subprocess.run([tool, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_every_dashboard_panel_follows_the_model_selector():
+    """A release of several models: the dashboard's `model` variable (every model_name the
+    routers export, "All" by default) filters every series of every panel."""
+    import re
+
+    (variable,) = [v for v in observability.dashboard()["templating"]["list"] if v["name"] == "model"]
+    assert variable["query"]["query"] == "label_values(kvmesh_router_requests_total, model_name)"
+    assert variable["includeAll"] and variable["multi"] and variable["allValue"] == ".+"
+    selectors = 0
+    for query in observability.dashboard_queries():
+        for match in re.finditer(r"\b((?:kvmesh_|vllm:)[a-zA-Z0-9_:]+)(\{[^}]*\})?", query):
+            assert (match.group(2) or "").startswith('{model_name=~"$model"'), (match.group(1), query)
+            selectors += 1
+    assert selectors >= 20

@@ -119,6 +119,9 @@ BAD_VALUES = [
     ({"model": {"blockSize": -16}}, "/model/blockSize"),
     ({"model": {"path": "relative/path"}}, "/model/path"),
     ({"model": {"deployment": "two words"}}, "/model/deployment"),
+    ({"models": [{"name": "Qwen", "id": "q"}]}, "/models/0/name"),
+    ({"models": [{"name": "q", "id": "a,b"}]}, "/models/0/id"),
+    ({"models": [{"name": "q"}]}, "/models/0"),
     ({"controller": {"engine": {"gpuMemoryUtilization": 1.5}}}, "gpuMemoryUtilization"),
     ({"redis": {"external": {"url": "redis://user:hunter2@redis:6379/0"}}}, "/redis/external/url"),
     ({"redis": {"bundled": {"maxMemory": "1.5gb"}}}, "/redis/bundled/maxMemory"),
@@ -187,6 +190,20 @@ FAILS = [
     ({"model": {"cache": {"create": True, "existingClaim": "models"}}}, "existingClaim or create, not both"),
     ({"model": {"download": {"enabled": False}}}, "must already be in model.cache.existingClaim"),
     ({"model": {"path": "/data/model"}}, "not under model.cache.mountPath"),
+    ({"models": [{"name": "a", "id": "org/m"}, {"name": "b", "id": "org/m"}]}, '"org/m" names two models'),
+    (
+        {"models": [{"name": "a", "id": "x/a"}, {"name": "a", "id": "x/b"}]},
+        '"a" names two models\' worker groups',
+    ),
+    (
+        {"models": [{"name": "a", "id": "x/a"}, {"name": "b", "id": "x/b", "servedModelName": "x/a"}]},
+        '"x/a" names two',
+    ),
+    ({"models": [{"name": "a", "id": "x/a", "path": "/data/a"}]}, "model x/a: path /data/a is not under"),
+    (
+        {"models": [{"name": "a", "id": "x/a", "workers": {"replicas": 9, "maxReplicas": 4}}]},
+        "ray.workerGroups a: replicas 9 outside",
+    ),
     (
         {
             "ray": {
@@ -628,7 +645,7 @@ def test_the_hook_job_makes_each_missing_secret_once(chart):
 def test_router_controller_and_workers_read_one_configmap(rendered):
     _, docs = rendered
     cm = config_map(docs)
-    assert {"KVMESH_MODEL_ID", "KVMESH_BLOCK_SIZE", "KVMESH_MODEL", "KVMESH_REDIS_URL"} <= set(cm["data"])
+    assert {"KVMESH_BLOCK_SIZE", "KVMESH_MODEL", "KVMESH_REDIS_URL"} <= set(cm["data"])
     for owner, spec in kvmesh_pods(docs).items():
         [c] = spec["containers"]
         assert [e["configMapRef"]["name"] for e in c["envFrom"]] == [cm["metadata"]["name"]], owner
@@ -643,13 +660,15 @@ def test_chart_environment_is_what_each_command_reads(rendered, monkeypatch):
     """Every KVMESH_* key a router or controller pod gets is a setting of the command it runs
     (or a secret its process reads); the shared ConfigMap holds only settings that mean the
     same to the router and to the replicas; and the rendered values parse under the CLI's
-    rules (``KVMESH_MAX_MODEL_LEN=0`` is "the model's own")."""
+    rules (``KVMESH_MAX_MODEL_LEN=0`` is "the model's own"), giving the router and the
+    controller's replicas the same models: folders, ids, block sizes, lengths, names."""
     from kvmesh.cluster.commands import router as router_command
     from kvmesh.cluster.commands import up as up_command
     from kvmesh.cluster.flags import FlagTable
 
     _, docs = rendered
     cm = config_map(docs)
+    models: dict[str, list] = {}
     tables: dict[str, FlagTable] = {"router": router_command.FLAGS, "up": up_command.FLAGS}
     up_flags = {f.env: f for f in tables["up"].flags.values()}
     router_envs = {f.env for f in tables["router"].flags.values()}
@@ -672,10 +691,23 @@ def test_chart_environment_is_what_each_command_reads(rendered, monkeypatch):
                 monkeypatch.setenv(key, str(value))
         parser = argparse.ArgumentParser()
         table.add_to(parser)
-        configs = table.build(parser.parse_args(c["args"][1:]))
-        router = configs[0] if c["args"][0] == "router" else configs[0].router
-        assert router.model_dir == cm["data"]["KVMESH_MODEL"]
-        assert router.max_model_len == (int(cm["data"]["KVMESH_MAX_MODEL_LEN"]) or None)
+        built = table.build_models(parser.parse_args(c["args"][1:]))
+        if c["args"][0] == "router":
+            models["router"] = [_agreed(router) for router, _ in built]
+        else:
+            models["controller"] = [_agreed(config.router) for (config,) in built]
+            models["replicas"] = [_agreed(config.replica) for (config,) in built]
+    assert models["router"] == models["controller"] == models["replicas"]
+    specs = cm["data"]["KVMESH_MODEL"].split(";")
+    assert [m[0] for m in models["router"]] == [spec.split(",")[0] for spec in specs]
+    assert {m[3] for m in models["router"]} == {int(cm["data"]["KVMESH_MAX_MODEL_LEN"]) or None}
+
+
+def _agreed(config) -> tuple:
+    """What a router and a replica must agree on about their model (router or replica config)."""
+    block_size = config.block_size if hasattr(config, "block_size") else config.engine.block_size
+    max_model_len = config.max_model_len if hasattr(config, "max_model_len") else config.engine.max_model_len
+    return (config.model_dir, config.model_id, block_size, max_model_len, config.api)
 
 
 def test_controller_drives_the_ray_cluster(rendered):
@@ -1377,3 +1409,41 @@ def test_values_reference_is_current():
     spec.loader.exec_module(module)
     readme = (CHART / "README.md").read_text()
     assert module.reference() in readme, "the chart README's values reference is stale: run make chart-docs"
+
+
+def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
+    """Two models: one worker group each (the template under its own keys) offering a Ray
+    resource that only that model's replicas take, each group downloading its own model,
+    the router pod fetching both tokenizers, and the controller's replicas of each model
+    placed by that resource, as ``kvmesh up`` parses its arguments."""
+    from kvmesh.cluster.commands import up as up_command
+
+    docs = render(chart, values_of(CHART / "ci" / "multi-model-values.yaml"))
+    [ray] = by_kind(docs, "RayCluster")
+    groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
+    assert {name: g["replicas"] for name, g in groups.items()} == {"qwen": 2, "llama": 1}
+    offered = {name: json.loads(json.loads(g["rayStartParams"]["resources"])) for name, g in groups.items()}
+    assert offered == {"qwen": {"kvmesh-model-qwen": 1}, "llama": {"kvmesh-model-llama": 1}}
+    downloads = {name: g["template"]["spec"]["initContainers"][0]["args"] for name, g in groups.items()}
+    assert downloads == {
+        "qwen": ["download-model", "kvmesh/tiny-qwen3", "/models/kvmesh--tiny-qwen3"],
+        "llama": ["download-model", "kvmesh/tiny-llama", "/models/kvmesh--tiny-llama", "--revision=v1"],
+    }
+    [router] = [spec for owner, _, spec in pods(docs) if owner.endswith("-router")]
+    assert [(c["name"], c["args"][-1]) for c in router["initContainers"]] == [
+        ("download-qwen", "--tokenizer-only"),
+        ("download-llama", "--tokenizer-only"),
+    ]
+    [ctrl] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
+    parser = argparse.ArgumentParser()
+    up_command.FLAGS.add_to(parser)
+    args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
+    redis = f"--redis-url={config_map(docs)['data']['KVMESH_REDIS_URL']}"  # from the ConfigMap in the pod
+    configs = [config for (config,) in up_command.FLAGS.build_models(parser.parse_args([*args[1:], redis]))]
+    placed = {c.ray_resource: (c.model_id, c.replicas, c.replica.engine.num_kv_blocks) for c in configs}
+    assert placed == {
+        "kvmesh-model-qwen": ("kvmesh/tiny-qwen3", 2, 4096),
+        "kvmesh-model-llama": ("kvmesh/tiny-llama", 1, 1024),
+    }
+    assert [c.router.block_size for c in configs] == [16, 32]
+    assert configs[1].router.api.served_model_name == "llama"

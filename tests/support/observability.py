@@ -12,8 +12,12 @@ DASHBOARD = CHART / "files" / "dashboard.json"
 _NAME = re.compile(r"\b((?:kvmesh_|vllm:)[a-zA-Z0-9_:]+)")
 
 
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
 def dashboard_queries() -> list[str]:
-    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    return [t["expr"] for p in dashboard()["panels"] for t in p["targets"]]
 
 
 def rule_groups(values: dict | None = None) -> list[dict]:

@@ -287,7 +287,70 @@ env:
 {{- end }}
 {{- end -}}
 
-{{/* The model folder: model.path, or <mountPath>/<model.id with "/" as "--">. */}}
+{{/* The models this release serves, every setting resolved, as a YAML list (read it with
+     fromYamlArray): each entry of `models` over `model` and `controller`, or the one `model`.
+     Keys: name ("" for the one model), id, path, servedModelName, blockSize, maxModelLen,
+     generationConfig, repo, revision, replicas, engine, resource (the Ray resource its
+     replicas take, "" for the one model), workers (over ray.workerGroups[0]). */}}
+{{- define "kvmesh.models" -}}
+{{- $v := .Values -}}
+{{- $out := list -}}
+{{- range $v.models | default (list (dict "name" "" "id" $v.model.id "path" $v.model.path "servedModelName" $v.model.servedModelName "download" $v.model.download)) -}}
+{{- $download := .download | default dict -}}
+{{- $out = append $out (dict
+    "name" .name
+    "id" .id
+    "path" (.path | default (printf "%s/%s" $v.model.cache.mountPath (replace "/" "--" .id)))
+    "servedModelName" (.servedModelName | default "")
+    "blockSize" (.blockSize | default $v.model.blockSize)
+    "maxModelLen" (.maxModelLen | default $v.model.maxModelLen)
+    "generationConfig" (.generationConfig | default $v.model.generationConfig)
+    "repo" ($download.repo | default .id)
+    "revision" ($download.revision | default "")
+    "replicas" (.replicas | default $v.controller.replicas)
+    "engine" (merge (deepCopy (.engine | default dict)) $v.controller.engine)
+    "resource" (ternary (printf "kvmesh-model-%s" .name) "" (ne .name ""))
+    "workers" (.workers | default dict)) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* The Ray worker groups, each with its `model` (YAML list): one per model of `models`
+     (ray.workerGroups[0] under its `workers`), else ray.workerGroups as given. */}}
+{{- define "kvmesh.workerGroups" -}}
+{{- $models := include "kvmesh.models" . | fromYamlArray -}}
+{{- $out := list -}}
+{{- if .Values.models -}}
+{{- $template := index .Values.ray.workerGroups 0 -}}
+{{- range $models -}}
+{{- $group := merge (deepCopy .workers) (deepCopy $template) -}}
+{{- $out = append $out (merge (dict "name" .name "model" .) $group) -}}
+{{- end -}}
+{{- else -}}
+{{- range .Values.ray.workerGroups -}}
+{{- $out = append $out (merge (dict "model" (index $models 0)) (deepCopy .)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* One model's `--model DIR,KEY=VALUE...` (kvmesh.models entry): (list model "router") what
+     the router and the replicas must agree on; "controller" adds its replicas, engine
+     settings and Ray resource. */}}
+{{- define "kvmesh.modelSpec" -}}
+{{- $m := index . 0 -}}
+{{- $parts := list $m.path (printf "model-id=%s" $m.id) (printf "block-size=%v" $m.blockSize) (printf "max-model-len=%v" $m.maxModelLen) (printf "generation-config=%s" $m.generationConfig) -}}
+{{- with $m.servedModelName }}{{ $parts = append $parts (printf "served-model-name=%s" .) }}{{ end -}}
+{{- if eq (index . 1) "controller" -}}
+{{- $e := $m.engine -}}
+{{- $parts = concat $parts (list (printf "replicas=%v" $m.replicas) (printf "max-num-seqs=%v" $e.maxNumSeqs) (printf "max-num-batched-tokens=%v" $e.maxNumBatchedTokens) (printf "gpu-memory-utilization=%v" $e.gpuMemoryUtilization) (printf "num-kv-blocks=%v" $e.numKvBlocks)) -}}
+{{- with $e.dtype }}{{ $parts = append $parts (printf "dtype=%s" .) }}{{ end -}}
+{{- with $m.resource }}{{ $parts = append $parts (printf "ray-resource=%s" .) }}{{ end -}}
+{{- end -}}
+{{- join "," $parts -}}
+{{- end -}}
+
+{{/* The one model's folder (single-model releases): model.path, or <mountPath>/<model.id with "/" as "--">. */}}
 {{- define "kvmesh.modelPath" -}}
 {{- .Values.model.path | default (printf "%s/%s" .Values.model.cache.mountPath (replace "/" "--" .Values.model.id)) -}}
 {{- end -}}
@@ -311,22 +374,24 @@ env:
   readOnly: true
 {{- end -}}
 
-{{/* The init container that fetches the model at deploy time (never at run time):
-     (list . tokenizerOnly). Pods that only tokenize (the router) fetch config and tokenizer. */}}
+{{/* The init containers that fetch models at deploy time (never at run time), one per model:
+     (list . tokenizerOnly models), models as kvmesh.models gives them. Pods that only
+     tokenize (the router) fetch config and tokenizer. */}}
 {{- define "kvmesh.downloadModel" -}}
 {{- $root := index . 0 -}}
 {{- $tokenizerOnly := index . 1 -}}
 {{- $d := $root.Values.model.download -}}
 {{- if $d.enabled }}
 initContainers:
-  - name: download-model
+  {{- range index . 2 }}
+  - name: {{ ternary (printf "download-%s" .name) "download-model" (ne .name "") }}
     image: {{ include "kvmesh.image" $root }}
     imagePullPolicy: {{ $root.Values.image.pullPolicy }}
     args:
       - download-model
-      - {{ $d.repo | default $root.Values.model.id | quote }}
-      - {{ include "kvmesh.modelPath" $root | quote }}
-      {{- with $d.revision }}
+      - {{ .repo | quote }}
+      - {{ .path | quote }}
+      {{- with .revision }}
       - --revision={{ . }}
       {{- end }}
       {{- if $tokenizerOnly }}
@@ -350,6 +415,7 @@ initContainers:
       {{- if $d.tokenSecret.name }}
       - {name: hf-token, mountPath: /etc/kvmesh/hf-token, readOnly: true}
       {{- end }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
