@@ -139,7 +139,11 @@ async def run(
             for panel in panels:
                 lines = []
                 for target in panel["targets"]:
-                    expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL).replace("$model", ALL_MODELS)
+                    expr = (
+                        target["expr"]
+                        .replace("$__rate_interval", RATE_INTERVAL)
+                        .replace("$model", ALL_MODELS)
+                    )
                     for result in await prometheus.query_range(http, expr, start, end):
                         points = [(float(t) - start, float(v)) for t, v in result["values"]]
                         lines.append(

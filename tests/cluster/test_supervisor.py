@@ -84,6 +84,7 @@ async def test_a_models_replicas_run_only_where_its_ray_resource_is(ray_cluster,
         await elsewhere.start()  # no node offers it: the actor waits, unplaced
     Supervisor._kill(elsewhere.slots["replica-0"].actor)
     await placed.stop(grace=1)
+
     async def freed() -> bool:
         return ray.available_resources().get("kvmesh-model-test", 0) == 1
 
