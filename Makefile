@@ -24,10 +24,9 @@ demo: venv
 # pytest's exit code 5 means "no tests collected": not a failure of the code.
 PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-# `make test` runs in one process: with two pytest-xdist workers (TEST_WORKERS=2) the suite takes
-# 0.7x the time, but two local Ray clusters side by side leave a killed replica unreplaced (see
-# docs/development.md), so CI does not use it yet. `make test-fast` starts no Ray: it uses them.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, each with its test files and its own local Ray (TEST_WORKERS=0:
+# one process, about 1.5x the time); see docs/development.md.
+TEST_WORKERS ?= 2
 FAST_WORKERS ?= 2
 # $(call workers,N,OPTIONS): pytest-xdist's flags for N workers (none for 0)
 workers = $(if $(filter 0,$(1)),,-n $(1) $(2))

@@ -28,15 +28,10 @@ async def _drain_one(path: Path) -> bool | None:
         writer.close()
 
 
-async def drain_local_replicas(
-    timeout_s: float, replica_ids: Collection[str] | None = None
-) -> tuple[list[str], list[str]]:
-    """Ask every local replica (or those named) to drain, all at once; (those drained, those
-    that were not within ``timeout_s``). Sockets whose process is gone are removed, not counted."""
-    return await drain_sockets(
-        [p for p in drain_dir().glob("*-*.sock") if replica_ids is None or replica_of(p) in replica_ids],
-        timeout_s,
-    )
+async def drain_local_replicas(timeout_s: float) -> tuple[list[str], list[str]]:
+    """Ask every local replica to drain, all at once; (those drained, those that were not
+    within ``timeout_s``). Sockets whose process is gone are removed, not counted."""
+    return await drain_sockets(list(drain_dir().glob("*-*.sock")), timeout_s)
 
 
 async def drain_sockets(paths: Collection[Path], timeout_s: float) -> tuple[list[str], list[str]]:

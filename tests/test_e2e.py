@@ -15,8 +15,9 @@ from reference import hf_greedy, prompts_of_lengths
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.launcher import LocalCluster
-from kvmesh.cluster.node_drain import drain_local_replicas
+from kvmesh.cluster.node_drain import drain_sockets
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.drain_socket import drain_dir, pid_of
 from kvmesh.router.policies import PrefixAware
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.auth import bearer_metadata
@@ -387,7 +388,12 @@ async def test_a_node_drain_loses_no_request(cluster):
     ]
     while router.core.active < 6:  # streaming on every replica
         await asyncio.sleep(0.01)
-    drain = asyncio.ensure_future(drain_local_replicas(60, [victim]))
+    # This cluster's replica-0 alone: a node drain reaches every replica on the machine, and
+    # another test's cluster (a parallel test worker's) has a replica-0 too.
+    pid = await cluster.supervisor.actors[victim].pid.remote()
+    drain = asyncio.ensure_future(
+        drain_sockets([p for p in drain_dir().glob("*-*.sock") if pid_of(p) == pid], 60)
+    )
     late = [
         asyncio.ensure_future(call(cluster, greedy(p, max_tokens=30, policy="round_robin")))
         for p in prompts[12:]
