@@ -9,10 +9,16 @@ import resource
 import time
 from pathlib import Path
 
-from kvmesh.cluster.commands.workload_flags import add_workload_flags, stream_workload, usage_errors
+from kvmesh.cluster.commands.workload_flags import (
+    WORKLOAD_FLAGS,
+    add_workload_flags,
+    stream_workload,
+    usage_errors,
+)
 from kvmesh.cluster.experiments.capacity import measure_capacity
 from kvmesh.cluster.experiments.cost_model import PRESETS, load_cost_model
 from kvmesh.cluster.measure import workloads as wl
+from kvmesh.cluster.measure.model_mix import parse_models
 
 
 def register(commands) -> None:
@@ -53,6 +59,13 @@ def register(commands) -> None:
         help="arrive at this fraction of the fleet's capacity (Poisson; measured first by a probe: "
         "a few replicas saturated with a sample of the workload's groups)",
     )
+    sim.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME[,share=S][,workload=W][,replicas=N]",
+        help="a mix of models behind one router (repeat it): each its own replicas, workload and "
+        "share of --rate; per-model and overall results",
+    )
     sim.add_argument("--out", default="results/simulate.json")
     sim.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(handler=usage_errors(simulate))
@@ -84,6 +97,8 @@ def simulate(args: argparse.Namespace) -> int:
         raise ValueError("--event-lag-ms and --heartbeat-ms must not be negative")
     if args.load is not None and (args.load <= 0 or args.rate is not None or not args.workload or args.trace):
         raise ValueError("--load needs a generated --workload, no --rate or --trace, and a positive fraction")
+    if args.model:
+        return simulate_mix(args, policies)
     name, stream, total = stream_workload(args)
     cost = load_cost_model(args.cost_model)
     capacity = None
@@ -146,6 +161,82 @@ def simulate(args: argparse.Namespace) -> int:
     print(simulation_table(result))
     print(f"\nwrote {args.out}")
     return 0
+
+
+def simulate_mix(args: argparse.Namespace, policies: list[str]) -> int:
+    """Several models behind one router: each an independent fleet (its own replicas, index
+    namespace, counts and speculative entries, as a router's per-model routes keep them),
+    fed its share of the arrivals; per-model results, and all requests together."""
+    from kvmesh.cluster.experiments.simulator import Simulation, request_stats
+
+    if args.rate is None or args.trace or args.load is not None:
+        raise ValueError(
+            "a mix of --model needs --rate (shared out by the models' shares), no --trace or --load"
+        )
+    models = parse_models(args.model)
+    cost = load_cost_model(args.cost_model)
+    streams = {}
+    for k, m in enumerate(models):  # each model its own content (seed) and its share of the rate
+        own = {"workload": m.workload or args.workload, "rate": args.rate * m.share, "seed": args.seed + k}
+        if m.workload not in (None, args.workload):  # the knobs are --workload's: its own defaults
+            own |= dict.fromkeys(WORKLOAD_FLAGS)
+        streams[m.name] = stream_workload(argparse.Namespace(**{**vars(args), **own}))
+    result = {
+        "config": {
+            "requests": sum(total for _, _, total in streams.values()),
+            "rate": args.rate,
+            "block_size": args.block_size,
+            "cost_model": cost.as_dict(),
+            "routers": args.routers,
+            "models": [
+                {
+                    **dataclasses.asdict(m),
+                    "workload": streams[m.name][0],
+                    "replicas": m.replicas or args.replicas,
+                }
+                for m in models
+            ],
+        },
+        "models": {m.name: {"policies": {}} for m in models},
+        "policies": {},
+    }
+    for policy in policies:
+        runs = []
+        for m in models:
+            _, stream, _ = streams[m.name]
+            sim = Simulation(
+                stream(),
+                m.replicas or args.replicas,
+                policy,
+                cost,
+                block_size=args.block_size,
+                blocks_per_replica=args.blocks_per_replica,
+                seed=args.seed,
+                routers=args.routers,
+                shared_load=args.shared_load == "on",
+                event_lag_s=args.event_lag_ms / 1000,
+                heartbeat_s=args.heartbeat_ms / 1000,
+            )
+            result["models"][m.name]["policies"][policy] = sim.run()
+            runs.append(sim.results)
+        result["policies"][policy] = request_stats(runs)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(mix_table(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def mix_table(result: dict) -> str:
+    lines = [f"{'model':<16}{'policy':<16}{'requests':>9}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}"]
+    rows = [(name, m["policies"]) for name, m in result["models"].items()] + [("all", result["policies"])]
+    for name, by_policy in rows:
+        for policy, s in by_policy.items():
+            lines.append(
+                f"{name:<16}{policy:<16}{s['num_requests']:>9}{s['hit_rate']:>9.3f}"
+                f"{s['ttft_p50']:>9.3f}s{s['ttft_p90']:>9.3f}s"
+            )
+    return "\n".join(lines)
 
 
 def simulation_table(result: dict) -> str:

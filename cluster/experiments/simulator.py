@@ -527,36 +527,41 @@ class Simulation:
     # ------------------------------------------------------------------ results
 
     def summary(self) -> dict:
-        c = self.results
-        arrival, first, done = c["arrival_s"], c["first_token_s"], c["done_s"]
-        ttft = [f - a for f, a in zip(first, arrival, strict=True)]
-        prompt, cached, predicted = (
-            sum(c["prompt_tokens"]),
-            sum(c["cached_tokens"]),
-            sum(c["predicted_tokens"]),
-        )
-        span = max(done, default=0.0) - min(arrival, default=0.0)
         loads = [rep.prefill_tokens for rep in self.replicas]
         counts = [0] * len(self.replicas)
-        for r in c["replica"]:
+        for r in self.results["replica"]:
             counts[r] += 1
         mean_load = statistics.mean(loads) if loads else 0.0
-        tpot = [
-            (d - f) / (n - 1) for d, f, n in zip(done, first, c["completion_tokens"], strict=True) if n > 1
-        ]
         return {
-            "num_requests": len(c),
+            **request_stats([self.results]),
             "rejected": self.rejected,
-            "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-            "predicted_hit_rate": round(predicted / prompt, 4) if prompt else 0.0,
-            "ttft_p50": round(percentile(ttft, 0.5), 4),
-            "ttft_p90": round(percentile(ttft, 0.9), 4),
-            "ttft_p99": round(percentile(ttft, 0.99), 4),
-            "tpot_p50": round(percentile(tpot, 0.5), 5) if tpot else None,
-            "throughput_tok_s": round(sum(c["completion_tokens"]) / span, 1) if span > 0 else 0.0,
             "load_imbalance_max_over_mean": round(max(loads) / mean_load, 3) if mean_load else 0.0,
             "load_cv": round(statistics.pstdev(loads) / mean_load, 3) if mean_load else 0.0,
             "requests_max_over_mean": round(max(counts) / statistics.mean(counts), 3) if sum(counts) else 0.0,
             "preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
-            "simulated_s": round(span, 2),
         }
+
+
+def request_stats(runs: Sequence[Results]) -> dict:
+    """What the finished requests of one or several simulations (a mix of models) saw."""
+    arrival = [a for c in runs for a in c["arrival_s"]]
+    first = [f for c in runs for f in c["first_token_s"]]
+    done = [d for c in runs for d in c["done_s"]]
+    completion = [n for c in runs for n in c["completion_tokens"]]
+    ttft = [f - a for f, a in zip(first, arrival, strict=True)]
+    prompt = sum(sum(c["prompt_tokens"]) for c in runs)
+    cached = sum(sum(c["cached_tokens"]) for c in runs)
+    predicted = sum(sum(c["predicted_tokens"]) for c in runs)
+    span = max(done, default=0.0) - min(arrival, default=0.0)
+    tpot = [(d - f) / (n - 1) for d, f, n in zip(done, first, completion, strict=True) if n > 1]
+    return {
+        "num_requests": len(done),
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "predicted_hit_rate": round(predicted / prompt, 4) if prompt else 0.0,
+        "ttft_p50": round(percentile(ttft, 0.5), 4),
+        "ttft_p90": round(percentile(ttft, 0.9), 4),
+        "ttft_p99": round(percentile(ttft, 0.99), 4),
+        "tpot_p50": round(percentile(tpot, 0.5), 5) if tpot else None,
+        "throughput_tok_s": round(sum(completion) / span, 1) if span > 0 else 0.0,
+        "simulated_s": round(span, 2),
+    }

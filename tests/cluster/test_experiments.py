@@ -4,6 +4,7 @@ import collections
 import gzip
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -518,3 +519,102 @@ def test_mooncake_shrunk_keeps_the_traces_sharing():
     )
     with pytest.raises(ValueError, match="block_tokens"):
         next(wl.iter_mooncake(block_tokens=0))
+
+
+def test_a_mix_of_models_is_each_models_own_fleet_fed_its_share_of_the_rate(tmp_path):
+    """``kvmesh simulate --model A,share=3 --model B,workload=...``: each model's results are
+    exactly a simulation of that model alone at its share of ``--rate`` (its own seed: its own
+    prompts), and "all" is every request of both."""
+    out = tmp_path / "mix.json"
+    common = ["--block-size", "16", "--cost-model", "h100-llama3-8b", "--policy", "prefix,round_robin"]
+    run = subprocess.run(
+        [
+            KVMESH,
+            "simulate",
+            "--workload",
+            "zipf",
+            "--num-groups",
+            "6",
+            "--prompts-per-group",
+            "5",
+            "--rate",
+            "40",
+            "--replicas",
+            "3",
+            "--model",
+            "qwen,share=3",
+            "--model",
+            "llama,share=1,workload=no_sharing,replicas=2",
+            "-q",
+            "--out",
+            str(out),
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert [(m["name"], m["share"], m["replicas"], m["workload"]) for m in result["config"]["models"]] == [
+        ("qwen", 0.75, 3, "zipf"),
+        ("llama", 0.25, 2, "no_sharing"),
+    ]
+    cost = load_cost_model("h100-llama3-8b")
+    alone = {
+        "qwen": Simulation(
+            wl.poisson_arrivals(
+                wl.make_workload("zipf", num_groups=6, prompts_per_group=5, seed=0), 30, seed=0
+            ),
+            3,
+            "prefix",
+            cost,
+            block_size=16,
+        ).run(),
+        "llama": Simulation(
+            wl.poisson_arrivals(wl.make_workload("no_sharing", seed=1), 10, seed=1),
+            2,
+            "prefix",
+            cost,
+            block_size=16,
+        ).run(),
+    }
+    for name, summary in alone.items():
+        assert result["models"][name]["policies"]["prefix"] == summary, name
+    every = result["policies"]["prefix"]
+    assert every["num_requests"] == alone["qwen"]["num_requests"] + alone["llama"]["num_requests"]
+    assert (
+        min(s["hit_rate"] for s in alone.values())
+        < every["hit_rate"]
+        < max(s["hit_rate"] for s in alone.values())
+    )
+    assert "round_robin" in result["models"]["llama"]["policies"] and "all" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["a,share=2", "b"], "give every model a share=, or none"),
+        (["a,share=-1"], "share must be a positive number"),
+        (["a,replicas=1.5"], "replicas must be a positive integer"),
+        (["a,weight=2"], "'weight=2' is not one of share=, workload=, replicas="),
+        (["a,workload=mooncake"], "workload must be a generated one"),
+        (["a", "a"], "a model is named twice"),
+    ],
+)
+def test_a_bad_model_mix_is_one_line_naming_what_is_wrong(specs, message):
+    from kvmesh.cluster.measure.model_mix import parse_models
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_models(specs)
+    assert [round(m.share, 3) for m in parse_models(["a", "b", "c"])] == [0.333, 0.333, 0.333]
+
+
+def test_requests_of_several_models_merge_in_arrival_order():
+    from kvmesh.cluster.measure.model_mix import merge_by_arrival
+
+    a = wl.poisson_arrivals(wl.no_sharing(num_requests=20, seed=0), 10, seed=0)
+    b = wl.poisson_arrivals(wl.no_sharing(num_requests=20, seed=1), 30, seed=1)
+    merged = list(merge_by_arrival({"a": a, "b": b}))
+    assert [r.arrival_s for _, r in merged] == sorted(r.arrival_s for r in a + b)
+    assert [r for name, r in merged if name == "a"] == a and len(merged) == 40
