@@ -367,7 +367,13 @@ def _serve(benches) -> None:
     serve.add_argument("--policy", help="routing policy for every request (default: the router's)")
     serve.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
     serve.add_argument("--address", help="router gRPC address (default: start a local cluster)")
-    serve.add_argument("--model", help="model folder for the local cluster")
+    serve.add_argument(
+        "--model",
+        action="append",
+        metavar="DIR[,share=S][,workload=W][,replicas=N]",
+        help="model folder for the local cluster; repeat it for a mix of models, each its own "
+        "replicas, workload and share of --rate (with --address: the models' names)",
+    )
     serve.add_argument("--replicas", type=int, default=4)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--out", default="results/serve.jsonl")

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from kvmesh.cluster.commands.workload_flags import (
-    WORKLOAD_FLAGS,
     add_workload_flags,
+    model_stream,
     stream_workload,
     usage_errors,
 )
@@ -169,18 +169,11 @@ def simulate_mix(args: argparse.Namespace, policies: list[str]) -> int:
     fed its share of the arrivals; per-model results, and all requests together."""
     from kvmesh.cluster.experiments.simulator import Simulation, request_stats
 
-    if args.rate is None or args.trace or args.load is not None:
-        raise ValueError(
-            "a mix of --model needs --rate (shared out by the models' shares), no --trace or --load"
-        )
+    if args.load is not None:
+        raise ValueError("a mix of --model takes --rate, not --load")
     models = parse_models(args.model)
     cost = load_cost_model(args.cost_model)
-    streams = {}
-    for k, m in enumerate(models):  # each model its own content (seed) and its share of the rate
-        own = {"workload": m.workload or args.workload, "rate": args.rate * m.share, "seed": args.seed + k}
-        if m.workload not in (None, args.workload):  # the knobs are --workload's: its own defaults
-            own |= dict.fromkeys(WORKLOAD_FLAGS)
-        streams[m.name] = stream_workload(argparse.Namespace(**{**vars(args), **own}))
+    streams = {m.name: model_stream(args, m, k) for k, m in enumerate(models)}
     result = {
         "config": {
             "requests": sum(total for _, _, total in streams.values()),

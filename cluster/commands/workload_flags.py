@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.measure import workloads as wl
+from kvmesh.cluster.measure.model_mix import ModelLoad
 
 WORKLOAD_FLAGS = {
     # flag: (type, help)
@@ -77,6 +78,24 @@ def stream_workload(args: argparse.Namespace) -> tuple[str, Callable[[], Iterato
     if not total:
         raise ValueError("the workload has no requests")
     return name, make, total
+
+
+def model_stream(
+    args: argparse.Namespace, model: ModelLoad, k: int
+) -> tuple[str, Callable[[], Iterator[wl.WorkloadRequest]], int]:
+    """``stream_workload`` for the ``k``-th model of a mix: its workload at its share of
+    ``--rate``, with a seed of its own (its own prompts). The workload knobs (``--num-groups``,
+    ...) are ``--workload``'s: a model with a workload of its own takes that one's defaults."""
+    if args.rate is None or args.trace:
+        raise ValueError("a mix of --model needs --rate (shared out by the models' shares), no --trace")
+    own = {
+        "workload": model.workload or args.workload,
+        "rate": args.rate * model.share,
+        "seed": args.seed + k,
+    }
+    if model.workload not in (None, args.workload):
+        own |= dict.fromkeys(WORKLOAD_FLAGS)
+    return stream_workload(argparse.Namespace(**{**vars(args), **own}))
 
 
 def build_workload(args: argparse.Namespace) -> tuple[str, list[wl.WorkloadRequest]]:

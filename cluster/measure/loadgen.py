@@ -27,6 +27,7 @@ class RequestRecord:
     group: str
     policy: str
     prompt_tokens: int
+    model: str = ""  # the model it named (a mix of models)
     completion_tokens: int = 0
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0
@@ -49,10 +50,14 @@ async def _one(
     stub, index: int, req: WorkloadRequest, policy: str, t0: float, timeout_s: float
 ) -> RequestRecord:
     prompt = req.tokens()
-    record = RequestRecord(index=index, group=req.group, policy=policy, prompt_tokens=len(prompt))
+    record = RequestRecord(index, req.group, policy, len(prompt), req.model)
     sampling = pb.SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
     message = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt), sampling=sampling, policy=policy, affinity_key=req.session
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=sampling,
+        policy=policy,
+        affinity_key=req.session,
+        model=req.model,
     )
     record.sent_s = time.perf_counter() - t0
     try:

@@ -66,6 +66,7 @@ class WorkloadRequest:
     group: str = ""  # what it shares a prefix with (for reports)
     session: str = ""  # conversation id (session affinity)
     answer: Segment | None = None  # the tokens a simulated engine generates (multi-turn history)
+    model: str = ""  # the model it names (a mix of models; "": the server's only one)
     vocab: int = field(default=DEFAULT_VOCAB, repr=False)
 
     @property

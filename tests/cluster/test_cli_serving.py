@@ -1,5 +1,6 @@
 """``kvmesh up``, ``status``, ``router`` and ``demo`` as users run them."""
 
+import collections
 import json
 import os
 import re
@@ -267,6 +268,52 @@ def test_bench_serve_then_report(qwen3_dir, tmp_path):
     assert (out_dir / "policies.png").is_file() and (out_dir / "run-load.png").is_file()
     missing = run("report", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "no such run file" in missing.stderr
+
+
+def test_bench_serve_runs_a_mix_of_models_and_reports_each(qwen3_dir, llama_dir, tmp_path):
+    """Two models on one local cluster, 3:1 of the arrivals, each its own workload: every
+    request names its model and lands on that model's replica; the summary is per model too."""
+    run_file = tmp_path / "mix.jsonl"
+    serve = run(
+        "bench",
+        "serve",
+        "--model",
+        f"{qwen3_dir},share=3,replicas=1",
+        "--model",
+        f"{llama_dir},share=1,replicas=1,workload=no_sharing",
+        "--workload",
+        "shared_prefix",
+        "--num-groups",
+        "2",
+        "--prompts-per-group",
+        "4",
+        "--system-prompt-len",
+        "64",
+        "--output-len",
+        "4",
+        "--requests",
+        "6",
+        "--rate",
+        "8",
+        "-q",
+        "--out",
+        str(run_file),
+        timeout=300,
+    )
+    assert serve.returncode == 0, serve.stderr[-2000:]
+    lines = run_file.read_text().splitlines()
+    meta, records = json.loads(lines[0])["meta"], [json.loads(line) for line in lines[1:]]
+    assert [(m["name"], m["share"]) for m in meta["models"]] == [("qwen3", 0.75), ("llama", 0.25)]
+    assert meta["workload"] == "shared_prefix+no_sharing" and set(meta["hit_rate_ceiling"]) == {
+        "qwen3",
+        "llama",
+    }
+    assert sorted(collections.Counter(r["model"] for r in records).items()) == [("llama", 6), ("qwen3", 6)]
+    assert all(r["error"] is None and r["replica_id"] == f"{r['model']}-0" for r in records)
+    summary = json.loads(serve.stdout[: serve.stdout.index("\nwrote")])
+    assert (
+        summary["all"]["requests"] == 12 and summary["qwen3"]["requests"] == summary["llama"]["requests"] == 6
+    )
 
 
 def test_up_without_router_is_the_charts_controller(qwen3_dir):
