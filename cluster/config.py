@@ -47,7 +47,7 @@ class ClusterConfig:
         None,
         per_model=True,
         help="a custom Ray resource every replica takes one of, so it runs only on the nodes that "
-        "offer it (the chart: each model's worker group offers its own)",
+        "offer it (the chart: each model's worker group offers its own; a local Ray offers it)",
     )
     with_router: bool = option(
         True,

@@ -187,12 +187,16 @@ class LocalCluster:
         Ray's client proxier sometimes loses the per-client server it just spawned (seen as
         "Initialization failure from server ... ZombieProcess"), and a second try succeeds."""
         c = self.config
-        local_cpus = None if c.ray_address else max(os.cpu_count() or 1, c.replicas + 1)
+        replicas = sum(config.replicas for config in self.configs)
+        local_cpus = None if c.ray_address else max(os.cpu_count() or 1, replicas + 1)
+        # A local Ray is every model's node: it offers each model's --ray-resource for all its replicas.
+        offered = {m.ray_resource: m.replicas for m in self.configs if m.ray_resource and not c.ray_address}
         for attempt in range(1, attempts + 1):
             try:
                 ray.init(
                     address=c.ray_address or "local",
                     num_cpus=local_cpus,
+                    resources=offered or None,
                     include_dashboard=False,
                     log_to_driver=c.verbose,
                     logging_level=logging.INFO if c.verbose else logging.ERROR,

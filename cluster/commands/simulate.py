@@ -77,7 +77,6 @@ CEILING_MAX_REQUESTS = 200_000  # the infinite-cache ceiling keeps every hash: s
 def simulate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from kvmesh.cluster.experiments.simulator import Simulation
     from kvmesh.router.policies import POLICIES
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
@@ -138,28 +137,39 @@ def simulate(args: argparse.Namespace) -> int:
     for policy in policies:
         start = time.monotonic()
         with tqdm(total=total, desc=f"simulate {policy}", unit="req", disable=args.quiet) as bar:
-            sim = Simulation(
-                stream(),
-                args.replicas,
-                policy,
-                cost,
-                block_size=args.block_size,
-                blocks_per_replica=args.blocks_per_replica,
-                seed=args.seed,
-                progress=bar.update,
-                routers=args.routers,
-                shared_load=args.shared_load == "on",
-                event_lag_s=args.event_lag_ms / 1000,
-                heartbeat_s=args.heartbeat_ms / 1000,
-            )
+            sim = _simulation(args, stream(), args.replicas, policy, cost, bar.update)
             result["policies"][policy] = sim.run()
         result["policies"][policy]["wall_s"] = round(time.monotonic() - start, 1)
         del sim  # its replicas' ledgers before the next policy's
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(simulation_table(result))
-    print(f"\nwrote {args.out}")
+    return _written(args.out, result, simulation_table(result))
+
+
+def _simulation(args: argparse.Namespace, workload, replicas: int, policy: str, cost, progress=None):
+    """A Simulation with the command line's fleet settings."""
+    from kvmesh.cluster.experiments.simulator import Simulation
+
+    return Simulation(
+        workload,
+        replicas,
+        policy,
+        cost,
+        block_size=args.block_size,
+        blocks_per_replica=args.blocks_per_replica,
+        seed=args.seed,
+        progress=progress,
+        routers=args.routers,
+        shared_load=args.shared_load == "on",
+        event_lag_s=args.event_lag_ms / 1000,
+        heartbeat_s=args.heartbeat_ms / 1000,
+    )
+
+
+def _written(out: str, result: dict, table: str) -> int:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(table)
+    print(f"\nwrote {out}")
     return 0
 
 
@@ -167,7 +177,7 @@ def simulate_mix(args: argparse.Namespace, policies: list[str]) -> int:
     """Several models behind one router: each an independent fleet (its own replicas, index
     namespace, counts and speculative entries, as a router's per-model routes keep them),
     fed its share of the arrivals; per-model results, and all requests together."""
-    from kvmesh.cluster.experiments.simulator import Simulation, request_stats
+    from kvmesh.cluster.experiments.simulator import request_stats
 
     if args.load is not None:
         raise ValueError("a mix of --model takes --rate, not --load")
@@ -197,27 +207,11 @@ def simulate_mix(args: argparse.Namespace, policies: list[str]) -> int:
         runs = []
         for m in models:
             _, stream, _ = streams[m.name]
-            sim = Simulation(
-                stream(),
-                m.replicas or args.replicas,
-                policy,
-                cost,
-                block_size=args.block_size,
-                blocks_per_replica=args.blocks_per_replica,
-                seed=args.seed,
-                routers=args.routers,
-                shared_load=args.shared_load == "on",
-                event_lag_s=args.event_lag_ms / 1000,
-                heartbeat_s=args.heartbeat_ms / 1000,
-            )
+            sim = _simulation(args, stream(), m.replicas or args.replicas, policy, cost)
             result["models"][m.name]["policies"][policy] = sim.run()
             runs.append(sim.results)
         result["policies"][policy] = request_stats(runs)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(mix_table(result))
-    print(f"\nwrote {args.out}")
-    return 0
+    return _written(args.out, result, mix_table(result))
 
 
 def mix_table(result: dict) -> str:

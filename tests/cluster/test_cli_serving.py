@@ -274,23 +274,20 @@ def test_bench_serve_runs_a_mix_of_models_and_reports_each(qwen3_dir, llama_dir,
     """Two models on one local cluster, 3:1 of the arrivals, each its own workload: every
     request names its model and lands on that model's replica; the summary is per model too."""
     run_file = tmp_path / "mix.jsonl"
-    serve = run(
-        "bench",
-        "serve",
+    models = [
         "--model",
         f"{qwen3_dir},share=3,replicas=1",
         "--model",
         f"{llama_dir},share=1,replicas=1,workload=no_sharing",
-        "--workload",
-        "shared_prefix",
-        "--num-groups",
-        "2",
-        "--prompts-per-group",
-        "4",
-        "--system-prompt-len",
-        "64",
-        "--output-len",
-        "4",
+    ]
+    flags = (
+        "--workload shared_prefix --num-groups 2 --prompts-per-group 4 --system-prompt-len 64 --output-len 4"
+    )
+    serve = run(
+        "bench",
+        "serve",
+        *models,
+        *flags.split(),
         "--requests",
         "6",
         "--rate",

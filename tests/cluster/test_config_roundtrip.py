@@ -85,6 +85,7 @@ VALUES = {
     "grpc-keepalive": ("20.0", 20.0),
     "grpc-keepalive-timeout": ("5.0", 5.0),
     "engine-stall-timeout": ("90.0", 90.0),
+    "ray-resource": ("roundtrip-node", "roundtrip-node"),  # the launcher's: its local Ray offers it
 }
 # Flags the round trip cannot vary here, and why.
 NOT_VARIED = {

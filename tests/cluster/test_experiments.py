@@ -526,29 +526,19 @@ def test_a_mix_of_models_is_each_models_own_fleet_fed_its_share_of_the_rate(tmp_
     exactly a simulation of that model alone at its share of ``--rate`` (its own seed: its own
     prompts), and "all" is every request of both."""
     out = tmp_path / "mix.json"
-    common = ["--block-size", "16", "--cost-model", "h100-llama3-8b", "--policy", "prefix,round_robin"]
+    flags = "--workload zipf --num-groups 6 --prompts-per-group 5 --rate 40 --replicas 3 --block-size 16"
+    models = ["--model", "qwen,share=3", "--model", "llama,share=1,workload=no_sharing,replicas=2"]
     run = subprocess.run(
         [
             KVMESH,
             "simulate",
-            "--workload",
-            "zipf",
-            "--num-groups",
-            "6",
-            "--prompts-per-group",
-            "5",
-            "--rate",
-            "40",
-            "--replicas",
-            "3",
-            "--model",
-            "qwen,share=3",
-            "--model",
-            "llama,share=1,workload=no_sharing,replicas=2",
+            *flags.split(),
+            *models,
+            "--policy",
+            "prefix,round_robin",
             "-q",
             "--out",
             str(out),
-            *common,
         ],
         capture_output=True,
         text=True,
