@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -157,7 +158,12 @@ class LocalCluster:
         index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment, admin)
         if replica.torch_threads is None and not use_gpu:
             replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // total))
-        prefix = model_id if len(self.configs) > 1 else "replica"
+        # Several models: replicas named by model, as a file name can hold it (drain sockets)
+        prefix = (
+            re.sub(r"[^A-Za-z0-9._-]", "-", model_id.replace("/", "--"))
+            if len(self.configs) > 1
+            else "replica"
+        )
         self._indexes[model_id] = index
         self.supervisors[model_id] = Supervisor(
             replica,

@@ -16,6 +16,7 @@ comes from a local server in the hub's layout through the init containers'
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -42,9 +43,10 @@ CHART = ROOT / "helm" / "kvmesh"
 BIN = Path(sys.executable).parent
 
 
-def rendered() -> dict[str, dict]:
-    values = yaml.safe_load((CHART / "ci" / "cpu-only-values.yaml").read_text())
-    values["controller"]["replicas"] = 2  # one per worker pod: the two workers of the group
+def rendered(values_file: str = "cpu-only-values.yaml") -> dict[str, dict]:
+    values = yaml.safe_load((CHART / "ci" / values_file).read_text())
+    if not values.get("models"):
+        values["controller"]["replicas"] = 2  # one per worker pod: the two workers of the group
     out = helm.Chart.load(str(CHART)).render(values, name="llm", namespace="serving")
     docs = [
         d
@@ -154,11 +156,12 @@ def ray_start(params: dict, extra: list[str]) -> list[str]:
 
 def ray_params(params: dict, rewrite) -> dict[str, str]:
     """A Ray node's start parameters, its fixed ports made free ones (the worker port range
-    stays: Ray picks free ports in it)."""
+    stays: Ray picks free ports in it), each value as the shell KubeRay starts Ray with reads
+    it (``resources: '"{\\"a\\": 1}"'`` is the JSON inside the quotes)."""
     return {
         k: str(free_port())
         if k.endswith("-port") and k not in ("min-worker-port", "max-worker-port")
-        else rewrite(v)
+        else shlex.split(rewrite(v))[0]
         for k, v in params.items()
     }
 
@@ -181,16 +184,23 @@ def make_secrets(job: dict) -> dict[str, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def chart_on_this_machine(tmp_path_factory, qwen3_dir):
+    yield from chart_as_processes(tmp_path_factory, rendered(), {"kvmesh/tiny-qwen3": qwen3_dir})
+
+
+def chart_as_processes(tmp_path_factory, docs: dict[str, dict], models: dict[str, Path]):
+    """The rendering ``docs`` run here, its hub mirror serving ``models`` (repo id: folder)."""
     started = time.monotonic()
     work = tmp_path_factory.mktemp("chart")
     address_file = Path("/tmp/ray/ray_current_cluster")  # `ray start --head` writes it: restored after
     earlier = address_file.read_text() if address_file.is_file() else None
-    docs = rendered()
     configmap = docs["ConfigMap/llm-kvmesh-config"]["data"]
     assert not any(key.startswith("Secret/") for key in docs)  # the hook Job makes them
     secrets = make_secrets(docs["Job/llm-kvmesh-make-secrets"])
     hub = FakeHub()
-    hub.repos["kvmesh/tiny-qwen3"] = Repo({"main": repo_from_folder(qwen3_dir)})
+    for repo, folder in models.items():  # every revision a values file may pin
+        hub.repos[repo] = Repo(dict.fromkeys(("main", "v1"), repo_from_folder(folder)))
+    groups = docs["RayCluster/llm-kvmesh"]["spec"]["workerGroupSpecs"]
+    # one machine: the worker groups' model volumes are one folder, each group's model under its path
     volumes = {"worker": work / "worker-models", "router": work / "router-models"}
     services = {  # Valkey's and the Ray head's once they run
         "hub-mirror.internal:8080": hub.url.removeprefix("http://"),
@@ -250,22 +260,26 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
         )
         pods.wait_for("ray-head", "Ray runtime started")
 
-        group = ray["workerGroupSpecs"][0]
-        worker = group["template"]["spec"]
-        [init] = worker["initContainers"]
-        env = container_env(init["env"], {}, rewriter())
-        download = subprocess.run(
-            [str(BIN / "kvmesh"), *map(rewriter(), init["args"])], env=env, capture_output=True, text=True
-        )  # the workers' model volume: one here, for both
-        assert download.returncode == 0, download.stderr
-        worker_container = worker["containers"][0]
-        assert group["rayStartParams"]["num-cpus"] == "1"  # one replica per worker pod
-        for n in range(group["replicas"]):
-            rewrite = rewriter(secret_volumes(work, f"ray-worker-{n}", worker, worker_container, secrets))
-            worker_env = container_env(worker_container.get("env", []), configmap, rewrite)
-            params = ray_params(group["rayStartParams"], rewrite)
-            pods.start(f"ray-worker-{n}", ray_start(params, [f"--address=127.0.0.1:{gcs}"]), worker_env)
-            pods.wait_for(f"ray-worker-{n}", "Ray runtime started")
+        for group in groups:
+            name, worker = group["groupName"], group["template"]["spec"]
+            [init] = worker["initContainers"]
+            env = container_env(init["env"], {}, rewriter())
+            download = subprocess.run(
+                [str(BIN / "kvmesh"), *map(rewriter(), init["args"])],
+                env=env,
+                capture_output=True,
+                text=True,
+            )  # into the workers' model volume
+            assert download.returncode == 0, download.stderr
+            worker_container = worker["containers"][0]
+            assert group["rayStartParams"]["num-cpus"] == "1"  # one replica per worker pod
+            for n in range(group["replicas"]):
+                pod = f"ray-worker-{name}-{n}"
+                rewrite = rewriter(secret_volumes(work, pod, worker, worker_container, secrets))
+                worker_env = container_env(worker_container.get("env", []), configmap, rewrite)
+                params = ray_params(group["rayStartParams"], rewrite)
+                pods.start(pod, ray_start(params, [f"--address=127.0.0.1:{gcs}"]), worker_env)
+                pods.wait_for(pod, "Ray runtime started")
 
         controller_pod = docs["Deployment/llm-kvmesh-controller"]["spec"]["template"]["spec"]
         controller = controller_pod["containers"][0]
@@ -281,15 +295,15 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
         pods.wait_for("controller", "Ctrl-C", timeout=240)
 
         router_pod = docs["Deployment/llm-kvmesh-router"]["spec"]["template"]["spec"]
-        [init] = router_pod["initContainers"]
-        env = container_env(init["env"], {}, rewriter(volume="router"))
-        download = subprocess.run(
-            [str(BIN / "kvmesh"), *map(rewriter(volume="router"), init["args"])],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        assert download.returncode == 0, download.stderr
+        for init in router_pod["initContainers"]:  # every model's tokenizer
+            env = container_env(init["env"], {}, rewriter(volume="router"))
+            download = subprocess.run(
+                [str(BIN / "kvmesh"), *map(rewriter(volume="router"), init["args"])],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert download.returncode == 0, download.stderr
         router = router_pod["containers"][0]
         routers = []
         for n in range(2):
