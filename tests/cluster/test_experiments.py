@@ -16,6 +16,21 @@ from kvmesh.cluster.experiments.simulator import Simulation
 from kvmesh.cluster.measure import workloads as wl
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+
+
+def simulate_cli(out: Path, flags: str, *more: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``kvmesh simulate`` with ``flags`` (space-separated) and ``more``, quiet, into ``out``:
+    the process and the JSON it wrote."""
+    run = subprocess.run(
+        [KVMESH, "simulate", *flags.split(), *more, "-q", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return run, json.loads(out.read_text())
+
+
 FLAT = CostModel(
     "flat",
     base_s=0.01,
@@ -275,32 +290,8 @@ def test_a_fleets_model_from_its_heartbeats_is_the_median_of_the_replicas_that_m
 
 def test_simulate_cli_writes_every_policy(tmp_path):
     out = tmp_path / "sim.json"
-    run = subprocess.run(
-        [
-            KVMESH,
-            "simulate",
-            "--workload",
-            "shared_prefix",
-            "--num-groups",
-            "4",
-            "--prompts-per-group",
-            "4",
-            "--rate",
-            "20",
-            "--replicas",
-            "2",
-            "--policy",
-            "prefix,round_robin",
-            "-q",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+    flags = "--workload shared_prefix --num-groups 4 --prompts-per-group 4 --rate 20 --replicas 2"
+    _, result = simulate_cli(out, flags, "--policy", "prefix,round_robin")
     keys = {
         "hit_rate",
         "ttft_p50",
@@ -528,24 +519,7 @@ def test_a_mix_of_models_is_each_models_own_fleet_fed_its_share_of_the_rate(tmp_
     out = tmp_path / "mix.json"
     flags = "--workload zipf --num-groups 6 --prompts-per-group 5 --rate 40 --replicas 3 --block-size 16"
     models = ["--model", "qwen,share=3", "--model", "llama,share=1,workload=no_sharing,replicas=2"]
-    run = subprocess.run(
-        [
-            KVMESH,
-            "simulate",
-            *flags.split(),
-            *models,
-            "--policy",
-            "prefix,round_robin",
-            "-q",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+    run, result = simulate_cli(out, flags, *models, "--policy", "prefix,round_robin")
     assert [(m["name"], m["share"], m["replicas"], m["workload"]) for m in result["config"]["models"]] == [
         ("qwen", 0.75, 3, "zipf"),
         ("llama", 0.25, 2, "no_sharing"),

@@ -187,8 +187,9 @@ def chart_on_this_machine(tmp_path_factory, qwen3_dir):
     yield from chart_as_processes(tmp_path_factory, rendered(), {"kvmesh/tiny-qwen3": qwen3_dir})
 
 
-def chart_as_processes(tmp_path_factory, docs: dict[str, dict], models: dict[str, Path]):
-    """The rendering ``docs`` run here, its hub mirror serving ``models`` (repo id: folder)."""
+def chart_as_processes(tmp_path_factory, docs: dict[str, dict], models: dict[str, Path], routers: int = 2):
+    """The rendering ``docs`` run here, its hub mirror serving ``models`` (repo id: folder),
+    with ``routers`` router pods."""
     started = time.monotonic()
     work = tmp_path_factory.mktemp("chart")
     address_file = Path("/tmp/ray/ray_current_cluster")  # `ray start --head` writes it: restored after
@@ -279,6 +280,7 @@ def chart_as_processes(tmp_path_factory, docs: dict[str, dict], models: dict[str
                 worker_env = container_env(worker_container.get("env", []), configmap, rewrite)
                 params = ray_params(group["rayStartParams"], rewrite)
                 pods.start(pod, ray_start(params, [f"--address=127.0.0.1:{gcs}"]), worker_env)
+                # one at a time: Ray nodes of one machine starting at once can time out registering
                 pods.wait_for(pod, "Ray runtime started")
 
         controller_pod = docs["Deployment/llm-kvmesh-controller"]["spec"]["template"]["spec"]
@@ -305,8 +307,8 @@ def chart_as_processes(tmp_path_factory, docs: dict[str, dict], models: dict[str
             )
             assert download.returncode == 0, download.stderr
         router = router_pod["containers"][0]
-        routers = []
-        for n in range(2):
+        addresses = []
+        for n in range(routers):
             rewrite = rewriter(secret_volumes(work, f"router-{n}", router_pod, router, secrets), "router")
             ports = {"--port": free_port(), "--http-port": free_port(), "--metrics-port": free_port()}
             args = [rewrite(a) for a in router["args"]]
@@ -315,17 +317,17 @@ def chart_as_processes(tmp_path_factory, docs: dict[str, dict], models: dict[str
             ]
             env = container_env(router.get("env", []), configmap, rewrite)
             pods.start(f"router-{n}", [str(BIN / "kvmesh"), *args], env)
-            routers.append(
+            addresses.append(
                 (
                     f"127.0.0.1:{ports['--port']}",
                     f"http://127.0.0.1:{ports['--http-port']}",
                     ports["--metrics-port"],
                 )
             )
-        for n in range(2):
+        for n in range(routers):
             pods.wait_for(f"router-{n}", "kvmesh router: gRPC", timeout=120)
         yield {
-            "routers": routers,
+            "routers": addresses,
             "work": work,
             "volumes": volumes,
             "gcs": gcs,
@@ -397,20 +399,27 @@ def test_both_routers_serve_grpc_and_openai_from_replicas_on_the_worker_nodes(ch
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
     assert seen
     # The replicas are the worker nodes': one each, their processes descending from its `ray start`.
-    workers = [proc for name, proc in setup["pods"].procs if name.startswith("ray-worker-")]
+    hosts = replica_hosts(setup)
+    assert len(hosts) == 2 and len(set(hosts.values())) == 2  # one replica per worker pod
+
+
+def replica_hosts(setup: dict) -> dict[str, str]:
+    """{replica actor: the worker "pod" its process runs under}, asked of the Ray cluster."""
     code = (
         "import json, ray\n"
         f"ray.init(address='127.0.0.1:{setup['gcs']}', logging_level='ERROR')\n"
         "names = [a['name'] for a in ray.util.list_named_actors(all_namespaces=True) if a['namespace'] == 'kvmesh']\n"
-        "print(json.dumps([ray.get(ray.get_actor(n, namespace='kvmesh').pid.remote()) for n in names]))\n"
+        "print(json.dumps({n: ray.get(ray.get_actor(n, namespace='kvmesh').pid.remote()) for n in names}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=setup["env"], capture_output=True, text=True, timeout=60
     )
-    pids = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(pids) == 2, out.stderr[-2000:]
-    hosts = [next(w for w in workers if _descends_from(pid, w.pid)) for pid in pids]
-    assert len({w.pid for w in hosts}) == 2  # one replica per worker pod
+    assert out.returncode == 0, out.stderr[-2000:]
+    workers = {name: proc for name, proc in setup["pods"].procs if name.startswith("ray-worker-")}
+    return {
+        actor: next(name for name, proc in workers.items() if _descends_from(pid, proc.pid))
+        for actor, pid in json.loads(out.stdout.strip().splitlines()[-1]).items()
+    }
 
 
 def test_replicas_require_the_token_the_chart_mounts(chart_on_this_machine):

@@ -3,14 +3,10 @@ a worker group of two, a tiny Llama on a group of one) run as processes, as
 ``test_chart_commands.py`` runs the one-model rendering: each model's replicas on its own
 group's Ray nodes (placed by the group's Ray resource), one router for both."""
 
-import json
-import subprocess
-import sys
-
 import grpc
 import httpx
 import pytest
-from test_chart_commands import _descends_from, chart_as_processes, rendered, wait_live
+from test_chart_commands import chart_as_processes, rendered, replica_hosts, wait_live
 
 from kvmesh.protos import pb, pb_grpc
 
@@ -22,7 +18,7 @@ QWEN, LLAMA = "kvmesh/tiny-qwen3", "llama"  # what clients call them (llama by i
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory, qwen3_dir, llama_dir):
     repos = {"kvmesh/tiny-qwen3": qwen3_dir, "kvmesh/tiny-llama": llama_dir}
-    yield from chart_as_processes(tmp_path_factory, rendered("multi-model-values.yaml"), repos)
+    yield from chart_as_processes(tmp_path_factory, rendered("multi-model-values.yaml"), repos, routers=1)
 
 
 def test_each_model_is_served_from_its_own_worker_group(two_models):
@@ -54,24 +50,13 @@ def test_each_model_is_served_from_its_own_worker_group(two_models):
     body = {"model": LLAMA, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(f"{http_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
-    # Each replica actor runs on a Ray node of its model's worker group.
-    code = (
-        "import json, ray\n"
-        f"ray.init(address='127.0.0.1:{setup['gcs']}', logging_level='ERROR')\n"
-        "names = [a['name'] for a in ray.util.list_named_actors(all_namespaces=True) if a['namespace'] == 'kvmesh']\n"
-        "print(json.dumps({n: ray.get(ray.get_actor(n, namespace='kvmesh').pid.remote()) for n in names}))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=setup["env"], capture_output=True, text=True, timeout=60
-    )
-    pids = json.loads(out.stdout.strip().splitlines()[-1])
-    workers = {name: proc for name, proc in setup["pods"].procs if name.startswith("ray-worker-")}
-    groups = {}
-    for actor, pid in pids.items():
-        [node] = [name for name, proc in workers.items() if _descends_from(pid, proc.pid)]
-        groups[actor] = node.removeprefix("ray-worker-").rsplit("-", 1)[0]
+    # Each replica actor runs on a Ray node of its model's worker group (ray-worker-<group>-<n>).
+    groups = {
+        actor: pod.removeprefix("ray-worker-").rsplit("-", 1)[0]
+        for actor, pod in replica_hosts(setup).items()
+    }
     assert groups == {
         "kvmesh/tiny-qwen3/kvmesh--tiny-qwen3-0": "qwen",
         "kvmesh/tiny-qwen3/kvmesh--tiny-qwen3-1": "qwen",
         "kvmesh/tiny-llama/kvmesh--tiny-llama-0": "llama",
-    }, out.stderr[-2000:]
+    }
