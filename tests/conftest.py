@@ -15,6 +15,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.servers)
+    # Files that start servers first, the quick ones last: two test workers take whole files in
+    # this order, so the suite does not end with one worker still in a long file, the other idle.
+    heavy = {item.path for item in items if item.get_closest_marker("servers")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 @pytest.fixture(autouse=True)

@@ -1421,7 +1421,10 @@ def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
     docs = render(chart, values_of(CHART / "ci" / "multi-model-values.yaml"))
     [ray] = by_kind(docs, "RayCluster")
     groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
-    assert {name: g["replicas"] for name, g in groups.items()} == {"qwen": 2, "llama": 1}
+    assert {name: (g["replicas"], g["maxReplicas"]) for name, g in groups.items()} == {
+        "qwen": (1, 3),
+        "llama": (1, 1),
+    }
     offered = {name: json.loads(json.loads(g["rayStartParams"]["resources"])) for name, g in groups.items()}
     assert offered == {"qwen": {"kvmesh-model-qwen": 1}, "llama": {"kvmesh-model-llama": 1}}
     downloads = {name: g["template"]["spec"]["initContainers"][0]["args"] for name, g in groups.items()}
@@ -1440,10 +1443,18 @@ def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
     args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
     redis = f"--redis-url={config_map(docs)['data']['KVMESH_REDIS_URL']}"  # from the ConfigMap in the pod
     configs = [config for (config,) in up_command.FLAGS.build_models(parser.parse_args([*args[1:], redis]))]
-    placed = {c.ray_resource: (c.model_id, c.replicas, c.replica.engine.num_kv_blocks) for c in configs}
+    placed = {
+        c.ray_resource: (
+            c.model_id,
+            c.replicas,
+            c.replica.engine.num_kv_blocks,
+            c.replica.engine.max_num_seqs,
+        )
+        for c in configs
+    }
     assert placed == {
-        "kvmesh-model-qwen": ("kvmesh/tiny-qwen3", 2, 4096),
-        "kvmesh-model-llama": ("kvmesh/tiny-llama", 1, 1024),
+        "kvmesh-model-qwen": ("kvmesh/tiny-qwen3", 1, 4096, 32),
+        "kvmesh-model-llama": ("kvmesh/tiny-llama", 1, 1024, 64),
     }
     assert [c.router.block_size for c in configs] == [16, 32]
     assert configs[1].router.api.served_model_name == "llama"
