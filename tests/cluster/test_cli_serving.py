@@ -27,6 +27,14 @@ def run(*args, timeout=120, env=None):
     )
 
 
+def bench_serve(run_file: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+    """``kvmesh bench serve ARGS -q --out RUN_FILE``: the process, the run's meta line and records."""
+    serve = run("bench", "serve", *args, "-q", "--out", str(run_file), timeout=300)
+    assert serve.returncode == 0, serve.stderr[-2000:]
+    lines = run_file.read_text().splitlines()
+    return serve, json.loads(lines[0])["meta"], [json.loads(line) for line in lines[1:]]
+
+
 def index_reader(up_output: str) -> dict[str, str]:
     """The environment that lets ``kvmesh status`` read the index of a ``kvmesh up`` (as its
     router's user), from the password-file folder it printed."""
@@ -223,38 +231,11 @@ async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
 
 def test_bench_serve_then_report(qwen3_dir, tmp_path):
     run_file = tmp_path / "run.jsonl"
-    serve = run(
-        "bench",
-        "serve",
-        "--model",
-        str(qwen3_dir),
-        "--replicas",
-        "2",
-        "--workload",
-        "shared_prefix",
-        "--num-groups",
-        "2",
-        "--prompts-per-group",
-        "4",
-        "--system-prompt-len",
-        "64",
-        "--question-len",
-        "8",
-        "--output-len",
-        "4",
-        "--rate",
-        "20",
-        "--policy",
-        "prefix",
-        "-q",
-        "--out",
-        str(run_file),
-        timeout=300,
+    flags = (
+        "--replicas 2 --workload shared_prefix --num-groups 2 --prompts-per-group 4 --system-prompt-len 64"
     )
-    assert serve.returncode == 0, serve.stderr[-2000:]
-    lines = run_file.read_text().splitlines()
-    meta = json.loads(lines[0])["meta"]
-    records = [json.loads(line) for line in lines[1:]]
+    more = "--question-len 8 --output-len 4 --rate 20 --policy prefix"
+    _, meta, records = bench_serve(run_file, "--model", str(qwen3_dir), *flags.split(), *more.split())
     assert meta["workload"] == "shared_prefix" and meta["policy"] == "prefix" and len(records) == 8
     assert all(r["error"] is None and r["completion_tokens"] == 4 and r["replica_id"] for r in records)
     assert all(r["first_token_s"] >= r["sent_s"] and r["router_decision_us"] > 0 for r in records)
@@ -283,23 +264,7 @@ def test_bench_serve_runs_a_mix_of_models_and_reports_each(qwen3_dir, llama_dir,
     flags = (
         "--workload shared_prefix --num-groups 2 --prompts-per-group 4 --system-prompt-len 64 --output-len 4"
     )
-    serve = run(
-        "bench",
-        "serve",
-        *models,
-        *flags.split(),
-        "--requests",
-        "6",
-        "--rate",
-        "8",
-        "-q",
-        "--out",
-        str(run_file),
-        timeout=300,
-    )
-    assert serve.returncode == 0, serve.stderr[-2000:]
-    lines = run_file.read_text().splitlines()
-    meta, records = json.loads(lines[0])["meta"], [json.loads(line) for line in lines[1:]]
+    serve, meta, records = bench_serve(run_file, *models, *flags.split(), "--requests", "6", "--rate", "8")
     assert [(m["name"], m["share"]) for m in meta["models"]] == [("qwen3", 0.75), ("llama", 0.25)]
     assert meta["workload"] == "shared_prefix+no_sharing" and set(meta["hit_rate_ceiling"]) == {
         "qwen3",
