@@ -12,7 +12,6 @@ import secrets
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,6 +19,7 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.serving.auth import is_loopback_host
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
+from kvmesh.serving.model_info import model_id_of
 from kvmesh.serving.options import option
 
 # Settings the router and the replicas must agree on, or their block hashes (and so every
@@ -154,8 +154,7 @@ class ClusterConfig:
     @property
     def model_id(self) -> str:
         """The model's name in the index (its id, else its folder's name)."""
-        replica = self.replica
-        return replica.model_id or Path(replica.model_dir).resolve().name
+        return model_id_of(self.replica.model_dir, self.replica.model_id)
 
     @property
     def _remote_ray(self) -> bool:

@@ -31,6 +31,7 @@ from kvmesh.replica.request import Request, RequestOutput, Status
 from kvmesh.replica.sampler import Pick, RequestFailed, TokenLogprob
 from kvmesh.replica.scheduler import Scheduler
 from kvmesh.replica.step_costs import StepCostFit, step_features
+from kvmesh.serving.model_info import model_id_of
 from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.sampling_params import SamplingParams, check_vocabulary
 from kvmesh.serving.step_costs import StepCosts
@@ -106,7 +107,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                 f"({spec.max_position_embeddings})"
             )
-        self.model_id = model_id or Path(model_dir).resolve().name
+        self.model_id = model_id_of(model_dir, model_id)
         self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec)
         self.block_size = self.runner.block_size
         self.tokenizer = _load_tokenizer(Path(tokenizer_dir or model_dir))

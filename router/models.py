@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 
 from kvmesh.kvcache.index import INDEX_ERRORS, IndexSettingsError
 from kvmesh.router.config import RouterConfig
@@ -26,7 +25,7 @@ from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving.errors import InvalidRequest, NotFound, Unavailable
 from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.metrics import MetricsRegistry
-from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.model_info import ModelInfo, model_id_of
 from kvmesh.serving.model_lock import reading_model
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ class ModelRoute:
     def __init__(self, config: RouterConfig, metrics: MetricsRegistry, redis: RedisCredentials | None):
         self.config = config
         self.metrics_registry = metrics
-        self.model_id = config.model_id or Path(config.model_dir).resolve().name
+        self.model_id = model_id_of(config.model_dir, config.model_id)
         with reading_model(config.model_dir):  # no download swaps the folder while it is read
             self.tokenizer = config.api.load_tokenizer(config.model_dir)
             self.defaults = config.api.load_defaults(config.model_dir)
@@ -65,7 +64,7 @@ class ModelRoute:
     @property
     def names(self) -> set[str]:
         """What a request may call this model: its served name and its id."""
-        return {self.config.api.served_model_name or self.model_id, self.model_id}
+        return {self.api_name, self.model_id}
 
     @property
     def api_name(self) -> str:

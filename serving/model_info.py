@@ -10,6 +10,12 @@ from kvmesh.kvcache import namespace_seed
 from kvmesh.serving.errors import NotFound
 
 
+def model_id_of(model_dir: str | Path, model_id: str | None = None) -> str:
+    """A model's name in the index and the API: its given id, else its folder's name (what the
+    router, the replicas and the launcher must agree on)."""
+    return model_id or Path(model_dir).resolve().name
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_id: str
@@ -47,7 +53,7 @@ class ModelInfo:
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {str(path)!r} has no config.json")
         hf = json.loads((path / "config.json").read_text())
-        model_id = model_id or path.resolve().name
+        model_id = model_id_of(path, model_id)
         return cls(
             model_id=model_id,
             block_size=block_size,

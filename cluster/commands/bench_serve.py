@@ -13,6 +13,7 @@ from pathlib import Path
 from kvmesh.cluster.commands.workload_flags import build_workload, model_stream
 from kvmesh.cluster.measure import workloads as wl
 from kvmesh.cluster.measure.model_mix import ModelLoad, merge_by_arrival, parse_models
+from kvmesh.serving.model_info import model_id_of
 
 
 def bench_serve(args: argparse.Namespace) -> int:
@@ -49,7 +50,7 @@ def _mixed_workload(
 
 
 def _request_name(args: argparse.Namespace, model: ModelLoad) -> str:
-    return model.name if args.address else Path(model.name).resolve().name
+    return model.name if args.address else model_id_of(model.name)
 
 
 async def _bench_serve(args: argparse.Namespace, name: str, requests: list, models: list[ModelLoad]) -> int:
