@@ -7,19 +7,16 @@ reason. A call names its model as OpenAI's requests do (empty: the router's only
 from __future__ import annotations
 
 import asyncio
-import json
 
 import grpc
 
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.router.core import RouterCore
 from kvmesh.router.metrics import heartbeat_age
 from kvmesh.router.models import ModelRoute, ModelRoutes
 from kvmesh.serving import tracing
 from kvmesh.serving.connections import ClientStalled, end_call, send_all
 from kvmesh.serving.errors import ServingError
-from kvmesh.serving.options import effective_config
 
 
 class _CutOff(Exception):
@@ -55,15 +52,15 @@ class RouterService(pb_grpc.RouterServicer):
             # stop then cancels mid-refusal (CANCELLED instead of UNAVAILABLE).
             await asyncio.sleep(0.005)
 
-    async def _ready(self, context: grpc.aio.ServicerContext, model: str) -> RouterCore:
-        """The routing core of the model a call names (NOT_FOUND, or UNAVAILABLE while starting)."""
+    async def _ready(self, context: grpc.aio.ServicerContext, model: str) -> ModelRoute:
+        """The route of the model a call names, routing (NOT_FOUND, or UNAVAILABLE while starting)."""
         try:
-            return self.models.backend(model)
+            return self.models.ready(model)
         except ServingError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        core = await self._ready(context, request.model)
+        core = (await self._ready(context, request.model)).core
         task = asyncio.current_task()
         self._streams.add(task)
         try:
@@ -101,15 +98,15 @@ class RouterService(pb_grpc.RouterServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        core = await self._ready(context, request.model)
-        m, route = core.model, self.models.route(request.model)
+        route = await self._ready(context, request.model)
+        m = route.model
         return pb.ModelInfo(
             model=m.model_id,
             block_size=m.block_size,
             max_model_len=m.max_model_len,
             vocab_size=m.vocab_size,
             hash_seed=m.hash_seed,
-            effective_config=json.dumps(effective_config(route.config)),
+            effective_config=route.effective_config,
         )
 
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext):

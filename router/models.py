@@ -12,6 +12,7 @@ name or id; a router of one model also takes a request that names none.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -27,6 +28,7 @@ from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.metrics import MetricsRegistry
 from kvmesh.serving.model_info import ModelInfo, model_id_of
 from kvmesh.serving.model_lock import reading_model
+from kvmesh.serving.options import effective_config
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class ModelRoute:
         self.config = config
         self.metrics_registry = metrics
         self.model_id = model_id_of(config.model_dir, config.model_id)
+        self.effective_config = json.dumps(effective_config(config))  # GetModelInfo's, secrets left out
         with reading_model(config.model_dir):  # no download swaps the folder while it is read
             self.tokenizer = config.api.load_tokenizer(config.model_dir)
             self.defaults = config.api.load_defaults(config.model_dir)
@@ -178,15 +181,18 @@ class ModelRoutes:
             )
         return route
 
-    def backend(self, name: str | None) -> RouterCore:
-        """The routing core (the front ends' backend) of the model ``name``; UNAVAILABLE while it
-        waits for its block size."""
+    def ready(self, name: str | None) -> ModelRoute:
+        """The route of the model ``name``, routing; UNAVAILABLE while it waits for its block size."""
         route = self.route(name)
         if route.core is None:
             raise Unavailable(
                 f"router starting: waiting for a replica of {route.api_name!r} to register the block size"
             )
-        return route.core
+        return route
+
+    def backend(self, name: str | None) -> RouterCore:
+        """The routing core (the front ends' backend) of the model ``name`` (see ``ready``)."""
+        return self.ready(name).core
 
     @property
     def api_names(self) -> list[str]:
