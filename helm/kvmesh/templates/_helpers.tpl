@@ -350,11 +350,6 @@ env:
 {{- join "," $parts -}}
 {{- end -}}
 
-{{/* The one model's folder (single-model releases): model.path, or <mountPath>/<model.id with "/" as "--">. */}}
-{{- define "kvmesh.modelPath" -}}
-{{- .Values.model.path | default (printf "%s/%s" .Values.model.cache.mountPath (replace "/" "--" .Values.model.id)) -}}
-{{- end -}}
-
 {{/* The Ray workers' model volume: a claim (existing, or created by the chart), else an
      emptyDir each worker downloads into. */}}
 {{- define "kvmesh.modelVolume" -}}
