@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Collection
 from pathlib import Path
 
-from kvmesh.replica.drain_socket import DRAIN, DRAINED, drain_dir, replica_of
+from kvmesh.replica.drain_socket import DRAIN, DRAINED, local_sockets, replica_of
 
 
 async def _drain_one(path: Path) -> bool | None:
@@ -31,7 +31,7 @@ async def _drain_one(path: Path) -> bool | None:
 async def drain_local_replicas(timeout_s: float) -> tuple[list[str], list[str]]:
     """Ask every local replica to drain, all at once; (those drained, those that were not
     within ``timeout_s``). Sockets whose process is gone are removed, not counted."""
-    return await drain_sockets(list(drain_dir().glob("*-*.sock")), timeout_s)
+    return await drain_sockets(local_sockets(), timeout_s)
 
 
 async def drain_sockets(paths: Collection[Path], timeout_s: float) -> tuple[list[str], list[str]]:

@@ -37,6 +37,11 @@ def drain_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kvmesh-replicas-{os.getuid()}"
 
 
+def local_sockets() -> list[Path]:
+    """Every replica drain socket on this machine (``<pid>-<replica id>.sock``)."""
+    return sorted(drain_dir().glob("*-*.sock"))
+
+
 class DrainSocket:
     def __init__(
         self, replica_id: str, drain: Callable[[], Awaitable[None]], after: Callable[[], None] | None = None

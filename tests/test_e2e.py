@@ -17,7 +17,7 @@ from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.cluster.node_drain import drain_sockets
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.drain_socket import drain_dir, pid_of
+from kvmesh.replica.drain_socket import local_sockets, pid_of
 from kvmesh.router.policies import PrefixAware
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.auth import bearer_metadata
@@ -391,9 +391,7 @@ async def test_a_node_drain_loses_no_request(cluster):
     # This cluster's replica-0 alone: a node drain reaches every replica on the machine, and
     # another test's cluster (a parallel test worker's) has a replica-0 too.
     pid = await cluster.supervisor.actors[victim].pid.remote()
-    drain = asyncio.ensure_future(
-        drain_sockets([p for p in drain_dir().glob("*-*.sock") if pid_of(p) == pid], 60)
-    )
+    drain = asyncio.ensure_future(drain_sockets([p for p in local_sockets() if pid_of(p) == pid], 60))
     late = [
         asyncio.ensure_future(call(cluster, greedy(p, max_tokens=30, policy="round_robin")))
         for p in prompts[12:]

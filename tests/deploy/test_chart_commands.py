@@ -35,7 +35,7 @@ from test_make_secrets import TOKEN, FakeKube
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, default_server_binary, free_port
 from kvmesh.cluster.node_drain import drain_sockets
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.drain_socket import drain_dir, pid_of
+from kvmesh.replica.drain_socket import local_sockets, pid_of
 
 pytestmark = pytest.mark.servers
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ class Pods:
         through the head's GCS on SIGTERM: with the head gone too, it waits 30 s for it)."""
         sockets = [
             path
-            for path in drain_dir().glob("*-*.sock")
+            for path in local_sockets()
             for name, proc in self.procs
             if name.startswith("ray-worker-") and _descends_from(pid_of(path), proc.pid)
         ]
