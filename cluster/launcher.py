@@ -79,6 +79,11 @@ class LocalCluster:
         return self.configs[0]
 
     @property
+    def replicas(self) -> int:
+        """Replicas of every model together."""
+        return sum(c.replicas for c in self.configs)
+
+    @property
     def supervisor(self) -> Supervisor | None:
         return next(iter(self.supervisors.values()), None)
 
@@ -128,10 +133,9 @@ class LocalCluster:
             configs = [c.with_redis(self.redis_url) for c in configs]
         self.configs = configs
         use_gpu = cluster_has_gpus()
-        total = sum(c.replicas for c in configs)
-        check_gpus(total, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
+        check_gpus(self.replicas, ray.cluster_resources().get("GPU", 0), self._owns_ray, self.progress)
         for c in configs:
-            self._add_model(c, use_gpu, total, admin, replica_env)
+            self._add_model(c, use_gpu, admin, replica_env)
         if not await self.index.load_functions():
             log.warning(
                 "this Redis user may not load the index functions: routers and replicas wait for an admin to"
@@ -145,11 +149,11 @@ class LocalCluster:
         if self.config.with_router:
             self.router = RouterServer([c.router for c in configs], redis_credentials=self.router_redis)
             await self.router.start()
-        await self.wait_for_replicas(total, ready_timeout_s)
+        await self.wait_for_replicas(self.replicas, ready_timeout_s)
         return self
 
     def _add_model(
-        self, c: ClusterConfig, use_gpu: bool, total: int, admin: RedisCredentials, env: dict[str, str]
+        self, c: ClusterConfig, use_gpu: bool, admin: RedisCredentials, env: dict[str, str]
     ) -> None:
         """One model's index connection and supervisor (CPU replicas share the cores evenly)."""
         replica, model_id = c.replica, c.model_id
@@ -157,7 +161,9 @@ class LocalCluster:
         seed = namespace_seed(model_id, block_size) if block_size else None
         index = connect_index(self.redis_url, model_id, block_size, seed, replica.deployment, admin)
         if replica.torch_threads is None and not use_gpu:
-            replica = dataclasses.replace(replica, torch_threads=max(1, (os.cpu_count() or 1) // total))
+            replica = dataclasses.replace(
+                replica, torch_threads=max(1, (os.cpu_count() or 1) // self.replicas)
+            )
         # Several models: replicas named by model, as a file name can hold it (drain sockets)
         prefix = (
             re.sub(r"[^A-Za-z0-9._-]", "-", model_id.replace("/", "--"))
@@ -193,8 +199,7 @@ class LocalCluster:
         Ray's client proxier sometimes loses the per-client server it just spawned (seen as
         "Initialization failure from server ... ZombieProcess"), and a second try succeeds."""
         c = self.config
-        replicas = sum(config.replicas for config in self.configs)
-        local_cpus = None if c.ray_address else max(os.cpu_count() or 1, replicas + 1)
+        local_cpus = None if c.ray_address else max(os.cpu_count() or 1, self.replicas + 1)
         # A local Ray is every model's node: it offers each model's --ray-resource for all its replicas.
         offered = {m.ray_resource: m.replicas for m in self.configs if m.ray_resource and not c.ray_address}
         for attempt in range(1, attempts + 1):
