@@ -263,6 +263,9 @@ class AsyncLLMEngine:
             self._deliver(command.request_id, exc)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        # The step's stats first: a client told its request finished must not then scrape it as
+        # still running (the loop may run the client before this thread's next line).
+        self._stats = self.engine.stats()
         for out in outputs:
             self._deliver(out.request_id, _failure(out) if out.error else out)
         events = self.engine.drain_kv_events()
@@ -272,7 +275,6 @@ class AsyncLLMEngine:
                 if self._events_waiter is not None:
                     loop, event = self._events_waiter
                     loop.call_soon_threadsafe(event.set)
-        self._stats = self.engine.stats()
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
