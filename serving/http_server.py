@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -80,7 +81,10 @@ class StalledClientGuard:
     timeout. Its response is then cancelled like any other whose client went away (the
     request is aborted, its slot and KV blocks freed) instead of waiting on the client for
     as long as the client likes; a client that stops reading fills the transport's buffers,
-    after which every write waits."""
+    after which every write waits.
+
+    It also offers a streamed response its connection's ``DirectBody`` (the scope's
+    ``DIRECT_BODY`` key), under the same write timeout."""
 
     def __init__(self, app, timeout_s: float):
         self.app = app
@@ -92,21 +96,65 @@ class StalledClientGuard:
 
         deadline = WriteDeadline(self.timeout_s)
 
-        async def send_within(message) -> None:
+        async def within(sending: Awaitable[None]) -> None:
             try:
-                await deadline.write(send(message))
+                await deadline.write(sending)
             except TimeoutError:
                 _close_connection(send)
                 raise ClientStalled(
                     f"the client did not read the response for {self.timeout_s:g} s"
                 ) from None
 
+        async def send_within(message) -> None:
+            await within(send(message))
+
+        scope[DIRECT_BODY] = lambda: DirectBody.of(send, within)
         try:
             await self.app(scope, receive, send_within)
         except ClientStalled:
             await asyncio.sleep(0)  # the server learns of the closed connection: no error logged
         finally:
             deadline.close()
+
+
+# The scope key of a callable that returns the response's DirectBody, or None where the
+# server gives no direct access (another ASGI server, an in-process test client).
+DIRECT_BODY = "kvmesh.direct_body"
+
+
+class DirectBody:
+    """A streamed response's chunks written straight to its connection, one
+    ``transport.write`` each, once its headers went out chunked through the ASGI ``send``
+    (which ends the response too). Why: an ASGI send passes each chunk through every
+    middleware's wrapper (Starlette's error and exception handlers, this module's guard)
+    and uvicorn's checks, which cost a relayed token more than the relay's own work.
+    Built on uvicorn's httptools protocol (its request cycle's transport, flow control and
+    chunked state); ``of`` returns None wherever that is not what serves the request."""
+
+    def __init__(self, cycle, within: Callable[[Awaitable[None]], Awaitable[None]]):
+        self._cycle = cycle
+        self._transport = cycle.transport
+        self._flow = cycle.flow
+        self._within = within
+
+    @classmethod
+    def of(cls, send, within: Callable[[Awaitable[None]], Awaitable[None]]) -> DirectBody | None:
+        cycle = getattr(send, "__self__", None)
+        if not all(hasattr(cycle, name) for name in ("transport", "flow", "disconnected")):
+            return None
+        if getattr(cycle, "chunked_encoding", None) is not True or not getattr(
+            cycle, "response_started", False
+        ):
+            return None
+        return cls(cycle, within)
+
+    async def write(self, data: bytes) -> None:
+        """Write one chunk; wait (within the write timeout) while the client's buffers are full."""
+        if self._cycle.disconnected:
+            return  # as uvicorn's send does: whoever watches for the disconnect ends the stream
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if self._flow.write_paused:
+            await self._within(self._flow.drain())
 
 
 def _close_connection(send) -> None:
