@@ -17,6 +17,7 @@ from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.app import OneModel, build_app
 
+pytestmark = pytest.mark.servers
 TOKENS = 40
 
 
