@@ -493,16 +493,21 @@ class _EventStream(StreamingResponse):
         except asyncio.CancelledError:
             # Ours (the client left): the stream ends here, as Starlette's would. Anyone
             # else's cancellation goes on.
-            if not (watcher.done() and not watcher.cancelled()) or streaming.uncancel() > 0:
+            if not _client_left(watcher) or streaming.uncancel() > 0:
                 raise
         finally:
             watcher.cancel()
             self.ticket.release()
 
 
-async def _cancel_when_gone(receive, task: asyncio.Task) -> None:
+async def _cancel_when_gone(receive, task: asyncio.Task) -> bool:
     await _disconnect(receive)
-    task.cancel()
+    return task.cancel()
+
+
+def _client_left(watcher: asyncio.Future) -> bool:
+    """Whether ``_cancel_when_gone`` saw the client leave and so cancelled the stream."""
+    return watcher.done() and not watcher.cancelled() and watcher.exception() is None and watcher.result()
 
 
 class _TokenAuth:
