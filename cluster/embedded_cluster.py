@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,19 +27,11 @@ from pathlib import Path
 import redis
 from redis.cluster import key_slot
 
-from kvmesh.cluster.embedded_redis import EmbeddedRedis, default_server_binary
+from kvmesh.cluster.embedded_redis import EmbeddedRedis, default_server_binary, free_port
 
 HOST = "127.0.0.1"
 SLOTS = 16384
 PRIMARIES = 3
-
-
-def _two_free_ports() -> tuple[int, int]:
-    """A client port and a cluster-bus port, held open together so the two differ."""
-    with socket.socket() as a, socket.socket() as b:
-        a.bind((HOST, 0))
-        b.bind((HOST, 0))
-        return a.getsockname()[1], b.getsockname()[1]
 
 
 def _client(port: int) -> redis.Redis:
@@ -88,7 +79,7 @@ class LocalCluster:
 
     def _launch(self) -> None:
         for _ in range(2 * PRIMARIES):
-            port, bus = _two_free_ports()
+            port, bus = free_port(), free_port()
             # A full sync starts at once (the default waits 5 s for more replicas to join it); a replica
             # fails over however long its link was down (validity factor 0).
             args = [

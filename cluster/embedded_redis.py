@@ -10,6 +10,7 @@ running.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import shutil
 import socket
@@ -35,10 +36,21 @@ def default_server_binary() -> str:
         return found
 
 
+# Ports this process handed out lately (bounded: a long sweep picks hundreds).
+_GIVEN_PORTS: collections.deque[int] = collections.deque(maxlen=1024)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now that this process has not handed out lately: a port stays
+    free until whoever got it binds it, so picks made before binding (a server's two ports,
+    a Ray node's six) could otherwise get the same one from the kernel twice."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.append(port)
+            return port
 
 
 # A fresh single-threaded interpreter sets PR_SET_PDEATHSIG (kept across exec), then becomes

@@ -1,5 +1,6 @@
 """The embedded server: starts on a free loopback port, restarts, and never outlives us."""
 
+import collections
 import socket
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import time
 import pytest
 import redis
 
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster import embedded_redis
+from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
@@ -58,3 +60,27 @@ def test_bad_binary_is_a_clear_error(tmp_path):
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="exited at start: FATAL: cannot start"):
         EmbeddedRedis(binary=str(fake)).start()
+
+
+def test_free_ports_picked_before_binding_are_never_the_same(monkeypatch):
+    """The kernel may hand out a port again while whoever got it has not bound it yet."""
+    offered = iter([41000, 41000, 41000, 41001])
+
+    class Kernel:
+        """A socket whose bind to port 0 gets the next scripted port (the fault: repeats)."""
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(embedded_redis, "_GIVEN_PORTS", collections.deque(maxlen=8))
+    monkeypatch.setattr(embedded_redis.socket, "socket", Kernel)
+    assert [free_port(), free_port()] == [41000, 41001]

@@ -159,24 +159,11 @@ def ray_params(params: dict, rewrite) -> dict[str, str]:
     stays: Ray picks free ports in it), each value as the shell KubeRay starts Ray with reads
     it (``resources: '"{\\"a\\": 1}"'`` is the JSON inside the quotes)."""
     return {
-        k: str(_unshared_free_port())
+        k: str(free_port())
         if k.endswith("-port") and k not in ("min-worker-port", "max-worker-port")
         else shlex.split(rewrite(v))[0]
         for k, v in params.items()
     }
-
-
-_GIVEN_PORTS: set[int] = set()
-
-
-def _unshared_free_port() -> int:
-    """A free port no Ray node of this run was given: a port is free until its node binds it,
-    so the kernel can hand the same one out twice meanwhile (two components of one node
-    were given one port once, and Ray refused to start)."""
-    while (port := free_port()) in _GIVEN_PORTS:
-        pass
-    _GIVEN_PORTS.add(port)
-    return port
 
 
 def make_secrets(job: dict) -> dict[str, dict[str, str]]:
