@@ -9,39 +9,26 @@ import time
 
 import httpx
 import pytest
+from fake_backend import FakeBackend
 
 from kvmesh.protos import pb
-from kvmesh.serving.admission import InflightLimit
 from kvmesh.serving.http_server import start_http_server
-from kvmesh.serving.limits import InputLimits
-from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.app import OneModel, build_app
 
 pytestmark = pytest.mark.servers
 TOKENS = 40
 
 
-class _CountingBackend:
+class _CountingBackend(FakeBackend):
     """Streams ``TOKENS`` chunks of ``text_bytes`` each, then waits on ``hold`` (forever
     unless set); ``closed`` is set when its stream is closed, however it ends."""
 
-    model = ModelInfo("m", 16, 64, 100, 1)
-    tokenizer = None
-    inputs = InputLimits()
-    relays_sse = False
-
     def __init__(self, text_bytes: int = 1, tokens: int = TOKENS, hold: bool = False):
-        self.inflight = InflightLimit(8, "test backend")
+        super().__init__()
         self.text = "x" * text_bytes
         self.tokens = tokens
         self.hold = asyncio.Event() if hold else None
         self.closed = asyncio.Event()
-
-    def admit(self, count=1, policy=""):
-        return self.inflight.take(count)
-
-    async def prompt_ids(self, request):
-        return list(request.token_ids.ids)
 
     async def generate(self, request, trace=None):
         try:
@@ -53,9 +40,6 @@ class _CountingBackend:
                     await self.hold.wait()
         finally:
             self.closed.set()
-
-    def render_metrics(self) -> bytes:
-        return b""
 
 
 class _CountingSends:

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fake_backend import FakeBackend
 
 from kvmesh.protos import pb
-from kvmesh.serving.admission import InflightLimit, admit
+from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
-from kvmesh.serving.limits import InputLimits
-from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.app import OneModel, build_app
 from kvmesh.serving.openai.protocol import FIELD_RULES, ChatRequest, CompletionRequest, field_table
 from kvmesh.serving.openai.requests import chat_plan, completion_plan
@@ -139,27 +138,12 @@ def test_out_of_range_values_name_their_field(body, param):
         assert err.value.param == param
 
 
-class _FailingBackend:
+class _FailingBackend(FakeBackend):
     """Streams one chunk, then fails as a replica dying mid-stream does (fault injection)."""
-
-    model = ModelInfo("m", 16, 64, 100, 1)
-    tokenizer = None
-    inputs = InputLimits()
-    inflight = InflightLimit(8, "test backend")
-    relays_sse = False
-
-    def admit(self, count=1, policy=""):
-        return self.inflight.take(count)
-
-    async def prompt_ids(self, request):
-        return list(request.token_ids.ids)
 
     async def generate(self, request, trace=None):
         yield pb.GenerateResponse(request_id="r", chunk=pb.Chunk(token_ids=[1], text="a", prompt_tokens=3))
         raise Unavailable("replica error (UNAVAILABLE): connection to the replica was closed")
-
-    def render_metrics(self) -> bytes:
-        return b""
 
 
 async def test_a_mid_stream_failure_is_an_in_band_openai_error():
