@@ -282,13 +282,15 @@ local function reap(ns)
   return reaped
 end
 
--- ARGV: rinc, ttl_ms. Extends the router's life (0: it expired, its reservations are
--- gone: register anew) and reaps the dead ones'.
+-- ARGV: rinc, ttl_ms. Extends the router's life and reaps the dead ones'; returns how many
+-- routers are registered then, itself included (0: it expired, its reservations are gone:
+-- register anew).
 local function router_heartbeat(keys, args)
   local ns = keys[1]
   local alive = redis.call('PEXPIRE', ns .. 'ri' .. args[1], args[2])
   reap(ns)
-  return alive
+  if alive == 0 then return 0 end
+  return redis.call('SCARD', ns .. 'routers')
 end
 
 -- ARGV: rinc. A graceful exit: its reservations go now.

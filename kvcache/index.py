@@ -162,7 +162,6 @@ class RedisPrefixIndex(ShareHalves):
         self._tag_prefix = f"{{{digest}.".encode()
         self.block_key_length = len(self.tag(0)) + 8
         self._load_key = f"{self.ns}load".encode()
-        self._routers_key = f"{self.ns}routers".encode()
         self._loaded = False
         self.may_load_library = True  # False once the server said this client's user may not
         self._clustered = isinstance(client, RedisCluster)
@@ -517,13 +516,7 @@ class RedisPrefixIndex(ShareHalves):
     async def router_heartbeat(self, router_incarnation: int, ttl_s: float) -> int:
         """Extend it (and reap dead routers' reservations); how many routers are registered
         then, itself included (0: it expired, register anew). One round trip."""
-        alive, routers = await self._pipeline(
-            [
-                ("fcall", function("router_heartbeat"), 1, self._ns_key, router_incarnation, _ms(ttl_s)),
-                ("scard", self._routers_key),
-            ]
-        )
-        return int(routers) if alive else 0
+        return int(await self._control("router_heartbeat", router_incarnation, _ms(ttl_s)))
 
     async def deregister_router(self, router_incarnation: int) -> None:
         await self._control("router_deregister", router_incarnation)

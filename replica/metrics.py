@@ -11,7 +11,6 @@ kvmesh's own: requests by outcome (errors included), cached and finished prompt 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -136,6 +135,6 @@ class _EngineCollector:
             "sequence, per context token (replica/step_costs.py)",
             labels=["model_name", "term"],
         )
-        for term, value in zip(TERMS, astuple(s.step_costs), strict=True):
+        for term, value in zip(TERMS, s.step_costs.terms(), strict=True):
             costs.add_metric([self.model_name, term.removesuffix("_s")], value)
         yield costs

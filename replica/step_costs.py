@@ -16,7 +16,6 @@ negative. A replica on hardware twice as slow reports costs twice as high.
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
 
 import numpy as np
 
@@ -31,7 +30,7 @@ HUBER_K = 3.0  # a residual beyond 3 typical residuals weighs less, in proportio
 class StepCostFit:
     def __init__(self, half_life_steps: float = 500.0, prior: StepCosts = PRIOR):
         self.decay = 0.5 ** (1.0 / half_life_steps)
-        self.prior = np.asarray(astuple(prior), dtype=float)
+        self.prior = np.asarray(prior.terms(), dtype=float)
         # Each term scaled to ~1 at typical sizes, so the ridge toward the prior treats them alike.
         self._scale = np.array([1.0, 1e3, 10.0, 1e4])
         self._xx = np.zeros((4, 4))

@@ -41,9 +41,14 @@ class GrpcServer:
     port: int
     health: health.aio.HealthServicer
     service_names: list[str]
+    serving: bool | None = None  # what set_serving last set (None: nothing yet)
 
     async def set_serving(self, serving: bool) -> None:
-        """Readiness of the named services ("" stays SERVING while the process runs: liveness)."""
+        """Readiness of the named services ("" stays SERVING while the process runs: liveness).
+        Set only when it changes: a router calls this after every read of its replicas."""
+        if serving == self.serving:
+            return
+        self.serving = serving
         status = SERVING if serving else NOT_SERVING
         for name in self.service_names:
             await self.health.set(name, status)

@@ -19,13 +19,13 @@ from kvmesh.serving.tls import TLSConfig
 
 @dataclass
 class HttpServer:
-    server: uvicorn.Server
+    server: SecondTickServer
     task: asyncio.Task
     port: int
 
     async def stop(self, grace: float = 30.0) -> None:
         """Stop accepting, give open responses ``grace`` seconds to finish, then close them."""
-        self.server.should_exit = True
+        self.server.exit_now()
         try:
             await asyncio.wait_for(asyncio.shield(self.task), grace)
         except TimeoutError:
@@ -54,7 +54,7 @@ async def start_http_server(
         timeout_graceful_shutdown=30,
     )
     sock = _bind(host, port)  # here, not in uvicorn: it would sys.exit() when the port is taken
-    server = uvicorn.Server(config)
+    server = SecondTickServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"kvmesh-http-{port}")
     while not server.started:
         if task.done():
@@ -62,6 +62,34 @@ async def start_http_server(
             raise ListenError(f"HTTP server on {host}:{port} did not start")
         await asyncio.sleep(0.01)
     return HttpServer(server, task, sock.getsockname()[1])
+
+
+class SecondTickServer(uvicorn.Server):
+    """uvicorn's server with its tick once a second instead of ten times. The tick only
+    refreshes the Date header (whole seconds) and checks whether to exit; each wake-up cost
+    ~0.13 ms of CPU here, so uvicorn's own 10 Hz tick was a third of an idle router's CPU.
+    Exiting does not wait for the tick: ``exit_now`` (and a signal uvicorn caught) wakes it."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self._wake = asyncio.Event()
+
+    async def main_loop(self) -> None:
+        counter = 0  # on_tick refreshes the Date header whenever counter % 10 == 0
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864_000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+
+    def exit_now(self) -> None:
+        self.should_exit = True
+        self._wake.set()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing to wake
+            asyncio.get_running_loop().call_soon_threadsafe(self._wake.set)
 
 
 def _bind(host: str, port: int) -> socket.socket:
