@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -26,6 +26,7 @@ from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket
 from kvmesh.serving.errors import Overloaded, Unavailable, upstream_error
+from kvmesh.serving.http_server import DirectBody
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.relay import SseRequest
@@ -123,14 +124,20 @@ class RouterCore:
                     yield response
 
     async def generate_sse(
-        self, request: pb.GenerateRequest, chat: bool, body: bytes, trace: object = None
+        self,
+        request: pb.GenerateRequest,
+        chat: bool,
+        body: bytes,
+        trace: object = None,
+        direct: Callable[[], DirectBody | None] | None = None,
     ) -> AsyncIterator[bytes]:
         """Route an admitted streamed HTTP request (one prompt, its client's JSON ``body``)
-        and relay its replica's own OpenAI SSE byte for byte (``relays_sse``)."""
+        and relay its replica's own OpenAI SSE byte for byte (``relays_sse``); spliced into
+        the client's connection once its response began, where ``direct`` gives it."""
         async with _Routed(self, request, trace, "") as routed:
             decision = routed.decision
             sse = SseRequest.of(chat, body, self.model.api_name, decision.request_id, decision.token_ids)
-            stream = self.relay.stream_sse(decision, sse, routed.started, routed.root)
+            stream = self.relay.stream_sse(decision, sse, routed.started, routed.root, direct)
             async with contextlib.aclosing(stream):
                 async for block in stream:
                     yield block

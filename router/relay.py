@@ -27,6 +27,7 @@ from kvmesh.router.replica_load import RequestWork
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
+from kvmesh.serving.http_server import DirectBody
 from kvmesh.serving.openai.relay import SseRequest, http_failure, take_trailer, whole_events
 
 log = logging.getLogger(__name__)
@@ -96,11 +97,18 @@ class Relay:
                 yield response
 
     async def stream_sse(
-        self, decision: Decision, request: SseRequest, started: float, trace: object = None
+        self,
+        decision: Decision,
+        request: SseRequest,
+        started: float,
+        trace: object = None,
+        direct: Callable[[], DirectBody | None] | None = None,
     ) -> AsyncIterator[bytes]:
         """The replica's own OpenAI SSE bytes, as the client gets them (whole events; the
-        replica's trailer for the router taken out). Raises ServingError. Flat on purpose:
-        every streamed token passes through here, so no generator per layer."""
+        replica's trailer for the router taken out). Raises ServingError. Once a block went
+        out (the client's response has begun), the events go straight from the replica's
+        connection to the client's where ``direct`` gives it (``_Connection.splice``), and
+        this wakes only for the trailer, the end, or a client that must drain first."""
         for number, entry, last in self._candidates(decision):
             try:
                 conn, work, prediction, span = await self._open_http(
@@ -112,8 +120,13 @@ class Relay:
         else:
             raise Unavailable("no replica could take the request")
         outcome, carry, completed = "error", b"", False
+        client, began = None, False  # the client's DirectBody, once spliced into; a block went out
         try:
             while (data := await conn.read()) is not None:
+                if not data:  # CLIENT_FULL: reading from the replica stopped until the client drains
+                    await client.drain()
+                    conn.resume()
+                    continue
                 block, carry = whole_events(carry + data if carry else data)
                 if block:
                     block, complete = take_trailer(block)
@@ -122,6 +135,11 @@ class Relay:
                         self._complete(decision, prediction, complete, span)
                     if block:
                         yield block
+                        began = True
+                if began and direct is not None and not completed and not carry:
+                    client, direct = direct(), None  # asked once, after the response began
+                    if client is not None:
+                        conn.splice(client.write_now)
             if carry:
                 yield carry
             if not completed:  # the replica ended it with an error event of its own

@@ -6,6 +6,10 @@ Why not gRPC for HTTP clients: a streamed token read through gRPC's Python API c
 more; the replica already writes the exact SSE the client wants. Here a token costs one
 ``data_received`` parsed by httptools' C parser and one write. Only what the router needs is
 read: the status, and (``relay.py``) the one trailer event the replica adds for it.
+
+Once the client's response has begun, a connection can ``splice`` its events straight into
+the client's connection from ``data_received``: no task wakes up per token, and the reader
+hears only of the end, the trailer, or a client whose buffers are full.
 """
 
 from __future__ import annotations
@@ -13,14 +17,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
+
+from kvmesh.serving.openai.relay import trailer_at, whole_events
 
 # Buffered and unread beyond this, the router stops reading from the replica: a client that
 # reads slowly slows its replica's stream down instead of filling the router's memory.
 _HIGH_WATER_BYTES = 256 << 10
 _MAX_IDLE = 16  # idle connections kept per replica
+# What ``read`` returns while splicing when the client's buffers are full: reading from the
+# replica has stopped; wait for the client to drain, then ``resume``.
+CLIENT_FULL = b""
 
 
 class ReplicaHttpError(Exception):
@@ -50,6 +60,12 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._waiter: asyncio.Future | None = None
+        self._news = False  # something the reader waits for happened in this data_received
+        # Splicing: each whole event goes to ``_sink`` (the client's connection); it says
+        # True when the client's buffers are full. ``_carry``: an event not yet whole.
+        self._sink: Callable[[bytes], bool] | None = None
+        self._carry = b""
+        self.client_full = False
 
     # --------------------------------------------------------------- asyncio callbacks
 
@@ -72,24 +88,90 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.error = ConnectionError(f"bad HTTP from the replica: {exc}")
             self.transport.abort()
-        self._wake()
+            self._news = True
+        if self._news:
+            self._news = False
+            self._wake()
 
     # --------------------------------------------------------------- httptools callbacks
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self._news = True
 
     def on_body(self, body: bytes) -> None:
-        self._pieces.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER_BYTES and not self._paused:
-            self._paused = self.fell_behind = True
-            self.transport.pause_reading()
+        if self._sink is not None and not self.client_full:
+            self._splice(body)
+            return
+        self._keep(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self.parser = None
+        self._news = True
+        self._stop_splicing()
+
+    def _keep(self, body: bytes) -> None:
+        """Hold body bytes for ``read``."""
+        self._pieces.append(body)
+        self._buffered += len(body)
+        self._news = True
+        if self._buffered > _HIGH_WATER_BYTES and not self._paused:
+            self._pause()
+
+    def _pause(self) -> None:
+        self._paused = self.fell_behind = True
+        self.transport.pause_reading()
+
+    # --------------------------------------------------------------- splicing
+
+    def splice(self, sink: Callable[[bytes], bool]) -> None:
+        """From now on, whole SSE events go to ``sink`` as they arrive, up to the replica's
+        trailer: that event and everything after it are left for ``read``, like the end,
+        an error, and ``CLIENT_FULL`` when ``sink`` says its client's buffers are full."""
+        if self.complete:
+            return  # all of it is in already: the reader takes it as it is
+        self._sink = sink
+        held = b"".join(self._pieces)
+        self._pieces.clear()
+        self._buffered = 0
+        if held:
+            self._splice(held)
+
+    def resume(self) -> None:
+        """After ``CLIENT_FULL``, once the client drained: splice what came meanwhile, read on."""
+        self.client_full = False
+        held = b"".join(self._pieces)
+        self._pieces.clear()
+        self._buffered = 0
+        if held and self._sink is not None:
+            self._splice(held)
+        elif held:
+            self._keep(held)
+        if not self.client_full and self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _splice(self, body: bytes) -> None:
+        block, self._carry = whole_events(self._carry + body if self._carry else body)
+        sink, rest = self._sink, b""
+        at = trailer_at(block) if block else -1
+        if at >= 0:  # the trailer and what follows it are the reader's
+            block, rest = block[:at], block[at:] + self._carry
+            self._sink, self._carry = None, b""
+        if block and sink(block):
+            self.client_full = self._news = True
+            if not self._paused:
+                self._pause()
+        if rest:
+            self._keep(rest)
+
+    def _stop_splicing(self) -> None:
+        """At the response's end: an event left incomplete is the reader's."""
+        if self._sink is not None and self._carry:
+            self._keep(self._carry)
+        self._sink, self._carry = None, b""
 
     # --------------------------------------------------------------- the caller's side
 
@@ -104,6 +186,10 @@ class _Connection(asyncio.Protocol):
         # in) is that answer's, never this one's.
         self._pieces.clear()
         self._buffered, self.fell_behind = 0, False
+        self._sink, self._carry, self.client_full = None, b"", False
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
         self.transport.write(request)
 
     async def headers(self) -> int:
@@ -115,8 +201,11 @@ class _Connection(asyncio.Protocol):
         return self.status
 
     async def read(self) -> bytes | None:
-        """The body bytes that arrived since the last read; None at the response's end."""
+        """The body bytes that arrived since the last read (``CLIENT_FULL`` while splicing,
+        when the client must drain first); None at the response's end."""
         while True:
+            if self.client_full:
+                return CLIENT_FULL
             if self._pieces:
                 data = b"".join(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
                 self._pieces.clear()

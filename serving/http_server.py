@@ -178,9 +178,19 @@ class DirectBody:
 
     async def write(self, data: bytes) -> None:
         """Write one chunk; wait (within the write timeout) while the client's buffers are full."""
+        if self.write_now(data):
+            await self.drain()
+
+    def write_now(self, data: bytes) -> bool:
+        """Write one chunk without waiting (a relay splices into this from its own protocol's
+        callbacks); True when the client's buffers are now full: ``drain`` before the next."""
         if self._cycle.disconnected:
-            return  # as uvicorn's send does: whoever watches for the disconnect ends the stream
+            return False  # as uvicorn's send does: whoever watches for the disconnect ends the stream
         self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return self._flow.write_paused
+
+    async def drain(self) -> None:
+        """Until the client took enough of what was written (ClientStalled past the write timeout)."""
         if self._flow.write_paused:
             await self._within(self._flow.drain())
 

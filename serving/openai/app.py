@@ -36,7 +36,7 @@ from kvmesh.serving import tracing
 from kvmesh.serving.admission import Ticket
 from kvmesh.serving.auth import token_matches
 from kvmesh.serving.errors import InvalidRequest, ServingError
-from kvmesh.serving.http_server import DIRECT_BODY
+from kvmesh.serving.http_server import DIRECT_BODY, DirectBody
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.offload import sized
@@ -87,8 +87,16 @@ class SseRelayBackend(OpenAIBackend, Protocol):
     """A backend that streams a one-prompt request's SSE from elsewhere, byte for byte."""
 
     def generate_sse(
-        self, request: pb.GenerateRequest, chat: bool, body: bytes, trace: object = None
-    ) -> AsyncIterator[bytes]: ...
+        self,
+        request: pb.GenerateRequest,
+        chat: bool,
+        body: bytes,
+        trace: object = None,
+        direct: Callable[[], DirectBody | None] | None = None,
+    ) -> AsyncIterator[bytes]:
+        """``direct``: the response's ``DirectBody`` once its headers went out (None where the
+        server offers none), for the stream to splice into instead of yielding each event."""
+        ...
 
 
 class ServedModels(Protocol):
@@ -344,7 +352,9 @@ def build_app(
 
     async def _relay(backend: OpenAIBackend, raw: Request, plan: Plan, chat: bool, ticket: Ticket):
         relay: SseRelayBackend = backend  # type: ignore[assignment]
-        stream = relay.generate_sse(plan.requests[0], chat, await raw.body(), tracing.extract(raw.headers))
+        stream = relay.generate_sse(
+            plan.requests[0], chat, await raw.body(), tracing.extract(raw.headers), raw.scope.get(DIRECT_BODY)
+        )
         first = await _unless_client_leaves(raw, anext(stream))  # routing errors: before any header
         return _EventStream(_relayed_events(first, stream), ticket)
 

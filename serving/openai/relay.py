@@ -99,17 +99,22 @@ def trailer(complete: pb.Complete) -> str:
     return f"{_TRAILER_TEXT}{base64.b64encode(complete.SerializeToString()).decode()}\n\n"
 
 
+def trailer_at(block: bytes) -> int:
+    """Where the trailer event starts in ``block`` (whole SSE events), -1 if it is not there.
+    Matched at an event's start only: a data event's JSON cannot hold a newline, so text a
+    model generates never looks like it."""
+    if block.startswith(_TRAILER):
+        return 0
+    found = block.find(b"\n\n" + _TRAILER)
+    return found + 2 if found >= 0 else -1
+
+
 def take_trailer(block: bytes) -> tuple[bytes, pb.Complete | None]:
     """``block`` (whole SSE events) without the trailer, and the trailer's Complete if it
-    held it. Matched at an event's start only: a data event's JSON cannot hold a newline,
-    so text a model generates never looks like it."""
-    if block.startswith(_TRAILER):
-        at = 0
-    else:
-        found = block.find(b"\n\n" + _TRAILER)
-        if found < 0:
-            return block, None
-        at = found + 2
+    held it."""
+    at = trailer_at(block)
+    if at < 0:
+        return block, None
     end = block.find(b"\n\n", at)
     try:
         complete = pb.Complete.FromString(base64.b64decode(block[at + len(_TRAILER) : end]))

@@ -21,7 +21,7 @@ from kvmesh.protos import pb
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
-from kvmesh.router.replica_http import ReplicaHttp
+from kvmesh.router.replica_http import ReplicaHttp, _Connection
 from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.openai.relay import take_trailer, trailer, whole_events
 
@@ -151,6 +151,25 @@ async def test_the_relayed_stream_matches_a_direct_one(fleet):
 
     assert shape(via_router) == shape(direct)
     assert {e["model"] for e in via_router if isinstance(e, dict)} == {router.core.model.api_name}
+
+
+async def test_the_stream_is_spliced_into_the_client_connection(fleet, monkeypatch):
+    """After its first event, a relayed stream's events go from the replica's connection to
+    the client's without the router's reader waking per token: 24 tokens, a handful of reads."""
+    reads = []
+    real_read = _Connection.read
+
+    async def counted(self):
+        data = await real_read(self)
+        reads.append(data)
+        return data
+
+    monkeypatch.setattr(_Connection, "read", counted)
+    options = {"stream_options": {"include_usage": True}}
+    events = _events(b"".join(await _stream(fleet["client"], fleet["url"], max_tokens=24, **options)))
+    assert events[-2]["usage"]["completion_tokens"] == 24 and events[-1] == "[DONE]"
+    assert len([e for e in events if isinstance(e, dict) and e["choices"]]) > 12  # streamed, not one block
+    assert len(reads) <= 5, reads  # the first event(s), the trailer and [DONE], the end
 
 
 def _rounded(value):
