@@ -133,11 +133,7 @@ class _Connection(asyncio.Protocol):
         if self.complete:
             return  # all of it is in already: the reader takes it as it is
         self._sink = sink
-        held = b"".join(self._pieces)
-        self._pieces.clear()
-        self._buffered = 0
-        if held:
-            self._splice(held)
+        self.resume()  # what is held (even past the high-water mark) goes first
 
     def resume(self) -> None:
         """After ``CLIENT_FULL``, once the client drained: splice what came meanwhile, read on."""

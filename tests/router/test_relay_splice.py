@@ -127,6 +127,25 @@ async def test_what_came_before_the_splice_goes_out_first():
         replica.close()
 
 
+async def test_a_splice_after_the_router_stopped_reading_reads_on():
+    """Over the high-water mark while nobody read, the connection stopped reading: the splice
+    writes what is held and reads on."""
+    big = b'data: {"choices": [{"text": "%s"}]}\n\n' % (b"x" * 30_000)
+    async with _Scripted() as upstream:
+        replica, conn = await _opened(upstream)
+        for _ in range(10):  # ~300 KB, past the 256 KB mark
+            await upstream.pieces.put(big)
+        await _until(lambda: conn.fell_behind)
+        client = _Client()
+        conn.splice(client)
+        await upstream.pieces.put(EVENTS[0])
+        await _until(lambda: client.got and client.got[-1].endswith(EVENTS[0]))
+        assert b"".join(client.got) == big * 10 + EVENTS[0]
+        await upstream.pieces.put(None)
+        assert await conn.read() is None
+        replica.close()
+
+
 async def test_a_response_already_whole_is_left_to_the_reader():
     async with _Scripted() as upstream:
         replica, conn = await _opened(upstream)
