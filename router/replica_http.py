@@ -124,6 +124,17 @@ class _Connection(asyncio.Protocol):
         self._paused = self.fell_behind = True
         self.transport.pause_reading()
 
+    def _unpause(self) -> None:
+        self._paused = False
+        self.transport.resume_reading()
+
+    def _take_held(self) -> bytes:
+        """Everything held for the reader, taken."""
+        data = b"".join(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
+        self._pieces.clear()
+        self._buffered = 0
+        return data
+
     # --------------------------------------------------------------- splicing
 
     def splice(self, sink: Callable[[bytes], bool]) -> None:
@@ -138,16 +149,10 @@ class _Connection(asyncio.Protocol):
     def resume(self) -> None:
         """After ``CLIENT_FULL``, once the client drained: splice what came meanwhile, read on."""
         self.client_full = False
-        held = b"".join(self._pieces)
-        self._pieces.clear()
-        self._buffered = 0
-        if held and self._sink is not None:
-            self._splice(held)
-        elif held:
-            self._keep(held)
+        if self._sink is not None and self._pieces:
+            self._splice(self._take_held())
         if not self.client_full and self._paused:
-            self._paused = False
-            self.transport.resume_reading()
+            self._unpause()
 
     def _splice(self, body: bytes) -> None:
         block, self._carry = whole_events(self._carry + body if self._carry else body)
@@ -184,8 +189,7 @@ class _Connection(asyncio.Protocol):
         self._buffered, self.fell_behind = 0, False
         self._sink, self._carry, self.client_full = None, b"", False
         if self._paused:
-            self._paused = False
-            self.transport.resume_reading()
+            self._unpause()
         self.transport.write(request)
 
     async def headers(self) -> int:
@@ -203,12 +207,9 @@ class _Connection(asyncio.Protocol):
             if self.client_full:
                 return CLIENT_FULL
             if self._pieces:
-                data = b"".join(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
-                self._pieces.clear()
-                self._buffered = 0
+                data = self._take_held()
                 if self._paused:
-                    self._paused = False
-                    self.transport.resume_reading()
+                    self._unpause()
                 return data
             if self.complete:
                 return None

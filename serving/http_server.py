@@ -75,9 +75,7 @@ class SecondTickServer(uvicorn.Server):
         self._wake = asyncio.Event()
 
     async def main_loop(self) -> None:
-        counter = 0  # on_tick refreshes the Date header whenever counter % 10 == 0
-        while not await self.on_tick(counter):
-            counter = (counter + 10) % 864_000
+        while not await self.on_tick(0):  # a counter of 0 mod 10: every tick refreshes the Date header
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
                     await self._wake.wait()
