@@ -9,6 +9,7 @@ listener is pinned to 127.0.0.1 here.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -26,6 +27,12 @@ from kvmesh.cluster.measure.peer_loads import GuidellmLoad
 
 PEER_TOOLS = ("sglang-router", "vllm-router", "guidellm")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# One guidellm worker process. guidellm 0.8.1's Poisson profile gives each worker process its
+# own random.Random(seed), all alike, and adds every worker's next draw to one shared clock:
+# with its default 10 workers each gap comes 10 times in a row, so 120 requests are 12 blocks
+# of evenly spaced arrivals, and a short draw sends 10 requests within a few milliseconds
+# (seen in every router's run of a seed). One worker draws each gap once: a Poisson process.
+GUIDELLM_ONE_WORKER = {"GUIDELLM__MAX_WORKER_PROCESSES": "1"}
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,12 @@ def session_cpu_seconds(session_id: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid``, all its threads (0 once it is gone)."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return sum(int(f) for f in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
 def main_thread_cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid``'s main thread alone (an asyncio server's event loop)."""
     fields = _stat_fields(Path(f"/proc/{pid}/task/{pid}/stat"))
@@ -226,7 +239,7 @@ def run_guidellm(
     done = subprocess.run(
         load.command(venv, target, model_id, model_dir, out),
         cwd=out.parent,
-        env={**os.environ, **OFFLINE},
+        env={**os.environ, **OFFLINE, **GUIDELLM_ONE_WORKER},
         capture_output=True,
         text=True,
         timeout=load.max_seconds + 180,
@@ -245,12 +258,42 @@ class GuidellmLate(RunAgain):
     every router."""
 
 
+class GuidellmNotPoisson(RuntimeError):
+    """guidellm's arrival times repeat their gaps: not the Poisson load the row would claim."""
+
+
+# Consecutive equal gaps between arrival targets that a Poisson schedule never shows (each
+# gap is a fresh exponential draw) and guidellm's 10 alike workers show in every run.
+_MOST_EQUAL_GAPS = 3
+
+
+def equal_gaps_in_a_row(targets: list[float]) -> int:
+    """The longest run of consecutive arrival gaps equal to within a microsecond."""
+    times = sorted(targets)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    longest = run = 1 if gaps else 0
+    for before, gap in itertools.pairwise(gaps):
+        run = run + 1 if abs(gap - before) < 1e-6 else 1
+        longest = max(longest, run)
+    return longest
+
+
 def summarize_guidellm(report: dict) -> dict:
     """TTFT, throughput and errors from guidellm's report (it exits 0 even if all failed)."""
     bench = report["benchmarks"][0]
     for warning in bench.get("warnings") or []:
         if warning.get("code") == "root_late" and warning.get("observed", 0) > bench["duration"]:
             raise GuidellmLate(warning.get("message", "root_late"))
+    targets = [
+        r["info"]["timings"]["targeted_start"]
+        for r in bench["requests"]["successful"]
+        if (r.get("info") or {}).get("timings", {}).get("targeted_start") is not None
+    ]
+    if (repeats := equal_gaps_in_a_row(targets)) >= _MOST_EQUAL_GAPS:
+        raise GuidellmNotPoisson(
+            f"guidellm spaced {repeats} arrivals in a row evenly: its workers drew alike "
+            f"(is {next(iter(GUIDELLM_ONE_WORKER))}=1 set?)"
+        )
     metrics = bench["metrics"]
     ttft = metrics["time_to_first_token_ms"]["successful"]["percentiles"]
     totals = metrics["request_totals"]

@@ -36,6 +36,7 @@ from kvmesh.cluster.benchmarks.peer_processes import (
     Contender,
     RouterProcess,
     RunAgain,
+    process_cpu_seconds,
     router_command,
     run_guidellm,
 )
@@ -203,6 +204,8 @@ _METRICS = (  # summarized per (router, workload, rate, generator): median, min 
     "added_p50_ms",
     "added_p90_ms",
     "router_cpu_ms_per_request",
+    "replicas_cpu_ms_per_request",
+    "system_cpu_ms_per_request",
 )
 
 
@@ -274,7 +277,9 @@ class _Bench:
             )
             await reset_caches(self.cluster, self.http, self.replicas)
             await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
+            replica_pids = await self.replica_pids()
             before, cpu_before = await counters(self.http, self.replicas), router.cpu_seconds()
+            replicas_cpu_before = sum(map(process_cpu_seconds, replica_pids))
             kvmesh = contender.router == "kvmesh"
             account = await router_account(self.http, router.url) if kvmesh else None
             load = dataclasses.replace(self.config.load, rate=rate, seed=self.config.load.seed + repeat)
@@ -282,6 +287,7 @@ class _Bench:
                 workload, generator, load, router.url, contender.name, self.scratch / f"{stem}.json"
             )
             cpu_s = router.cpu_seconds() - cpu_before
+            replicas_cpu_s = sum(map(process_cpu_seconds, replica_pids)) - replicas_cpu_before
             after = await counters(self.http, self.replicas)
             truth = served(before, after)
             costs = {rid: round(1e6 * c["prefill_token_s"], 1) for rid, c in after.items()}
@@ -289,8 +295,11 @@ class _Bench:
                 account = {
                     k: int(v) for k, v in ((await router_account(self.http, router.url)) - account).items()
                 }
-        cpu = {
-            "router_cpu_ms_per_request": 1000 * cpu_s / max(1, sum(truth["requests_per_replica"].values()))
+        requests = max(1, sum(truth["requests_per_replica"].values()))
+        cpu = {  # the replicas' too: kvmesh's router tokenizes for them, the peers leave it to them
+            "router_cpu_ms_per_request": 1000 * cpu_s / requests,
+            "replicas_cpu_ms_per_request": 1000 * replicas_cpu_s / requests,
+            "system_cpu_ms_per_request": 1000 * (cpu_s + replicas_cpu_s) / requests,
         }
         return {
             "router": contender.name,
@@ -305,6 +314,11 @@ class _Bench:
             "replica_prefill_us_per_token": costs,
             **({"router_account": account} if kvmesh else {}),
         }
+
+    async def replica_pids(self) -> list[int]:
+        """The replica processes' ids (asked each run: a replica may have been restarted)."""
+        actors = list(self.cluster.supervisor.actors.values())
+        return list(await asyncio.gather(*(actor.pid.remote() for actor in actors)))
 
     async def run_honest(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
@@ -562,6 +576,7 @@ _SWEEP_TABLE = [
     ("added p50", "added_p50_ms", "{:.2f}"),
     ("added p90", "added_p90_ms", "{:.2f}"),
     ("router CPU ms/req", "router_cpu_ms_per_request", "{:.2f}"),
+    ("router+replicas CPU ms/req", "system_cpu_ms_per_request", "{:.1f}"),
 ]
 
 

@@ -4,7 +4,9 @@ with the truth about cached tokens taken from the replicas. The peers themselves
 vllm-router, guidellm) are a 1.7 GB venv: `make peers`, then `kvmesh bench peers`."""
 
 import dataclasses
+import itertools
 import json
+import random
 import subprocess
 import sys
 import time
@@ -16,10 +18,13 @@ from kvmesh.cluster.benchmarks import peers_sweep as peers
 from kvmesh.cluster.benchmarks.peer_processes import (
     CONTENDERS,
     GuidellmLate,
+    GuidellmNotPoisson,
     PortTaken,
     RouterProcess,
     RunAgain,
+    equal_gaps_in_a_row,
     main_thread_cpu_seconds,
+    run_guidellm,
     session_cpu_seconds,
     summarize_guidellm,
 )
@@ -95,6 +100,47 @@ def test_a_target_with_an_unknown_comparison_is_refused_not_misread():
     assert target("t", 0.667, ">=", 0.5)["met"] and not target("t", 0.667, "<=", 0.5)["met"]
     with pytest.raises(ValueError, match="'>'"):
         target("t", 0.667, ">", 0.5)  # it used to be checked as <=
+
+
+def _with_targets(report: dict, targets: list[float]) -> dict:
+    requests = report["benchmarks"][0]["requests"]["successful"]
+    for request, at in zip(requests, targets, strict=True):
+        request["info"] = {"timings": {"targeted_start": at}}
+    return report
+
+
+def test_a_guidellm_schedule_that_repeats_its_gaps_is_refused():
+    """guidellm 0.8.1's Poisson profile with 10 worker processes draws each gap 10 times (its
+    workers seed alike): 20 arrivals in two evenly spaced blocks is not a Poisson load. Fresh
+    exponential gaps are, and a report without arrival targets is read as before."""
+    rng = random.Random(3)
+    poisson = list(itertools.accumulate(rng.expovariate(4.0) for _ in range(20)))
+    assert equal_gaps_in_a_row(poisson) == 1
+    summarize_guidellm(_with_targets(json.loads(SAMPLE.read_text()), poisson))
+    blocks = list(itertools.accumulate([0.5] * 10 + [0.004] * 10))
+    assert equal_gaps_in_a_row(blocks) == 10
+    with pytest.raises(GuidellmNotPoisson, match="10 arrivals in a row"):
+        summarize_guidellm(_with_targets(json.loads(SAMPLE.read_text()), blocks))
+    assert summarize_guidellm(json.loads(SAMPLE.read_text()))["requests"] == 20
+
+
+def test_guidellm_runs_with_one_worker_process(tmp_path):
+    """The real subprocess call, through a stand-in guidellm that writes the sample report and
+    the worker-process setting it was started with."""
+    fake = tmp_path / "bin" / "guidellm"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import os, shutil, sys\n"
+        "out = sys.argv[sys.argv.index('--output') + 1].split('path=')[1]\n"
+        f"shutil.copy({str(SAMPLE)!r}, out)\n"
+        "open(out + '.workers', 'w').write(os.environ.get('GUIDELLM__MAX_WORKER_PROCESSES', 'unset'))\n"
+    )
+    fake.chmod(0o755)
+    load = GuidellmLoad(256, 4, 32, 8, rate=3.0, requests=20, max_seconds=60)
+    out = tmp_path / "run" / "report.json"
+    assert run_guidellm(load, tmp_path, "http://127.0.0.1:9", "m", "/models/m", out)["requests"] == 20
+    assert Path(f"{out}.workers").read_text() == "1"
 
 
 def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
@@ -218,6 +264,11 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         assert r["hit_rate"] == pytest.approx(r["client_hit_rate"], abs=1e-3)
         assert r["routed_p50_ms"] > 0 and "added_p90_ms" in r
         assert 0 < r["router_cpu_ms_per_request"] < 1000  # a Python router spends some, read from /proc
+        # the replicas' processes ran each request's model steps: more CPU than routing it
+        assert r["replicas_cpu_ms_per_request"] > r["router_cpu_ms_per_request"], r
+        assert r["system_cpu_ms_per_request"] == pytest.approx(
+            r["router_cpu_ms_per_request"] + r["replicas_cpu_ms_per_request"]
+        )
         # the router's own account of the run: a decision for each request, none of the probe's
         branches = {k: v for k, v in r["router_account"].items() if k.startswith("branch ")}
         assert sum(branches.values()) == 12, r["router_account"]
