@@ -1,6 +1,7 @@
 """The index publisher in-process (no Ray): cache resets and buffer overflow force a resync."""
 
 import asyncio
+import time
 
 import pytest
 from helpers import eventually
@@ -51,6 +52,29 @@ async def test_events_reach_the_index(served):
     await run_request(server, 1)
     assert await eventually(lambda: index_matches_cache(server))
     assert len(await server.engine.call(lambda e: e.block_manager.cached_hashes())) == 3
+
+
+async def test_an_idle_publisher_sleeps_and_a_step_wakes_it(served):
+    """Idle and in sync, the events loop waits on the engine, not on a short timer (it used to
+    wake every 5 ms); a step's events reach the index at once, not at the timeout."""
+    server, _ = served
+    await run_request(server, 3)
+    assert await eventually(lambda: index_matches_cache(server))
+    server.publisher.retry_s = 2.0
+    engine, waits = server.engine, []
+    wait = engine.wait_kv_events
+
+    async def counted(timeout: float) -> None:
+        waits.append(timeout)
+        await wait(timeout)
+
+    engine.wait_kv_events = counted
+    await asyncio.sleep(1.0)
+    assert len(waits) <= 2, waits  # 200 at the old 5 ms
+    await run_request(server, 4)
+    done = time.monotonic()
+    assert await eventually(lambda: index_matches_cache(server), timeout=5)
+    assert time.monotonic() - done < 0.5  # woken by the step's events, not the 2 s timeout
 
 
 async def test_cache_reset_resyncs_to_empty(served):

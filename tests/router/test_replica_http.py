@@ -175,7 +175,11 @@ async def scrape(http) -> dict[str, float]:
 
 
 async def test_metrics_count_requests_cached_tokens_and_engine_state(replica):
+    """Counted from this test's own requests (the module's other tests may run elsewhere):
+    the same prompt twice (the second one cached) and one refused."""
     _, http, _ = replica
+    await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert (await http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2})).status_code == 400
     before = await scrape(http)
     usage = (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).json()["usage"]
     samples = await scrape(http)
@@ -186,7 +190,7 @@ async def test_metrics_count_requests_cached_tokens_and_engine_state(replica):
         assert samples[name] - before.get(name, 0) == expected, name  # what bench peers relies on
     assert samples['kvmesh_replica_requests_total{outcome="ok"}'] >= 2
     assert samples['kvmesh_replica_requests_total{outcome="invalid_argument"}'] >= 1
-    assert samples["kvmesh_replica_cached_prompt_tokens_total"] > 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
     assert samples["kvmesh_replica_kv_blocks"] == 128
     # vLLM's names and semantics, so vLLM's dashboards and autoscalers read a kvmesh replica
     assert samples["vllm:prefix_cache_hits_total"] > 0
