@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayError
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -241,6 +242,20 @@ class LocalCluster:
 
     def _ready(self, replica_id: str, address: str, seconds: float) -> None:
         self.progress(f"  {replica_id} serving at {address} ({seconds:.1f} s)")
+
+    async def replica_pids(self) -> dict[str, int]:
+        """Each live replica's process id (benchmarks read its CPU and memory from /proc); a
+        replica that does not answer within 2 s (killed a moment ago) is left out."""
+
+        async def pid_of(actor) -> int | None:
+            try:
+                return await asyncio.wait_for(actor.pid.remote(), 2.0)
+            except (RayError, TimeoutError):
+                return None
+
+        actors = {rid: a for supervisor in self.supervisors.values() for rid, a in supervisor.actors.items()}
+        pids = await asyncio.gather(*map(pid_of, actors.values()))
+        return {rid: pid for rid, pid in zip(actors, pids, strict=True) if pid is not None}
 
     async def reset_prefix_caches(self) -> None:
         """Cold caches everywhere (experiments compare policies from the same start): replicas

@@ -142,16 +142,20 @@ def session_cpu_seconds(session_id: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid``, all its threads (0 once it is gone)."""
-    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+def _cpu_seconds(stat: Path) -> float:
+    """utime + stime from a /proc stat file (0 once its process is gone)."""
+    fields = _stat_fields(stat)
     return sum(int(f) for f in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """``pid``'s CPU seconds, all its threads."""
+    return _cpu_seconds(Path(f"/proc/{pid}/stat"))
 
 
 def main_thread_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid``'s main thread alone (an asyncio server's event loop)."""
-    fields = _stat_fields(Path(f"/proc/{pid}/task/{pid}/stat"))
-    return sum(int(f) for f in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+    """``pid``'s main thread's CPU seconds alone (an asyncio server's event loop)."""
+    return _cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 class RouterProcess:

@@ -277,7 +277,7 @@ class _Bench:
             )
             await reset_caches(self.cluster, self.http, self.replicas)
             await asyncio.sleep(2.5)  # kvmesh's speculative entries from the overhead probe expire
-            replica_pids = await self.replica_pids()
+            replica_pids = list((await self.cluster.replica_pids()).values())  # asked each run: restarts
             before, cpu_before = await counters(self.http, self.replicas), router.cpu_seconds()
             replicas_cpu_before = sum(map(process_cpu_seconds, replica_pids))
             kvmesh = contender.router == "kvmesh"
@@ -314,11 +314,6 @@ class _Bench:
             "replica_prefill_us_per_token": costs,
             **({"router_account": account} if kvmesh else {}),
         }
-
-    async def replica_pids(self) -> list[int]:
-        """The replica processes' ids (asked each run: a replica may have been restarted)."""
-        actors = list(self.cluster.supervisor.actors.values())
-        return list(await asyncio.gather(*(actor.pid.remote() for actor in actors)))
 
     async def run_honest(
         self, contender: Contender, workload: str, rate: float, generator: str, repeat: int

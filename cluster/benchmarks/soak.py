@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import grpc
-from ray.exceptions import RayError
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.demo_model import demo_model
@@ -232,11 +231,7 @@ async def _sample_memory(cluster: LocalCluster, now: float, memory: dict) -> Non
     pids = {"router+driver": os.getpid()}
     if cluster.redis is not None and cluster.redis._proc is not None:
         pids["redis"] = cluster.redis._proc.pid
-    for replica_id, actor in list(cluster.supervisor.actors.items()):
-        try:
-            pid = await asyncio.wait_for(actor.pid.remote(), 2.0)
-        except (RayError, TimeoutError):  # killed a moment ago
-            continue
+    for replica_id, pid in (await cluster.replica_pids()).items():
         pids[f"{replica_id}/pid{pid}"] = pid
     for name, pid in pids.items():
         mb = rss_mb(pid)
