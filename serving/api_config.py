@@ -23,6 +23,10 @@ class APIConfig:
     chat_template: str | None = option(
         None, help="chat template: a file, or the template itself (default: the tokenizer's)"
     )
+    tokenizer_cache_mb: int = option(
+        64,
+        help="MiB of shared prompt text kept tokenized, so a shared prefix is tokenized once (0: off)",
+    )
     generation_config: str = option(
         "auto",
         help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a folder",
@@ -32,6 +36,8 @@ class APIConfig:
         # Paths are checked where they are read: a replica's folders are on its own node.
         if self.served_model_name == "":
             raise ValueError("served_model_name must not be empty")
+        if self.tokenizer_cache_mb < 0:
+            raise ValueError("tokenizer_cache_mb must be >= 0")
         if not self.generation_config:
             raise ValueError(f"generation_config must be one of {', '.join(SOURCES)} or a folder")
 
@@ -43,7 +49,7 @@ class APIConfig:
         folder = Path(self.tokenizer_dir(model_dir))
         if self.tokenizer is None and not (folder / "tokenizer.json").is_file():
             return None
-        return PromptTokenizer(folder, self.template_text())
+        return PromptTokenizer(folder, self.template_text(), self.tokenizer_cache_mb << 20)
 
     def load_defaults(self, model_dir: str) -> GenerationDefaults:
         return GenerationDefaults.load(self.generation_config, model_dir)

@@ -21,6 +21,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from kvmesh.serving.segment_cache import SEGMENT_CHARS, SegmentCache, segmentable
+
 # Variables the renderer sets itself: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template"}
@@ -45,11 +47,18 @@ def _default_template(config: dict, folder: Path) -> str | None:
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer_dir: str | Path, chat_template: str | None = None):
+    def __init__(self, tokenizer_dir: str | Path, chat_template: str | None = None, cache_bytes: int = 0):
+        """``cache_bytes``: how much text and ids of shared prompt parts to keep
+        (``segment_cache``; 0, or a tokenizer it cannot cut exactly: none)."""
         path = Path(tokenizer_dir)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer folder {str(path)!r} has no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.segments = (
+            SegmentCache(self.tokenizer, cache_bytes)
+            if cache_bytes > 0 and segmentable(self.tokenizer) is None
+            else None
+        )
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         # What transformers gives every template: its special tokens, by name.
@@ -73,6 +82,10 @@ class PromptTokenizer:
         return self.template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.segments is not None and len(text) > 2 * SEGMENT_CHARS:
+            ids = self.segments.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
         # encode_batch_fast skips the character offsets we never use (~35% faster).
         return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 

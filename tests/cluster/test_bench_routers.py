@@ -69,6 +69,7 @@ def test_bench_router_quick(tmp_path):
             assert latency[api][path]["p50_ms"] > latency[api]["direct"]["p50_ms"] * 0.5
             assert "added_p90_ms" in latency[api][path]
     assert decision["token_ids"]["p99_ms"] > 0 and decision["token_ids_beside_text"]["p99_ms"] > 0
+    assert decision["tokenize_only"]["p50_ms"] > 0 and decision["tokenize_shared_prefix"]["p50_ms"] > 0
     cpu = latency["router_cpu"]  # the router process's own CPU, split by the stages that spent it
     assert set(cpu) == {"grpc_short", "grpc_4k", "http_short", "http_4k"}
     for case, rows in cpu.items():
