@@ -473,6 +473,34 @@ async def test_error_bodies_are_openais_shape(base_url):
     assert "UTF-8" in not_utf8.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("name", ["router", "replica"])
+async def test_generation_routes_do_not_take_fastapis_way(servers, name):
+    """The two routes every generation takes are served before FastAPI's routing: with
+    FastAPI's own routes for them gone, they answer as before; its other routes still work."""
+    app = servers[name].http.server.config.app.app  # inside the stalled-client guard
+    hot = {"/v1/completions", "/v1/chat/completions"}
+    taken = [route for route in app.router.routes if getattr(route, "path", None) in hot]
+    assert len(taken) == 2
+    app.router.routes[:] = [route for route in app.router.routes if route not in taken]
+    try:
+        async with httpx.AsyncClient(base_url=servers["urls"][name], timeout=60) as http:
+            for stream in (False, True):
+                text = await http.post(
+                    "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": stream}
+                )
+                chat = await http.post(
+                    "/v1/chat/completions",
+                    json={"messages": user("hi"), "max_tokens": 2, "stream": stream},
+                )
+                assert text.status_code == chat.status_code == 200, (text.text, chat.text)
+                assert ("data: [DONE]" in text.text) is stream and ("data: [DONE]" in chat.text) is stream
+            unknown = await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == 404
+            assert (await http.get("/v1/models")).status_code == 200
+    finally:
+        app.router.routes.extend(taken)
+
+
 async def test_tokenize_detokenize_and_version(base_url, hf_tokenizer):
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         tokens = (await http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True})).json()
