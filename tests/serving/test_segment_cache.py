@@ -193,3 +193,14 @@ def test_the_prompt_tokenizer_caches_only_where_it_may(tmp_path):
     text = " ".join(["A long shared prompt, cut in parts."] * 40)
     assert cached.encode(text) == cached.tokenizer.encode(text).ids
     assert len(cached.segments) > 0
+
+
+def test_servers_cache_by_default_within_the_flags_bound(tmp_path):
+    from kvmesh.serving.api_config import APIConfig
+
+    FAMILIES["gpt2 byte-level"]().save(str(tmp_path / "tokenizer.json"))
+    tokenizer = APIConfig().load_tokenizer(str(tmp_path))
+    assert tokenizer.segments is not None and tokenizer.segments.max_bytes == 64 << 20
+    assert APIConfig(tokenizer_cache_mb=0).load_tokenizer(str(tmp_path)).segments is None
+    with pytest.raises(ValueError, match="tokenizer_cache_mb"):
+        APIConfig(tokenizer_cache_mb=-1)
