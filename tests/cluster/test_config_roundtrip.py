@@ -71,6 +71,7 @@ VALUES = {
     "check-invariants": (None, True),
     "served-model-name": ("roundtrip-served", "roundtrip-served"),
     "generation-config": ("vllm", "vllm"),
+    "tokenizer-cache-mb": ("8", 8),
     "max-batch-prompts": ("33", 33),
     "max-choices": ("44", 44),
     "max-messages": ("55", 55),
