@@ -116,6 +116,12 @@ class SegmentCache:
     """Token ids of text parts, by their exact text, least recently used out first, at most
     ``max_bytes`` (text, ids and overhead). Thread-safe: long prompts tokenize off the loop."""
 
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, max_bytes: int) -> SegmentCache | None:
+        """A cache for ``tokenizer``; None when it is off (0 bytes) or ``tokenizer`` cannot be
+        cut exactly (``segmentable``)."""
+        return cls(tokenizer, max_bytes) if max_bytes > 0 and segmentable(tokenizer) is None else None
+
     def __init__(self, tokenizer: Tokenizer, max_bytes: int):
         self.tokenizer = tokenizer
         self.max_bytes = max_bytes

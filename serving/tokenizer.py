@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from kvmesh.serving.segment_cache import SEGMENT_CHARS, SegmentCache, segmentable
+from kvmesh.serving.segment_cache import SEGMENT_CHARS, SegmentCache
 
 # Variables the renderer sets itself: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset(
@@ -54,11 +54,7 @@ class PromptTokenizer:
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer folder {str(path)!r} has no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.segments = (
-            SegmentCache(self.tokenizer, cache_bytes)
-            if cache_bytes > 0 and segmentable(self.tokenizer) is None
-            else None
-        )
+        self.segments = SegmentCache.of(self.tokenizer, cache_bytes)
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         # What transformers gives every template: its special tokens, by name.
@@ -82,7 +78,7 @@ class PromptTokenizer:
         return self.template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.segments is not None and len(text) > 2 * SEGMENT_CHARS:
+        if self.segments is not None and len(text) > 2 * SEGMENT_CHARS:  # shorter: no part to share
             ids = self.segments.encode(text, add_special_tokens)
             if ids is not None:
                 return ids

@@ -33,6 +33,7 @@ from kvmesh.kvcache.index import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.tokenizer import PromptTokenizer
 
@@ -220,7 +221,7 @@ async def decision_time(model_dir: str, replicas: int, samples: int) -> dict:
         )
         result["tokenize_only"] = latency_ms(_tokenize_times(tokenizer, [text] * samples))
         # as a router tokenizes by default: a text whose parts it has seen, with a new ending
-        cached = PromptTokenizer(model_dir, cache_bytes=64 << 20)
+        cached = APIConfig().load_tokenizer(model_dir)
         cached.encode(text)
         endings = [f"{text} and question {i} asks again?" for i in range(samples)]
         result["tokenize_shared_prefix"] = latency_ms(_tokenize_times(cached, endings))

@@ -210,8 +210,18 @@ def build_app(
     parses, renders and tokenizes off the event loop when the request is large.
     ``relay_routes``: serve the routes a relaying router streams from (a replica's)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
-    hot_routes: dict[str, Callable[[Request], Awaitable]] = {}  # filled as the routes are made
+    hot_routes: dict[str, Callable[[Request], Awaitable]] = {}  # filled by ``hot_post``
     app.add_middleware(_HotRoutes, routes=hot_routes)  # added first: inside the two below
+
+    def hot_post(path: str):
+        """A POST route served by ``_HotRoutes`` (FastAPI keeps it too, for its listing)."""
+
+        def register(handler):
+            hot_routes[path] = handler
+            return app.post(path)(handler)
+
+        return register
+
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if auth_token:
         app.add_middleware(_TokenAuth, token=auth_token)
@@ -312,7 +322,7 @@ def build_app(
         with backend.admit(1):
             return {"prompt": await sized(size, backend.tokenizer.decode, body.tokens)}
 
-    @app.post("/v1/completions")
+    @hot_post("/v1/completions")
     async def completions(raw: Request):
         body, size = await _parsed(raw, CompletionRequest)
         body.check_supported()
@@ -327,9 +337,7 @@ def build_app(
             echoes = await _echoes(backend, body, plan, size) if plan.echo_prompt else None
             return await _serve(backend, raw, body, plan, False, echoes, ticket)
 
-    hot_routes["/v1/completions"] = completions
-
-    @app.post("/v1/chat/completions")
+    @hot_post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         body, size = await _parsed(raw, ChatRequest)
         body.check_supported()
@@ -341,8 +349,6 @@ def build_app(
             if _relayed(backend, body, plan):
                 return await _relay(backend, raw, plan, True, ticket)
             return await _serve(backend, raw, body, plan, True, None, ticket)
-
-    hot_routes["/v1/chat/completions"] = chat_completions
 
     if relay_routes:
 
