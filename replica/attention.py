@@ -116,7 +116,10 @@ class _Group:
     """Sequences attended together: queries padded to ``[rows, max_q]``."""
 
     token_index: torch.Tensor  # [rows * max_q] index into the step's tokens (padding -> 0)
-    valid: torch.Tensor  # [rows * max_q] bool, real query positions
+    # The real (not padding) query positions, as indices computed on the host: a boolean mask
+    # indexed on the GPU would wait for the GPU (nonzero) twice per layer.
+    padded_index: torch.Tensor  # their positions in [rows * max_q]
+    step_index: torch.Tensor  # their positions in the step's tokens
     block_tables: torch.Tensor  # [rows, max_blocks]
     mask: torch.Tensor  # [rows, 1, max_q, max_blocks * block_size] bool, True = attend
     rows: int
@@ -165,9 +168,11 @@ class TorchPagedAttention:
         mask = k_pos[None, None, :] <= last_visible[:, :, None]
         mask[~valid] = False
         mask[~valid, 0] = True  # padding rows attend to one key so SDPA stays finite
+        padded_index = valid.reshape(-1).nonzero().squeeze(1)
         return _Group(
             token_index=token_index.reshape(-1).to(self.device),
-            valid=valid.reshape(-1).to(self.device),
+            padded_index=padded_index.to(self.device),
+            step_index=token_index.reshape(-1)[padded_index].to(self.device),
             block_tables=tables.to(self.device),
             mask=mask[:, None].to(self.device),
             rows=len(rows),
@@ -193,7 +198,7 @@ class TorchPagedAttention:
             vg = _gather(v_cache, g.block_tables)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
             og = og.transpose(1, 2).reshape(g.rows * g.max_q, num_heads, head_dim)
-            out[g.token_index[g.valid]] = og[g.valid]
+            out.index_copy_(0, g.step_index, og.index_select(0, g.padded_index))
         return out
 
 

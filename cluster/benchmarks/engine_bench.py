@@ -6,12 +6,16 @@
 2. Time to first token of a 2k-token prompt whose first 1.75k tokens are cached, against
    the same prompt on a cold cache.
 With ``--device cuda`` (``make gpu-check`` runs it first on a GPU machine): the CUDA path's
-greedy tokens against the CPU path's, the pool sized by profiling, and the same throughput
-comparison with transformers on the same GPU and in the same dtype (flash-attn where it runs).
+greedy tokens against the CPU path's (on the small bench model, per attention backend and
+dtype), the pool sized by profiling, and the same throughput comparison with transformers on
+the same GPU in bfloat16 (flash-attn where it runs). ``--model DIR`` times a model folder of
+your own (real weights, or a ``make-tiny-model`` of a real model's shape) instead of the bench
+model; the CUDA correctness check stays on the small model, which the CPU can run.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
@@ -121,7 +125,7 @@ def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -
     return prefill, statistics.median(decode[:-1] or decode)
 
 
-def calibrate(engine: LLMEngine, rng: random.Random) -> dict:
+def calibrate(engine: LLMEngine, rng: random.Random, model: object) -> dict:
     """The simulator's cost model for this engine: t = base + a*prefill_tokens +
     b*decode_seqs + c*context_tokens, from prefill and decode steps of known shapes, fitted by
     the engine's own online fit (``replica/step_costs.py``, what replicas send in their
@@ -141,7 +145,7 @@ def calibrate(engine: LLMEngine, rng: random.Random) -> dict:
         "kv_tokens_per_replica": engine.block_manager.num_blocks * engine.block_size,
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-        "source": f"kvmesh bench engine calibration, {MODEL}",
+        "source": f"kvmesh bench engine calibration, {model}",
     }
 
 
@@ -172,9 +176,8 @@ def throughput_vs_transformers(
     }
 
 
-def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
+def run_cpu(repeats: int, quick: bool, model_dir: Path, label: object) -> dict:
     torch.manual_seed(0)
-    model_dir = bench_model_dir(cache)
     n = 16 if quick else 64
     rng = random.Random(0)
     engine = LLMEngine(
@@ -184,13 +187,12 @@ def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
     throughput = throughput_vs_transformers(engine, model_dir, reqs, repeats, torch.float32)
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
-    cost_model = calibrate(engine, random.Random(2))
+    cost_model = calibrate(engine, random.Random(2), label)
     progress(
         f"cost model: {cost_model['prefill_token_s'] * 1e6:.1f} us per prefill token, base {cost_model['base_s'] * 1e3:.2f} ms"
     )
     return {
         "cost_model": cost_model,
-        "model": MODEL,
         "dtype": "float32",
         "device": "cpu",
         "throughput": throughput,
@@ -202,66 +204,85 @@ def run_cpu(out: str, repeats: int, quick: bool, cache: Path) -> dict:
     }
 
 
-def run_cuda(repeats: int, quick: bool, cache: Path) -> dict:
-    """CUDA path vs CPU path greedy tokens, the pool sized by profiling, then CUDA throughput
-    against transformers on the same GPU (needs a CUDA machine)."""
+def greedy_vs_cpu(model_dir: Path, quick: bool) -> dict:
+    """Each CUDA variant's greedy tokens against the CPU path's in float32, same requests: fp32
+    must agree token for token; bf16 rounds, so its first tokens are the comparable part."""
+    from kvmesh.replica.attention import flash_attn_available
+
+    cpu = LLMEngine(model_dir, num_kv_blocks=2048, block_size=256, device="cpu")
+    reqs = workload(8 if quick else 32, random.Random(0), cpu.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) for _ in reqs]
+    reference = [o.token_ids for o in cpu.generate([p for p, _ in reqs], params)]
+    variants = {
+        "torch_fp32": dict(dtype="float32", attention_backend="torch"),
+        "torch_bf16": dict(dtype="bfloat16", attention_backend="torch"),
+    }
+    if flash_attn_available():
+        variants["flash_attn_bf16"] = dict(dtype="bfloat16", attention_backend="flash_attn")
+    checks = {}
+    for name, options in variants.items():  # no num_kv_blocks: the pool is sized by profiling
+        engine = LLMEngine(
+            model_dir, block_size=256, device="cuda", max_num_seqs=64, gpu_memory_utilization=0.3, **options
+        )
+        got = [o.token_ids for o in engine.generate([p for p, _ in reqs], params)]
+        same = sum(a == b for a, b in zip(got, reference, strict=True))
+        checks[name] = {
+            "identical_outputs": same,
+            "first_token_equal": sum(a[0] == b[0] for a, b in zip(got, reference, strict=True)),
+            "requests": len(reqs),
+            "num_kv_blocks": engine.block_manager.num_blocks,
+        }
+        progress(f"{name}: {same}/{len(reqs)} outputs identical to CPU fp32")
+        del engine
+        gc.collect()  # the pool goes back before the next variant sizes its own
+        torch.cuda.empty_cache()
+    return checks
+
+
+def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> dict:
+    """CUDA path vs CPU path greedy tokens on the bench model, then ``model_dir``'s CUDA
+    throughput in bfloat16 against transformers on the same GPU (needs a CUDA machine)."""
     if not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA machine")
     from kvmesh.replica.attention import flash_attn_available
 
-    model_dir = bench_model_dir(cache)
-    rng = random.Random(0)
-    cpu = LLMEngine(model_dir, num_kv_blocks=2048, block_size=256, device="cpu")
-    reqs = workload(8 if quick else 32, rng, cpu.vocab_size)
-    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) for _ in reqs]
-    reference = [o.token_ids for o in cpu.generate([p for p, _ in reqs], params)]
-    checks = {}
-    variants = {"torch_fp32": dict(dtype="float32", attention_backend="torch")}
-    if flash_attn_available():
-        variants["flash_attn_bf16"] = dict(dtype="bfloat16", attention_backend="flash_attn")
-    engines = {}
-    for name, options in variants.items():  # no num_kv_blocks: the pool is sized by profiling
-        engines[name] = LLMEngine(model_dir, block_size=256, device="cuda", max_num_seqs=64, **options)
-        got = [o.token_ids for o in engines[name].generate([p for p, _ in reqs], params)]
-        same = sum(a == b for a, b in zip(got, reference, strict=True))
-        first = sum(a[0] == b[0] for a, b in zip(got, reference, strict=True))
-        checks[name] = {
-            "identical_outputs": same,
-            "first_token_equal": first,
-            "requests": len(reqs),
-            "num_kv_blocks": engines[name].block_manager.num_blocks,
-        }
-        progress(f"{name}: {same}/{len(reqs)} outputs identical to CPU fp32")
-    name = "flash_attn_bf16" if "flash_attn_bf16" in engines else "torch_fp32"
-    fast = engines[name]
-    big = workload(64 if quick else 256, random.Random(2), cpu.vocab_size)
-    throughput = throughput_vs_transformers(fast, model_dir, big, repeats, fast.runner.dtype)
+    checks = greedy_vs_cpu(bench_model, quick)
+    # half the GPU: transformers' model and its cache share the device with the engine's pool
+    engine = LLMEngine(
+        model_dir, device="cuda", dtype="bfloat16", max_num_seqs=64, gpu_memory_utilization=0.5
+    )
+    big = workload(64 if quick else 256, random.Random(2), engine.vocab_size)
+    throughput = throughput_vs_transformers(engine, model_dir, big, repeats, engine.runner.dtype)
     return {
         "device": torch.cuda.get_device_name(),
         "flash_attn": flash_attn_available(),
         "greedy_vs_cpu": checks,
         "throughput": throughput,
-        "attention_backend": fast.runner.backend.name,
-        "dtype": str(fast.runner.dtype).removeprefix("torch."),
-        "ttft": bench_ttft(fast, random.Random(1), repeats),
+        "attention_backend": engine.runner.backend.name,
+        "block_size": engine.block_size,
+        "num_kv_blocks": engine.block_manager.num_blocks,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "ttft": bench_ttft(engine, random.Random(1), repeats),
         "targets": [target("CUDA throughput vs transformers generate", throughput["speedup"], ">=", 2.0)],
     }
 
 
-def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str) -> int:
-    cache = Path(cache_dir)
+def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str, model: str | None = None) -> int:
+    model_dir = Path(model) if model else bench_model_dir(Path(cache_dir))
+    label = str(model_dir) if model else MODEL
     result = {
         "benchmark": "engine",
         "statistic": "median",
         "repeats": repeats,
         "quick": quick,
         "environment": environment(torch=torch.__version__),
+        "model": label,
     }
     if device == "cuda":
-        result["cuda"] = run_cuda(repeats, quick, cache)
+        result["cuda"] = run_cuda(repeats, quick, bench_model_dir(Path(cache_dir)), model_dir)
         result["targets"] = result["cuda"].pop("targets")
     else:
-        result.update(run_cpu(out, repeats, quick, cache))
+        result.update(run_cpu(repeats, quick, model_dir, label))
     _print(result)
     write_result(out, result)
     return 0

@@ -43,16 +43,27 @@ def _engine(benches) -> None:
     eng.add_argument(
         "--cache-dir", default=".cache/bench-models", help="where the benchmark model is built once"
     )
+    eng.add_argument(
+        "--model", help="time this local model folder instead of the bench model (CUDA: in bfloat16)"
+    )
 
     def run(args):
         import torch
 
         from kvmesh.cluster.benchmarks.engine_bench import main
+        from kvmesh.cluster.commands.checks import check_model_folder
 
         if args.device == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
+        if args.model:
+            check_model_folder(args.model)
         return main(
-            out=args.out, repeats=args.repeats, quick=args.quick, device=args.device, cache_dir=args.cache_dir
+            out=args.out,
+            repeats=args.repeats,
+            quick=args.quick,
+            device=args.device,
+            cache_dir=args.cache_dir,
+            model=args.model,
         )
 
     eng.set_defaults(handler=run)

@@ -73,6 +73,14 @@ def test_bench_engine_cuda_without_cuda_is_a_usage_error():
 
 
 @pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
+def test_bench_engine_model_that_is_no_model_folder_is_a_usage_error(tmp_path):
+    out = run("bench", "engine", "--model", str(tmp_path))
+    assert out.returncode == 2 and out.stderr.strip() == (
+        f"kvmesh: error: --model {str(tmp_path)!r} is not a model folder (no config.json)"
+    )
+
+
+@pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_bench_kvcache_writes_json_with_targets(tmp_path):
     out_file = tmp_path / "bench.json"
     out = run("bench", "kvcache", "--quick", "--repeats", "1", "--out", str(out_file))
@@ -91,14 +99,17 @@ def test_bench_kvcache_writes_json_with_targets(tmp_path):
 
 
 @pytest.mark.slow  # a benchmark's smoke run: make test-fast leaves it out
-def test_bench_engine_quick_writes_json(tmp_path):
+def test_bench_engine_quick_writes_json(tmp_path, qwen3_dir):
+    """On a model folder of the user's (--model): the bench model is not built."""
     out_file = tmp_path / "engine.json"
     cache = tmp_path / "models"
     out = run(
-        "bench", "engine", "--quick", "--repeats", "1", "--out", str(out_file), "--cache-dir", str(cache)
-    )
+        "bench", "engine", "--quick", "--repeats", "1", "--out", str(out_file), "--cache-dir", str(cache),
+        "--model", str(qwen3_dir),
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out_file.read_text())
+    assert result["model"] == str(qwen3_dir) and not cache.exists()
     t, f = result["throughput"], result["ttft"]
     assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
     assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
