@@ -41,6 +41,14 @@ def bench_model_dir(cache: Path) -> Path:
     return cached_tiny_model(cache / "bench-qwen3-h512-l4", **MODEL)
 
 
+def model_label(model_dir: Path) -> dict:
+    """A user's model folder as the result names it: its path and shape (config.json)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    keys += ("intermediate_size", "vocab_size")
+    return {"path": str(model_dir), **{k: config.get(k) for k in keys}}
+
+
 def workload(n: int, rng: random.Random, vocab: int) -> list[tuple[list[int], int]]:
     """(prompt ids, output length) pairs: prompts 32-512 tokens, outputs 16-256 tokens."""
     return [
@@ -269,7 +277,7 @@ def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> d
 
 def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str, model: str | None = None) -> int:
     model_dir = Path(model) if model else bench_model_dir(Path(cache_dir))
-    label = str(model_dir) if model else MODEL
+    label = model_label(model_dir) if model else MODEL
     result = {
         "benchmark": "engine",
         "statistic": "median",

@@ -109,7 +109,11 @@ def test_bench_engine_quick_writes_json(tmp_path, qwen3_dir):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out_file.read_text())
-    assert result["model"] == str(qwen3_dir) and not cache.exists()
+    assert result["model"]["path"] == str(qwen3_dir) and not cache.exists()
+    assert (
+        result["model"]["num_hidden_layers"]
+        == json.loads((qwen3_dir / "config.json").read_text())["num_hidden_layers"]
+    )
     t, f = result["throughput"], result["ttft"]
     assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
     assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
