@@ -42,7 +42,7 @@ def bench_model_dir(cache: Path) -> Path:
 
 
 def model_label(model_dir: Path) -> dict:
-    """A user's model folder as the result names it: its path and shape (config.json)."""
+    """A model folder as the result names it: its path and shape (config.json)."""
     config = json.loads((model_dir / "config.json").read_text())
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     keys += ("intermediate_size", "vocab_size")
@@ -133,7 +133,7 @@ def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -
     return prefill, statistics.median(decode[:-1] or decode)
 
 
-def calibrate(engine: LLMEngine, rng: random.Random, model: object) -> dict:
+def calibrate(engine: LLMEngine, rng: random.Random, model: dict) -> dict:
     """The simulator's cost model for this engine: t = base + a*prefill_tokens +
     b*decode_seqs + c*context_tokens, from prefill and decode steps of known shapes, fitted by
     the engine's own online fit (``replica/step_costs.py``, what replicas send in their
@@ -184,7 +184,7 @@ def throughput_vs_transformers(
     }
 
 
-def run_cpu(repeats: int, quick: bool, model_dir: Path, label: object) -> dict:
+def run_cpu(repeats: int, quick: bool, model_dir: Path) -> dict:
     torch.manual_seed(0)
     n = 16 if quick else 64
     rng = random.Random(0)
@@ -195,7 +195,7 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, label: object) -> dict:
     throughput = throughput_vs_transformers(engine, model_dir, reqs, repeats, torch.float32)
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
-    cost_model = calibrate(engine, random.Random(2), label)
+    cost_model = calibrate(engine, random.Random(2), model_label(model_dir))
     progress(
         f"cost model: {cost_model['prefill_token_s'] * 1e6:.1f} us per prefill token, base {cost_model['base_s'] * 1e3:.2f} ms"
     )
@@ -221,13 +221,13 @@ def greedy_vs_cpu(model_dir: Path, quick: bool) -> dict:
     reqs = workload(8 if quick else 32, random.Random(0), cpu.vocab_size)
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) for _ in reqs]
     reference = [o.token_ids for o in cpu.generate([p for p, _ in reqs], params)]
+    checks: dict = {"model": model_label(model_dir)}
     variants = {
         "torch_fp32": dict(dtype="float32", attention_backend="torch"),
         "torch_bf16": dict(dtype="bfloat16", attention_backend="torch"),
     }
     if flash_attn_available():
         variants["flash_attn_bf16"] = dict(dtype="bfloat16", attention_backend="flash_attn")
-    checks = {}
     for name, options in variants.items():  # no num_kv_blocks: the pool is sized by profiling
         engine = LLMEngine(
             model_dir, block_size=256, device="cuda", max_num_seqs=64, gpu_memory_utilization=0.3, **options
@@ -277,20 +277,19 @@ def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> d
 
 def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str, model: str | None = None) -> int:
     model_dir = Path(model) if model else bench_model_dir(Path(cache_dir))
-    label = model_label(model_dir) if model else MODEL
     result = {
         "benchmark": "engine",
         "statistic": "median",
         "repeats": repeats,
         "quick": quick,
         "environment": environment(torch=torch.__version__),
-        "model": label,
+        "model": model_label(model_dir),
     }
     if device == "cuda":
         result["cuda"] = run_cuda(repeats, quick, bench_model_dir(Path(cache_dir)), model_dir)
         result["targets"] = result["cuda"].pop("targets")
     else:
-        result.update(run_cpu(repeats, quick, model_dir, label))
+        result.update(run_cpu(repeats, quick, model_dir))
     _print(result)
     write_result(out, result)
     return 0

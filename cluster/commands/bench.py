@@ -44,7 +44,9 @@ def _engine(benches) -> None:
         "--cache-dir", default=".cache/bench-models", help="where the benchmark model is built once"
     )
     eng.add_argument(
-        "--model", help="time this local model folder instead of the bench model (CUDA: in bfloat16)"
+        "--model",
+        help="time this local model folder instead of the bench model (CUDA: in bfloat16; CPU: in "
+        "float32 with a 65k-token KV pool, GiBs for a large model)",
     )
 
     def run(args):

@@ -1,8 +1,8 @@
 """Building blocks shared by every supported decoder family.
 
 Each op follows the Hugging Face reference implementation's order of floating-point
-operations, so fp32 outputs match ``transformers`` to the last bit wherever the matmul
-shapes agree.
+operations, so fp32 outputs on the CPU match ``transformers`` to the last bit wherever the
+matmul shapes agree (on CUDA, the fused kernels may round differently).
 """
 
 from __future__ import annotations

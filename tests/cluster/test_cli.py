@@ -72,6 +72,24 @@ def test_bench_engine_cuda_without_cuda_is_a_usage_error():
     )
 
 
+def test_bench_engine_times_the_model_folder_given(tmp_path, qwen3_dir, monkeypatch):
+    """--model: that folder is timed and named in the result, the bench model never built (the
+    timing itself is the default run's, above)."""
+    from kvmesh.cluster.benchmarks import engine_bench
+
+    timed = []
+    monkeypatch.setattr(
+        engine_bench, "run_cpu", lambda repeats, quick, model_dir: timed.append(model_dir) or {}
+    )
+    monkeypatch.setattr(engine_bench, "_print", lambda result: None)
+    out_file, cache = tmp_path / "engine.json", tmp_path / "unused"
+    assert engine_bench.main(str(out_file), 1, True, "cpu", str(cache), model=str(qwen3_dir)) == 0
+    result = json.loads(out_file.read_text())
+    layers = json.loads((qwen3_dir / "config.json").read_text())["num_hidden_layers"]
+    assert timed == [qwen3_dir] and not cache.exists()
+    assert result["model"]["path"] == str(qwen3_dir) and result["model"]["num_hidden_layers"] == layers
+
+
 @pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 def test_bench_engine_model_that_is_no_model_folder_is_a_usage_error(tmp_path):
     out = run("bench", "engine", "--model", str(tmp_path))
@@ -100,22 +118,14 @@ def test_bench_kvcache_writes_json_with_targets(tmp_path):
 
 @pytest.mark.slow  # a benchmark's smoke run: make test-fast leaves it out
 def test_bench_engine_quick_writes_json(tmp_path):
-    """On a model folder given with --model (the bench model's shape: a model as tiny as the
-    tests' own is all overhead, and its calibration below would be noise): the bench's own
-    cache is left alone."""
-    from kvmesh.cluster.benchmarks.engine_bench import bench_model_dir
-
-    model_dir = bench_model_dir(tmp_path / "models")
     out_file = tmp_path / "engine.json"
-    cache = tmp_path / "unused"
+    cache = tmp_path / "models"
     out = run(
-        "bench", "engine", "--quick", "--repeats", "1", "--out", str(out_file), "--cache-dir", str(cache),
-        "--model", str(model_dir),
-    )  # fmt: skip
+        "bench", "engine", "--quick", "--repeats", "1", "--out", str(out_file), "--cache-dir", str(cache)
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out_file.read_text())
-    assert not cache.exists()
-    assert result["model"]["path"] == str(model_dir) and result["model"]["hidden_size"] == 512
+    assert result["model"]["hidden_size"] == 512 and Path(result["model"]["path"]).parent == cache
     t, f = result["throughput"], result["ttft"]
     assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
     assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
