@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvmesh.replica.attention import AttentionBackend
-from kvmesh.replica.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvmesh.replica.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rms_normalized
 
 
 @dataclass(frozen=True)
@@ -50,19 +50,32 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.qk_norm_weight = torch.empty(0)  # set by fuse_qk_norm once the weights are in
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
+
+    def fuse_qk_norm(self) -> None:
+        """One weight row per head, q's heads then k's: queries and keys are normalized and
+        rotated as one tensor, half the small ops (kernel launches, on a GPU) of doing each."""
+        if self.qk_norm:
+            self.qk_norm_weight = torch.cat(
+                [
+                    self.q_norm.weight.expand(self.num_heads, self.head_dim),
+                    self.k_norm.weight.expand(self.num_kv_heads, self.head_dim),
+                ]
+            )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, plan
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # transformers' q_norm and k_norm, elementwise the same
+            qk = self.qk_norm_weight * rms_normalized(qk, self.q_norm.eps)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, plan, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -101,6 +114,11 @@ class DecoderForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_weights(self) -> None:
+        """Derived weights, built once the checkpoint is loaded."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qk_norm()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, plan

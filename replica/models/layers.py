@@ -19,12 +19,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' x * rsqrt(mean(x^2) + eps) in fp32, then the weight in the input's
-        dtype; ``F.rms_norm`` is one fused kernel on CUDA where the spelled-out form is five
-        (a step of a 28-layer model launches 113 norms: on a GPU, steps are launch-bound)."""
-        dtype = x.dtype
-        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalized(x, self.eps)
+
+
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' x * rsqrt(mean(x^2) + eps) in fp32, back in the input's dtype (the weight
+    comes after). ``F.rms_norm`` is one fused kernel on CUDA where the spelled-out form is
+    five (a step of a 28-layer model launches 113 norms: on a GPU, steps are launch-bound)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

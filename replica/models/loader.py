@@ -139,7 +139,9 @@ def load_model(
     model.rotary.inv_freq = spec.inv_freq.float().to(device)
     model.tie_weights()
     _load_weights(model, Path(model_dir))
-    return model.eval().requires_grad_(False)  # serving weights never need autograd
+    model.eval().requires_grad_(False)  # serving weights never need autograd
+    model.fuse_weights()
+    return model  # serving weights never need autograd
 
 
 def _load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
