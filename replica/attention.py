@@ -161,8 +161,8 @@ class TorchPagedAttention:
             tables[r, : len(layout.block_tables[i])] = layout.block_tables[i]
         q_pos = torch.arange(max_q)
         valid = q_pos[None, :] < q_lens[:, None]  # [rows, max_q]
-        token_index = torch.tensor([starts[i] for i in rows])[:, None] + q_pos[None, :]
-        token_index = torch.where(valid, token_index, torch.zeros_like(token_index))
+        token_index = torch.where(valid, torch.tensor([starts[i] for i in rows])[:, None] + q_pos[None, :], 0)
+        token_index = token_index.reshape(-1)
         # Query j of a row sits at absolute position ctx - q + j and sees keys up to there;
         # padding rows see key 0 alone, so SDPA stays finite. The mask itself (queries x
         # keys: 4M entries for a 2k prompt) is compared out where it is used, from these.
@@ -171,9 +171,9 @@ class TorchPagedAttention:
         mask = k_pos <= last_visible.to(self.device)[:, None, :, None]  # [rows, 1, max_q, keys]
         padded_index = valid.reshape(-1).nonzero().squeeze(1)
         return _Group(
-            token_index=token_index.reshape(-1).to(self.device),
+            token_index=token_index.to(self.device),
             padded_index=padded_index.to(self.device),
-            step_index=token_index.reshape(-1)[padded_index].to(self.device),
+            step_index=token_index[padded_index].to(self.device),
             block_tables=torch.from_numpy(tables).to(self.device),
             mask=mask,
             rows=len(rows),

@@ -140,8 +140,8 @@ def load_model(
     model.tie_weights()
     _load_weights(model, Path(model_dir))
     model.eval().requires_grad_(False)  # serving weights never need autograd
-    model.fuse_weights()
-    return model  # serving weights never need autograd
+    model.fuse_weights()  # after: derived weights carry no autograd history
+    return model
 
 
 def _load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
