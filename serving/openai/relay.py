@@ -13,9 +13,11 @@ somehow saw it would ignore it; the router takes it out).
 
 from __future__ import annotations
 
+import array
 import base64
 import binascii
 import json
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -39,17 +41,42 @@ _HTTP_TO_GRPC = {cls.http_status: cls.grpc_code for cls in _ERRORS} | {
 }
 
 
+def packed_token_ids(token_ids: list[int]) -> bytes:
+    """Token ids as the envelope carries them: base64 of little-endian uint32s. A 576-token
+    prompt packs in ~10 us where writing it as a JSON list took ~90 (the router's side), and
+    the replica reads it for less than it took to validate the list."""
+    packed = array.array("I", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes())
+
+
+def unpacked_token_ids(text: str) -> list[int]:
+    """``packed_token_ids``'s ids back; InvalidRequest for anything it did not write."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error:
+        raw = b"?"  # not base64: fails the length check below
+    if len(raw) % 4:
+        raise InvalidRequest("prompt_token_ids: not base64 of uint32s", param="prompt_token_ids")
+    ids = array.array("I")
+    ids.frombytes(raw)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
 class _Envelope(BaseModel):
     model: str = Field(max_length=256)
     request_id: str = Field(max_length=128)
-    prompt_token_ids: list[int]
+    prompt_token_ids: str  # packed_token_ids's
     predicted_cached_blocks: int = Field(0, ge=0)
     first_block_hash: int = Field(0, ge=0, lt=1 << 64)
 
     def upstream(self, request: pb.GenerateRequest) -> None:
         """``request`` (planned from the client's body) as the router decided it."""
         request.request_id = self.request_id
-        request.token_ids.CopyFrom(pb.TokenIds(ids=self.prompt_token_ids))
+        request.token_ids.CopyFrom(pb.TokenIds(ids=unpacked_token_ids(self.prompt_token_ids)))
         request.predicted_cached_blocks = self.predicted_cached_blocks
         request.first_block_hash = self.first_block_hash
 
@@ -79,9 +106,9 @@ class SseRequest:
                 json.dumps(model).encode(),
                 b',"request_id":',
                 json.dumps(request_id).encode(),
-                b',"prompt_token_ids":[',
-                ",".join(map(str, token_ids)).encode(),
-                b"],",
+                b',"prompt_token_ids":"',
+                packed_token_ids(token_ids),
+                b'",',
             )
         )
         return cls(RELAY_PATHS["chat" if chat else "completions"], head, body)

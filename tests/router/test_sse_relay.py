@@ -7,6 +7,7 @@ replica's work. Real replicas, a real router, real sockets; a hand-written upstr
 inject the faults a real replica does not make on purpose."""
 
 import asyncio
+import base64
 import contextlib
 import json
 
@@ -22,8 +23,16 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
 from kvmesh.router.replica_http import ReplicaHttp, _Connection
+from kvmesh.serving.errors import InvalidRequest
 from kvmesh.serving.metrics import read_samples
-from kvmesh.serving.openai.relay import take_trailer, trailer, whole_events
+from kvmesh.serving.openai.relay import (
+    RELAY_PATHS,
+    packed_token_ids,
+    take_trailer,
+    trailer,
+    unpacked_token_ids,
+    whole_events,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -53,6 +62,16 @@ async def test_events_are_cut_whole_and_the_trailer_is_taken_out_at_an_event_sta
     assert found == [complete]
     assert b"".join(kept) == stream.replace(trailer(complete).encode(), b"")
     assert text_like_trailer.encode() in b"".join(kept)  # a data event's text is never taken
+
+
+async def test_token_ids_travel_packed_and_come_back_exactly():
+    ids = [0, 1, 151_643, 2**31, 2**32 - 1]
+    packed = packed_token_ids(ids)
+    assert unpacked_token_ids(packed.decode()) == ids
+    assert len(base64.b64decode(packed)) == 4 * len(ids)
+    for bad in ("not base64!", "AAA=", packed.decode()[:-4] + "AQ=="):  # not base64, 2 bytes, 21 bytes
+        with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+            unpacked_token_ids(bad)
 
 
 # ---------------------------------------------------------------------- through the router
@@ -357,3 +376,16 @@ async def test_a_client_that_leaves_midway_frees_its_replicas_work(fleet):
 
     assert await eventually(idle, timeout=10)
     assert _aborted(replicas) == aborted + 1  # cancelled, not run to its end
+
+
+async def test_a_malformed_envelope_is_refused_with_400_naming_the_field(fleet):
+    replica = fleet["replicas"][0]
+    envelope = {
+        "model": "m",
+        "request_id": "r-bad-ids",
+        "prompt_token_ids": "AAA=",
+        "request": {"prompt": "x", "max_tokens": 1, "stream": True},
+    }
+    response = await fleet["client"].post(replica.http_address + RELAY_PATHS["completions"], json=envelope)
+    assert response.status_code == 400, response.text
+    assert "prompt_token_ids" in response.json()["error"]["message"]
