@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 from kvmesh.serving.open_endpoint import METRICS_TYPE, start_open_endpoint
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class PodMetrics:
 
     async def _loop(self) -> None:
         while self._loops.running:
-            await asyncio.sleep(self.interval_s)
+            await sleep_to_next_tick(self.interval_s)
             await self._turn()
 
     async def _turn(self) -> None:

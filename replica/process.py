@@ -24,7 +24,7 @@ from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor, is_loopback_host
-from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import connect_index
@@ -169,7 +169,7 @@ class ReplicaServer:
         """The engine's health, checked every heartbeat, decides what the replica shows: a
         replica whose engine is broken or stalled is NOT_SERVING and leaves the index."""
         while self._loops.running:
-            await asyncio.sleep(self.config.heartbeat_s)
+            await sleep_to_next_tick(self.config.heartbeat_s)
             reason = self.engine.health()
             if reason == self.unhealthy:
                 continue

@@ -23,7 +23,7 @@ from kvmesh.kvcache import AllBlocksCleared, KVEvent
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.replica.engine_thread import AsyncLLMEngine
-from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class IndexPublisher:
 
     async def _heartbeat_loop(self) -> None:
         while self._loops.running:
-            await asyncio.sleep(self.heartbeat_s)
+            await sleep_to_next_tick(self.heartbeat_s)
             if self.dirty or self.incarnation is None:
                 continue
             try:
@@ -179,7 +179,7 @@ class IndexPublisher:
 
     async def _sweep_loop(self) -> None:
         while self._loops.running:
-            await asyncio.sleep(self.sweep_s)
+            await sleep_to_next_tick(self.sweep_s)
             if not self.dirty:
                 with contextlib.suppress(*INDEX_ERRORS):
                     await self.index.sweep()

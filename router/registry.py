@@ -9,7 +9,6 @@ failed calls take replicas out; routing falls back to load (no prefix matches).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from kvmesh.router.replica_http import ReplicaHttp
 from kvmesh.router.replica_load import ReplicaLoad, RequestWork
 from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving.auth import bearer_metadata
-from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
 from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs, median_costs, priced_costs
 from kvmesh.serving.tls import TLSConfig, open_channel
@@ -57,7 +56,7 @@ class ReplicaRegistry:
     def __init__(
         self,
         index: PrefixIndex,
-        refresh_s: float = 0.5,
+        refresh_s: float = 1.0,
         failure_cooldown_s: float = 5.0,
         tls: TLSConfig | None = None,
         fleet: FleetLoad | None = None,
@@ -95,7 +94,7 @@ class ReplicaRegistry:
 
     async def _refresh_loop(self) -> None:
         while self._loops.running:
-            await asyncio.sleep(self.refresh_s)
+            await sleep_to_next_tick(self.refresh_s)
             await self.refresh()
 
     async def refresh(self) -> None:

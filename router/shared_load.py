@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, load_field
-from kvmesh.serving.background import BackgroundLoops
+from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class FleetLoad:
 
     async def _heartbeat_loop(self) -> None:
         while self._loops.running:
-            await asyncio.sleep(self.heartbeat_s)
+            await sleep_to_next_tick(self.heartbeat_s)
             try:
                 routers = 0
                 if self.incarnation is not None:

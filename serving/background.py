@@ -4,7 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import random
 from collections.abc import Coroutine
+
+# The offset (seconds) of the grid this process's periodic loops wake on: loops of one
+# process share their wake-ups, while processes sharing a host (and its monotonic clock) do
+# not all call Redis in the same instant.
+_PHASE_S = random.random()
+
+
+def until_next_tick(period: float, now: float | None = None) -> float:
+    """Seconds from ``now`` (the loop's clock) to the next multiple of ``period`` on this
+    process's grid. Why a grid rather than ``sleep(period)``: on an idle server a wake-up
+    costs more than the work it does (~45 us of CPU here against ~0.1 ms for a Redis
+    command), and loops sleeping their own period apart drift into a wake-up each; loops on
+    one grid whose periods divide each other wake together."""
+    if now is None:
+        now = asyncio.get_running_loop().time()
+    return (math.floor((now - _PHASE_S) / period) + 1) * period + _PHASE_S - now
+
+
+async def sleep_to_next_tick(period: float) -> None:
+    """Sleep to the next tick of ``period`` on this process's grid (``until_next_tick``)."""
+    await asyncio.sleep(until_next_tick(period))
 
 
 class BackgroundLoops:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from kvmesh.serving.background import until_next_tick
 from kvmesh.serving.connections import ClientStalled, WriteDeadline
 from kvmesh.serving.grpc_server import ListenError, check_free
 from kvmesh.serving.tls import TLSConfig
@@ -77,7 +78,7 @@ class SecondTickServer(uvicorn.Server):
     async def main_loop(self) -> None:
         while not await self.on_tick(0):  # a counter of 0 mod 10: every tick refreshes the Date header
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout(until_next_tick(1.0)):
                     await self._wake.wait()
 
     def exit_now(self) -> None:
