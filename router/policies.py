@@ -46,7 +46,7 @@ class ReplicaState:
     inflight_decode_blocks: float = 0.0  # their decode work (max_tokens), until they end
     num_running: int = 0  # from its heartbeat (all routers' requests)
     num_waiting: int = 0
-    recent_blocks: float = 0.0  # uncached prefill routed to it lately (decaying), for tie-breaks
+    recent_blocks: float = 0.0  # blocks of new prefixes placed on it lately (decaying), for tie-breaks
     costs: StepCosts = PRIOR  # what a step costs there, measured (its heartbeat)
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens one of its steps computes at most (chunked prefill)
 
@@ -186,9 +186,10 @@ class PrefixAware(Policy):
     in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
     shared system prompt can never pile every request on one replica while predictions lag
     (costs and queues are as of the last heartbeat and reservation). Equal scores (a prefix
-    nobody holds, like replicas idle) go to the replica that got the least prefill work
-    lately, then by rendezvous hashing of the first block: at low load a stream of cold
-    prompts spreads evenly (more distinct prefixes stay cached), and repeat visits agree.
+    nobody holds, like replicas idle) go to the replica that had the fewest new prefixes
+    placed on it lately (by blocks, ``ReplicaLoad``), then by rendezvous hashing of the
+    first block: at low load a stream of cold prompts spreads evenly (more distinct
+    prefixes stay cached), and repeat visits agree.
     """
 
     block_size: int = 16
@@ -238,7 +239,7 @@ class PrefixAware(Policy):
 
     def sort_key(self, request: RouteRequest, r: ReplicaState, cap: float) -> tuple[bool, float, int]:
         """Where ``r`` ranks for ``request``, lower first, before the rendezvous tie-break:
-        over the guard's cap, then the score, then the prefill work routed there lately. The
+        over the guard's cap, then the score, then the new prefixes placed there lately. The
         one statement of the order: the simulator's fast path ranks by its parts too."""
         return (
             self.over_cap(r.inflight_requests, cap),
@@ -253,7 +254,7 @@ class PrefixAware(Policy):
 
     @staticmethod
     def recent_rank(recent_blocks: float) -> int:
-        """Recent prefill work, as the order compares it (whole blocks: near-equal is a tie)."""
+        """Recent new prefixes, as the order compares them (whole blocks: near-equal is a tie)."""
         return round(recent_blocks)
 
     def rank(self, request, replicas, cap: float | None = None):

@@ -19,6 +19,7 @@ from kvmesh.router.policies import (
     Session,
     make_policy,
 )
+from kvmesh.router.replica_load import ReplicaLoad, RequestWork
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving.step_costs import StepCosts
 
@@ -218,6 +219,35 @@ def test_prefix_sequential_shared_prefix_stays_on_one_replica():
         overlay.record(choice, req.block_hashes, now=0)
         chosen.add(choice)
     assert len(chosen) == 1
+
+
+def test_prefix_new_prefixes_spread_after_a_busy_minute():
+    """Three replicas served a prefix and its 30 follow-ups each lately, the fourth a prefix
+    alone; then 8 new prefixes arrive, one at a time. The follow-ups went where their prefix
+    was, so they say nothing about where a new one should go: it spreads 2 per replica (when
+    the tie-break counted every uncached block, the fourth owed the others their follow-ups
+    and took 5 of the 8)."""
+    p, now = PrefixAware(), 0.0
+    loads = {f"r{i}": ReplicaLoad() for i in range(4)}
+
+    def route(replica_id: str, num_blocks: int, matched: int) -> None:
+        work = RequestWork.estimate(num_blocks, matched, 16, BS)
+        loads[replica_id].begin(work, now)
+        loads[replica_id].prefill_done(work)
+        loads[replica_id].end(work)
+
+    for replica_id in loads:
+        route(replica_id, 36, 0)  # the prefix, new there
+        for _ in range(30 if replica_id != "r3" else 0):
+            route(replica_id, 36, 32)  # a follow-up: the prefix cached, its question not
+    placed = collections.Counter()
+    for seed in range(8):
+        req = request(prompt(100 + seed, n=36 * BS))
+        states = [ReplicaState(rid, recent_blocks=load.recent.value(now)) for rid, load in loads.items()]
+        choice = p.rank(req, states)[0]
+        route(choice, req.num_blocks, 0)
+        placed[choice] += 1
+    assert sorted(placed.values()) == [2, 2, 2, 2]
 
 
 def test_speculative_overlay_expires_and_is_bounded():
