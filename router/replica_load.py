@@ -37,17 +37,17 @@ class DecayingSum:
 @dataclass
 class RequestWork:
     """What one routed request still owes a replica, in blocks: its uncached prefill (paid
-    off at its first token) and its decode (paid off when it ends). ``placed``: its blocks when
-    the replica held none of them (a new prefix placed there), else 0."""
+    off at its first token) and its decode (paid off when it ends). ``new_prefix``: the
+    replica held none of its blocks (a new prefix placed there)."""
 
     prefill: float
     decode: float
-    placed: float = 0.0
+    new_prefix: bool = False
 
     @classmethod
     def estimate(cls, num_blocks: int, matched_blocks: int, max_tokens: int, block_size: int) -> RequestWork:
         uncached = num_blocks - min(matched_blocks, num_blocks)
-        return cls(uncached, max_tokens / block_size, float(num_blocks) if uncached == num_blocks else 0.0)
+        return cls(uncached, max_tokens / block_size, uncached == num_blocks)
 
 
 class ReplicaLoad:
@@ -73,7 +73,7 @@ class ReplicaLoad:
         self.requests += 1
         self.prefill_blocks += work.prefill
         self.decode_blocks += work.decode
-        self.recent.add(work.placed, now)
+        self.recent.add(work.prefill if work.new_prefix else 0.0, now)
 
     def prefill_done(self, work: RequestWork) -> None:
         self.prefill_blocks -= work.prefill

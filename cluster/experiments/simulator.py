@@ -38,7 +38,7 @@ from array import array
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmesh.cluster.experiments.cost_model import CostModel
 from kvmesh.cluster.experiments.lazy_scheduler import LazyDecodeScheduler
@@ -406,7 +406,7 @@ class Simulation:
             chosen,
             router.index,
             work,
-            RequestWork(work.prefill, work.decode),
+            replace(work),
             min(depth, (len(tokens) - 1) // self.block_size) * self.block_size,
             spec.answer_tokens(),
         )
