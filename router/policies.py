@@ -16,6 +16,7 @@ from typing import ClassVar
 import xxhash
 
 from kvmesh.kvcache.hashing import token_buffer
+from kvmesh.serving.errors import shown
 from kvmesh.serving.step_costs import PRIOR, StepCosts
 
 
@@ -294,7 +295,7 @@ POLICIES: dict[str, type[Policy]] = {
 def make_policy(name: str, block_size: int = 16, seed: int | None = None) -> Policy:
     """A policy by name; ``ValueError`` naming the known ones otherwise."""
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        raise ValueError(f"unknown policy {shown(name)}; known: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[name]
     if cls in (RandomChoice, PowerOfTwo):
         return cls(seed=seed)

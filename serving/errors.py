@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import grpc
 
+ECHO_CHARS = 64  # of a client's value, at most, in an error message or a log line
+
+
+def shown(value: object) -> str:
+    """A client's value as a message may quote it: its repr (newlines and control characters
+    escaped, so it cannot forge a log line), cut to its first ``ECHO_CHARS`` characters with
+    the full length after, so a huge value is neither sent back whole nor logged whole."""
+    if isinstance(value, str):
+        head = repr(value[:ECHO_CHARS])
+        return head if len(value) <= ECHO_CHARS else f"{head}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
+
 
 class ServingError(Exception):
     """A request that cannot be served, with the status a gRPC client and an HTTP client get."""

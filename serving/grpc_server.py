@@ -1,4 +1,5 @@
-"""A grpc.aio server with the standard extras: health (grpc.health.v1) and reflection."""
+"""A grpc.aio server with the standard extras: health (grpc.health.v1) and reflection; a
+request that does not decode is INVALID_ARGUMENT (``grpc_decode``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.serving.connections import ConnectionLimits
+from kvmesh.serving.grpc_decode import GuardedRegistrar
 from kvmesh.serving.tls import TLSConfig
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -72,7 +74,10 @@ async def start_grpc_server(
 ) -> GrpcServer:
     """Serve ``(add_XServicer_to_server, servicer, full service name)`` triples on host:port
     (0: any), over TLS when ``tls`` has a certificate. Larger messages: RESOURCE_EXHAUSTED.
-    ``connections``: streams per connection and the keepalive policy."""
+    ``connections``: streams per connection and the keepalive policy. grpc's overload
+    protection stays on (part of its defence against floods of reset streams): it counts the
+    streams of calls that ended but that Python has not freed yet, so a burst near the bound
+    can have calls refused (UNAVAILABLE, REFUSED_STREAM: never processed, safe to retry)."""
     if port:
         check_free(host, port, "gRPC")  # a clear message, before grpc logs its own
     server = grpc.aio.server(
@@ -85,8 +90,9 @@ async def start_grpc_server(
         ],
     )
     names = []
+    registrar = GuardedRegistrar(server)
     for add, servicer, name in services:
-        add(servicer, server)
+        add(servicer, registrar)
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

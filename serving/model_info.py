@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.kvcache import namespace_seed
-from kvmesh.serving.errors import NotFound
+from kvmesh.serving.errors import NotFound, shown
 
 
 def model_id_of(model_dir: str | Path, model_id: str | None = None) -> str:
@@ -33,7 +33,7 @@ class ModelInfo:
         """NotFound unless ``name``, a request's model field, names this model: its served
         name, its id, or nothing (a server of one model takes a request that names none)."""
         if name not in (None, "", self.api_name, self.model_id):
-            raise NotFound(f"model {name!r} is not served here; this server serves {self.api_name!r}")
+            raise NotFound(f"model {shown(name)} is not served here; this server serves {self.api_name!r}")
 
     @classmethod
     def from_folder(

@@ -402,6 +402,42 @@ async def test_one_connection_carries_a_bounded_number_of_streams(stack):
     assert peak == CONNECTIONS.grpc_max_streams  # the other two waited for a stream, not a slot
 
 
+@pytest.mark.parametrize("where", ["router", "replica"])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"\x0a\xff", "the protobuf encoding is corrupt"),
+        (
+            pb.GenerateRequest(model="ab").SerializeToString().replace(b"ab", b"\xff\xfe"),
+            "field model is not",
+        ),
+    ],
+)
+async def test_a_request_that_does_not_decode_is_invalid_argument(stack, where, data, reason):
+    address, stub_class = grpc_targets(stack)[where]
+    method = f"/kvmesh.v1.{stub_class.__name__.removesuffix('Stub')}/Generate"
+    async with grpc.aio.insecure_channel(address, OWN_CONNECTION) as channel:
+        call = channel.unary_stream(method, request_serializer=lambda b: b)(data, timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await read_all(call)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in caught.value.details()
+
+
+HUGE_NAME = "m" * (1 << 20)
+
+
+@pytest.mark.parametrize("where", ["router", "replica"])
+async def test_a_huge_model_name_is_not_echoed_back(stack, where):
+    async with httpx.AsyncClient(base_url=urls(stack)[where], timeout=60) as http:
+        reply = await http.post("/v1/completions", json={"model": HUGE_NAME, "prompt": "hi", "max_tokens": 1})
+    assert reply.status_code == 404 and len(reply.content) < 1024, reply.content[:200]
+    message = reply.json()["error"]["message"]
+    assert message.startswith("model 'mmm") and f"{1 << 20} characters" in message
+    address, stub_class = grpc_targets(stack)[where]
+    code, details = await grpc_code(address, stub_class, pb.GenerateRequest(text="hi", model=HUGE_NAME))
+    assert code == "NOT_FOUND" and details.startswith("model ") and len(details) < 1024, details[:200]
+
+
 # ---------------------------------------------------------------- ids, labels, log lines
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from kvmesh.serving.errors import InvalidRequest
+from kvmesh.serving.errors import InvalidRequest, shown
 from kvmesh.serving.sampling_params import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,8 @@ def log_unknown_fields(body: BaseModel) -> None:
 def _refuse_unless(body: BaseModel, name: str, allowed: tuple) -> None:
     value = getattr(body, name)
     if value not in allowed:
-        shown = " or ".join("null" if a is None else repr(a) for a in allowed)
-        raise InvalidRequest(f"{name}={value!r} is not supported (only {shown})", param=name)
+        only = " or ".join("null" if a is None else repr(a) for a in allowed)
+        raise InvalidRequest(f"{name}={shown(value)} is not supported (only {only})", param=name)
 
 
 def _check_logprobs_count(body: BaseModel, name: str) -> None:
@@ -167,7 +167,7 @@ class _Sampling(BaseModel):
             raise InvalidRequest("stream_options needs stream: true", param="stream_options")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise InvalidRequest(
-                f"response_format {self.response_format.get('type')!r} is not supported (only text)",
+                f"response_format {shown(self.response_format.get('type'))} is not supported (only text)",
                 param="response_format",
             )
         _refuse_unless(self, "include_stop_str_in_output", (False,))
@@ -249,7 +249,7 @@ class ChatMessage(BaseModel):
     @classmethod
     def _known_role(cls, role: str) -> str:
         if role not in CHAT_ROLES:
-            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {shown(role)}")
         return role
 
     @field_validator("content")

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from kvmesh.protos import pb
-from kvmesh.serving.errors import InvalidRequest
+from kvmesh.serving.errors import InvalidRequest, shown
 from kvmesh.serving.openai.protocol import (
     ChatMessage,
     ChatRequest,
@@ -45,7 +45,7 @@ def _set(sampling: pb.SamplingParams, name: str, value) -> None:
     try:
         setattr(sampling, name, value)
     except (ValueError, TypeError, OverflowError):
-        raise InvalidRequest(f"{name} {value!r} is out of range", param=name) from None
+        raise InvalidRequest(f"{name} {shown(value)} is out of range", param=name) from None
 
 
 def sampling_of(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
