@@ -1,6 +1,8 @@
 """What a slow, stuck or vanished client may hold on a kvmesh server, bounded: a stream that
 cannot deliver is aborted (its in-flight slot and KV blocks freed), a gRPC connection
-carries a bounded number of streams, and one that stops answering pings is closed."""
+carries a bounded number of streams, and one that stops answering pings is closed; an HTTP
+port holds a bounded number of connections, each request head is bounded in size and time,
+a request body in the time between its parts, and a connection with no request in time."""
 
 from __future__ import annotations
 
@@ -30,13 +32,44 @@ class ConnectionLimits:
         flag="grpc-keepalive-timeout",
         help="seconds a gRPC client has to answer a ping before its connection and streams are dropped",
     )
+    http_max_head_bytes: int = option(
+        32 << 10, help="bytes of an HTTP request head (request line and headers); a longer one gets 431"
+    )
+    http_max_headers: int = option(100, help="header lines in an HTTP request head; more get 431")
+    http_head_timeout_s: float = option(
+        10.0,
+        flag="http-head-timeout",
+        help="seconds from an HTTP request head's first byte to its end; a slower one gets 408",
+    )
+    http_body_timeout_s: float = option(
+        30.0,
+        flag="http-body-timeout",
+        help="seconds an HTTP request body may pause between its parts; past it, 408 (or the connection dropped)",
+    )
+    http_idle_timeout_s: float = option(
+        5.0,
+        flag="http-idle-timeout",
+        help="seconds an HTTP connection may stay open with no request under way (a new one included)",
+    )
+    http_max_connections: int = option(
+        2048, help="open connections on one HTTP port; one more gets 503 and is closed"
+    )
 
     def __post_init__(self) -> None:
-        for name in ("stream_write_timeout_s", "grpc_keepalive_s", "grpc_keepalive_timeout_s"):
+        for name in (
+            "stream_write_timeout_s",
+            "grpc_keepalive_s",
+            "grpc_keepalive_timeout_s",
+            "http_head_timeout_s",
+            "http_body_timeout_s",
+            "http_idle_timeout_s",
+            "grpc_max_streams",
+            "http_max_head_bytes",
+            "http_max_headers",
+            "http_max_connections",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.grpc_max_streams <= 0:
-            raise ValueError(f"grpc_max_streams must be positive, got {self.grpc_max_streams}")
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """Server options: the stream bound, the server's own pings (also on a stream that is

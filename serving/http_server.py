@@ -1,10 +1,12 @@
 """Running an ASGI app (the OpenAI front end) with uvicorn inside an existing event loop,
-behind a guard that cuts off clients that stop reading."""
+behind a door that bounds what a client sends (``http_door``) and a guard that cuts off
+clients that stop reading."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -13,8 +15,9 @@ from dataclasses import dataclass
 import uvicorn
 
 from kvmesh.serving.background import until_next_tick
-from kvmesh.serving.connections import ClientStalled, WriteDeadline
+from kvmesh.serving.connections import ClientStalled, ConnectionLimits, WriteDeadline
 from kvmesh.serving.grpc_server import ListenError, check_free
+from kvmesh.serving.http_door import BoundedHttpProtocol
 from kvmesh.serving.tls import TLSConfig
 
 
@@ -36,16 +39,27 @@ class HttpServer:
 
 
 async def start_http_server(
-    app, host: str, port: int, tls: TLSConfig | None = None, write_timeout_s: float = 30.0
+    app,
+    host: str,
+    port: int,
+    tls: TLSConfig | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> HttpServer:
     """Serve ``app`` on ``host:port`` (0: any free port; HTTPS when ``tls`` has a cert, with
-    client certificates required under ``tls.client_auth``). A client that does not take a
-    part of a response for ``write_timeout_s`` is disconnected (``StalledClientGuard``)."""
+    client certificates required under ``tls.client_auth``). What a client sends is bounded
+    by the HTTP bounds of ``limits`` (default: ``ConnectionLimits()``) in
+    ``BoundedHttpProtocol``; a client that does not take a part of a response for its
+    ``stream_write_timeout_s`` is disconnected (``StalledClientGuard``). No WebSocket: no
+    kvmesh route takes one, so an upgrade is an ordinary request within the same bounds."""
+    limits = limits or ConnectionLimits()
     mtls = bool(tls and tls.cert and tls.client_auth)
     config = uvicorn.Config(
-        StalledClientGuard(app, write_timeout_s),
+        StalledClientGuard(app, limits.stream_write_timeout_s),
         host=host,
         port=port,
+        http=functools.partial(BoundedHttpProtocol, limits=limits),
+        ws="none",
+        timeout_keep_alive=limits.http_idle_timeout_s,
         log_level="warning",
         lifespan="off",
         ssl_certfile=tls.cert if tls else None,

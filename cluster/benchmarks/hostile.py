@@ -2,7 +2,8 @@
 requests of every kind a server must hold under, sent beside the ordinary load. Each kind
 knows the clean answer it must get (a 400 naming the field, a 413, a connection cut after
 the write timeout...); the soak counts the answers that were not, and checks that no
-ordinary request failed because of any of them."""
+ordinary request failed because of any of them. Beside them, connections are held open
+(``held_open.py``): each must be dropped within the server's bounds."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 
+from kvmesh.cluster.benchmarks.held_open import HeldLog, hold_open
 from kvmesh.protos import pb, pb_grpc
 
 
@@ -307,20 +309,25 @@ async def hostile_client(
             await asyncio.sleep(pause_s)
 
 
-def run_hostile(target: Target, clients: int, seconds: float, seed: int) -> dict:
-    """``clients`` hostile clients for ``seconds`` (and what they have under way then), in
-    this process: the soak runs it in a process of its own, so the megabytes these clients
-    build and read are not counted in the router's memory. Returns the log's report."""
+def run_hostile(
+    target: Target, clients: int, seconds: float, seed: int, idle: int = 0, slowloris: int = 0
+) -> dict:
+    """``clients`` hostile clients and ``idle`` + ``slowloris`` held-open connections
+    (``held_open.py``) for ``seconds`` (and what the clients have under way then), in this
+    process: the soak runs it in a process of its own, so the megabytes these clients build
+    and read are not counted in the router's memory. Returns the log's report, with the
+    held-open connections' under ``held_open``."""
 
     async def main() -> dict:
-        log, stop = HostileLog(), asyncio.Event()
-        clients_ = [
+        log, held, stop = HostileLog(), HeldLog(), asyncio.Event()
+        tasks = [
             asyncio.create_task(hostile_client(target, stop, log, random.Random(seed + i), pause_s=0.5))
             for i in range(clients)
         ]
+        tasks += hold_open(target.http_url, idle, slowloris, stop, held)
         await asyncio.sleep(seconds)
         stop.set()
-        await asyncio.gather(*clients_)
-        return log.report()
+        await asyncio.gather(*tasks)
+        return log.report() | {"held_open": held.report(), "held_longest_s": round(held.longest_lived_s(), 2)}
 
     return asyncio.run(main())

@@ -6,13 +6,14 @@ never the last one the router sees live: a kill waits until another replica serv
 two replicas and a slow replacement, killing the other one would leave nothing to serve).
 Reported per minute: requests, errors by status code, p99 latency; and the resident memory
 of every long-lived process (this process, which hosts the router; Redis; each replica
-incarnation), which must stay flat once warm.
+incarnation), which must stay flat once warm, with the router's open files beside it.
 
 Each failed ordinary request is classified: one that was streaming from a replica killed
 while it ran is the kill's (nothing can save it: its client has seen tokens); any other is
 a failure of kvmesh's. With ``hostile``, clients of ``hostile.py`` mix bad, oversized, slow
 and vanishing requests of every kind into the load: each must get its clean answer, and no
-ordinary request may fail because of them.
+ordinary request may fail because of them; ``idle`` and ``slowloris`` connections are held
+open against the router's HTTP port, and each must be dropped within the server's bounds.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.metrics import read_samples
 
-HOSTILE_WRITE_TIMEOUT_S = 5.0  # with hostile clients: their slow readers are cut off within the run
+HOSTILE_WRITE_TIMEOUT_S = 5.0
+# After the attackers' process ends, the router's open files and memory are read this much
+# later (its sockets are closed when the process ends; the server sees it within a loop turn).
+AFTER_ATTACK_S = 10.0
+# With a calm run first: the ordinary requests' p90 under attack, at most this times the calm one.
+CALM_P90_RATIO = 1.2  # with hostile clients: their slow readers are cut off within the run
+HELD_OPEN_MAX_S = 30.0  # the longest a held-open connection may live: the head timeout, the linger, slack
 
 
 def rss_mb(pid: int) -> float | None:
@@ -52,6 +59,14 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def open_files(pid: int) -> int | None:
+    """How many files (sockets included) a process holds open (Linux /proc), or None if it is gone."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
 
 
 async def closed_loop_client(
@@ -114,23 +129,27 @@ async def run(
     kill_every: float,
     seed: int,
     hostile_clients: int = 0,
+    idle: int = 0,
+    slowloris: int = 0,
 ) -> dict:
     rng = random.Random(seed)
     requests = shared_prefix(
         num_groups=16, prompts_per_group=16, system_prompt_len=256, question_len=32, output_len=16, seed=seed
     )
     # With hostile clients: HTTP too, and slow readers cut off within the run.
+    abused = bool(hostile_clients or idle or slowloris)
     cut_soon = ConnectionLimits(stream_write_timeout_s=HOSTILE_WRITE_TIMEOUT_S)
-    hostile = {"connections": cut_soon} if hostile_clients else {}
+    hostile = {"connections": cut_soon} if abused else {}
     config = ClusterConfig.for_model(
         model_dir,
         replicas,
         engine={"num_kv_blocks": 1024},
-        router={"port": 0, "http_port": 0 if hostile_clients else -1, **hostile},
+        router={"port": 0, "http_port": 0 if abused else -1, **hostile},
         replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
     )
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    files: list[tuple[float, int]] = []  # the router's open files
     kill_times: list[float] = []
     failures: list[dict] = []
     async with LocalCluster(config) as cluster:
@@ -141,11 +160,12 @@ async def run(
             asyncio.create_task(closed_loop_client(cluster.router_address, requests, stop, t0, log, failures))
             for _ in range(clients)
         ]
-        abuse = _start_hostile(cluster, hostile_clients, duration, seed)
+        files_before = open_files(os.getpid())  # the router's, before any attack
+        abuse = _start_hostile(cluster, hostile_clients, duration, seed, idle, slowloris)
         next_kill, next_sample = kill_every, 0.0
         while (now := time.perf_counter() - t0) < duration:
             if now >= next_sample:
-                await _sample_memory(cluster, now, memory)
+                await _sample_memory(cluster, now, memory, files)
                 next_sample += 10.0
                 progress(
                     f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
@@ -162,39 +182,53 @@ async def run(
         stop.set()
         await asyncio.gather(*workers)
         hostile_report = await abuse if abuse is not None else None  # its last requests, still served
-        await _sample_memory(cluster, time.perf_counter() - t0, memory)
+        await _sample_memory(cluster, time.perf_counter() - t0, memory, files)
+        after_attack = None
+        if abuse is not None:  # the attackers' process ended: what the router still holds
+            await asyncio.sleep(AFTER_ATTACK_S)
+            after_attack = {
+                "open_files_before": files_before,
+                "open_files_after": open_files(os.getpid()),
+                "rss_mb_after": rss_mb(os.getpid()),
+            }
         restarts = cluster.supervisor.restarts
         metrics = cluster.router.core.render_metrics().decode()
         truth = index_truth_report(metrics)
         series = sum(1 for (name, _) in read_samples(metrics) if name == "kvmesh_router_requests_total")
     result = {
         "index_truth": truth,
-        "minutes": _per_minute(log),
+        "minutes": _per_minute(log, files),
         "memory": _memory_report(memory),
         "kills": len(kill_times),
         "kill_times_s": kill_times,
         "failures": failures,
         "restarts": restarts,
         "requests": len(log),
+        "p90_ms": ordinary_p90_ms(log),
         "errors": dict(collections.Counter(c for _, c, _ in log if c != "OK")),
         "failed_ordinary": classify_failures(failures, kill_times),
         "request_series": series,
     }
     if hostile_report is not None:
         result["hostile"] = hostile_report
+        result["router_after_attack"] = after_attack
     return result
 
 
-def _start_hostile(cluster: LocalCluster, clients: int, duration: float, seed: int):
-    """The hostile clients, in a process of their own (None without any)."""
-    if not clients:
+def _start_hostile(
+    cluster: LocalCluster, clients: int, duration: float, seed: int, idle: int, slowloris: int
+):
+    """The hostile clients and held-open connections, in a process of their own (None without any)."""
+    if not (clients or idle or slowloris):
         return None
     from kvmesh.cluster.benchmarks.hostile import Target, run_hostile  # needs httpx
 
     vocab = cluster.router.core.model.vocab_size
     aim = Target(cluster.router_address, cluster.http_url, vocab, HOSTILE_WRITE_TIMEOUT_S)
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    running = asyncio.get_running_loop().run_in_executor(pool, run_hostile, aim, clients, duration, seed)
+    running = asyncio.get_running_loop().run_in_executor(
+        pool, run_hostile, aim, clients, duration, seed, idle, slowloris
+    )
     running.add_done_callback(lambda _: pool.shutdown(wait=False))
     return running
 
@@ -227,7 +261,10 @@ def index_truth_report(metrics_text: str) -> dict:
     }
 
 
-async def _sample_memory(cluster: LocalCluster, now: float, memory: dict) -> None:
+async def _sample_memory(cluster: LocalCluster, now: float, memory: dict, files: list) -> None:
+    held = open_files(os.getpid())
+    if held is not None:
+        files.append((round(now, 1), held))
     pids = {"router+driver": os.getpid()}
     if cluster.redis is not None and cluster.redis._proc is not None:
         pids["redis"] = cluster.redis._proc.pid
@@ -239,11 +276,18 @@ async def _sample_memory(cluster: LocalCluster, now: float, memory: dict) -> Non
             memory[name].append((round(now, 1), round(mb, 1)))
 
 
-def _per_minute(log: list) -> list[dict]:
+def ordinary_p90_ms(log: list) -> float | None:
+    """The p90 latency of every ordinary request served over the whole run."""
+    ok = [d for _, c, d in log if c == "OK"]
+    return round(percentile(ok, 0.9) * 1e3, 1) if ok else None
+
+
+def _per_minute(log: list, files: list[tuple[float, int]]) -> list[dict]:
     rows = []
     for minute in range(int(max((t for t, _, _ in log), default=0) // 60) + 1):
         entries = [e for e in log if minute * 60 <= e[0] < (minute + 1) * 60]
         ok = [d for _, c, d in entries if c == "OK"]
+        held = [n for t, n in files if minute * 60 <= t < (minute + 1) * 60]
         rows.append(
             {
                 "minute": minute + 1,
@@ -251,6 +295,7 @@ def _per_minute(log: list) -> list[dict]:
                 "errors": dict(collections.Counter(c for _, c, _ in entries if c != "OK")),
                 "p50_ms": round(percentile(ok, 0.5) * 1e3, 1) if ok else None,
                 "p99_ms": round(percentile(ok, 0.99) * 1e3, 1) if ok else None,
+                "router_open_files": max(held, default=None),
             }
         )
     return rows
@@ -284,7 +329,12 @@ def main(
     cache_dir: str,
     seed: int,
     hostile_clients: int = 0,
+    idle: int = 0,
+    slowloris: int = 0,
+    calm_first: bool = False,
 ) -> int:
+    """``calm_first``: the same soak without the hostile clients and held-open connections
+    first, as the baseline of the ordinary requests' p90 under attack."""
     model = str(demo_model(Path(cache_dir)))
     result = {
         "benchmark": "soak",
@@ -293,9 +343,17 @@ def main(
         "clients": clients,
         "kill_every_s": kill_every,
         "hostile_clients": hostile_clients,
+        "held_open": {"idle": idle, "slowloris": slowloris},
         "environment": environment(),
     }
-    result.update(asyncio.run(run(model, duration, replicas, clients, kill_every, seed, hostile_clients)))
+    if calm_first:
+        calm = asyncio.run(run(model, duration, replicas, clients, kill_every, seed))
+        result["calm"] = {k: calm[k] for k in ("p90_ms", "requests", "errors", "minutes", "memory")}
+    result.update(
+        asyncio.run(
+            run(model, duration, replicas, clients, kill_every, seed, hostile_clients, idle, slowloris)
+        )
+    )
     long_lived = {
         k: v for k, v in result["memory"].items() if v["lived_s"] >= min(duration * 0.8, duration - 30)
     }
@@ -319,21 +377,50 @@ def main(
         ),
     ]
     if hostile_clients:
-        hostile = result["hostile"]
         result["targets"].append(
-            target("hostile requests not answered as they must be", hostile["total_surprises"], "<=", 0)
+            target(
+                "hostile requests not answered as they must be", result["hostile"]["total_surprises"], "<=", 0
+            )
         )
-    print(f"\n{'minute':>6}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}  errors")
+    if idle or slowloris:
+        longest = result["hostile"]["held_longest_s"]
+        result["targets"].append(
+            target("longest a held-open connection lived (s)", longest, "<=", HELD_OPEN_MAX_S)
+        )
+    if result.get("router_after_attack"):
+        after = result["router_after_attack"]
+        result["targets"].append(
+            target(
+                f"router open files {AFTER_ATTACK_S:g} s after the attackers left, over those before",
+                after["open_files_after"] - after["open_files_before"],
+                "<=",
+                16,
+            )
+        )
+    if calm_first and result["calm"]["p90_ms"] and result["p90_ms"]:
+        ratio = round(result["p90_ms"] / result["calm"]["p90_ms"], 3)
+        result["targets"].append(target("ordinary p90 under attack / calm p90", ratio, "<=", CALM_P90_RATIO))
+    print(f"\n{'minute':>6}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}{'files':>7}  errors")
     for row in result["minutes"]:
         print(
-            f"{row['minute']:>6}{row['requests']:>10}{row['p50_ms'] or '-':>9}{row['p99_ms'] or '-':>9}  {json.dumps(row['errors'])}"
+            f"{row['minute']:>6}{row['requests']:>10}{row['p50_ms'] or '-':>9}{row['p99_ms'] or '-':>9}"
+            f"{row['router_open_files'] or '-':>7}  {json.dumps(row['errors'])}"
         )
-    print(f"\n{result['kills']} replicas killed, {result['restarts']} restarted by the supervisor")
+    print(
+        f"\nordinary p90 {result['p90_ms']} ms"
+        + (f" (calm run first: {result['calm']['p90_ms']} ms)" if calm_first else "")
+    )
+    if result.get("router_after_attack"):
+        print(f"router after the attack: {json.dumps(result['router_after_attack'])}")
+    print(f"{result['kills']} replicas killed, {result['restarts']} restarted by the supervisor")
     print(
         f"ordinary requests failed: {failed['streaming_from_a_killed_replica']} streaming from a killed replica, "
         f"{failed['other']} otherwise"
     )
+    if idle or slowloris:
+        print(f"held-open connections: {json.dumps(result['hostile']['held_open'])}")
     if hostile_clients:
+        hostile = result["hostile"]
         print(
             f"hostile requests: {hostile['total_sent']} sent ({len(hostile['sent'])} kinds), "
             f"{hostile['total_surprises']} not answered as they must be; "

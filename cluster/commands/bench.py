@@ -184,6 +184,17 @@ def _dashboard(benches) -> None:
     dash.set_defaults(handler=run)
 
 
+# Held-open connections a hostile soak adds unless told otherwise.
+HELD_IDLE, HELD_SLOWLORIS = 50, 20
+
+
+def _held(given: int | None, default: int, hostile: int) -> int:
+    """A held-open count: as given, else ``default`` under --hostile, else none."""
+    if given is not None:
+        return given
+    return default if hostile else 0
+
+
 def _soak(benches) -> None:
     soak = benches.add_parser(
         "soak", help="steady load with periodic replica kills; errors, p99, memory per minute"
@@ -204,15 +215,37 @@ def _soak(benches) -> None:
         metavar="N",
         help="N more clients that mix bad, oversized, slow and vanishing requests into the load",
     )
+    soak.add_argument(
+        "--hostile-idle",
+        type=int,
+        metavar="N",
+        help=f"N connections held open on the router's HTTP port without a byte sent, each opened "
+        f"again when dropped [default {HELD_IDLE} with --hostile, else 0]",
+    )
+    soak.add_argument(
+        "--hostile-slowloris",
+        type=int,
+        metavar="N",
+        help=f"N connections that send a header line every few seconds and never end their head, "
+        f"each opened again when dropped [default {HELD_SLOWLORIS} with --hostile, else 0]",
+    )
+    soak.add_argument(
+        "--calm-first",
+        action="store_true",
+        help="first the same soak without hostile clients or held-open connections: the baseline "
+        "of the ordinary requests' p90 under attack (twice the time)",
+    )
 
     def run(args):
         from kvmesh.cluster.logs import setup_logging
 
         if args.duration <= 0 or args.replicas <= 0 or args.clients <= 0 or args.kill_every < 0:
             raise UsageError("--duration, --replicas and --clients must be positive, --kill-every >= 0")
-        if args.hostile < 0:
-            raise UsageError("--hostile must be >= 0")
-        if args.hostile:
+        idle = _held(args.hostile_idle, HELD_IDLE, args.hostile)
+        slowloris = _held(args.hostile_slowloris, HELD_SLOWLORIS, args.hostile)
+        if min(args.hostile, idle, slowloris) < 0:
+            raise UsageError("--hostile, --hostile-idle and --hostile-slowloris must be >= 0")
+        if args.hostile or idle or slowloris:
             require_extra("experiments", "httpx")
         from kvmesh.cluster.benchmarks.soak import main
 
@@ -226,6 +259,9 @@ def _soak(benches) -> None:
             args.cache_dir,
             args.seed,
             args.hostile,
+            idle,
+            slowloris,
+            args.calm_first,
         )
 
     soak.set_defaults(handler=run)

@@ -70,3 +70,7 @@ def test_a_short_hostile_soak_fails_no_ordinary_request(tmp_path):
     hostile = result["hostile"]
     assert hostile["total_sent"] >= 10 and hostile["total_surprises"] == 0, hostile["examples"]
     assert result["request_series"] <= 6  # policy x outcome: made-up names added none
+    # the held-open connections (idle and slowloris) were dropped in time, and left nothing open
+    assert hostile["held_longest_s"] <= 30, hostile["held_open"]
+    after = result["router_after_attack"]
+    assert after["open_files_after"] - after["open_files_before"] <= 16, after

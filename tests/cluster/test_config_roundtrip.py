@@ -85,6 +85,12 @@ VALUES = {
     "grpc-max-streams": ("64", 64),
     "grpc-keepalive": ("20.0", 20.0),
     "grpc-keepalive-timeout": ("5.0", 5.0),
+    "http-max-head-bytes": ("16384", 16384),
+    "http-max-headers": ("64", 64),
+    "http-head-timeout": ("8.0", 8.0),
+    "http-body-timeout": ("25.0", 25.0),
+    "http-idle-timeout": ("4.0", 4.0),
+    "http-max-connections": ("512", 512),
     "engine-stall-timeout": ("90.0", 90.0),
     "ray-resource": ("roundtrip-node", "roundtrip-node"),  # the launcher's: its local Ray offers it
 }

@@ -12,6 +12,7 @@ import pytest
 from fake_backend import FakeBackend
 
 from kvmesh.protos import pb
+from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.http_server import start_http_server
 from kvmesh.serving.openai.app import OneModel, build_app
 
@@ -87,7 +88,10 @@ async def test_a_streamed_response_goes_straight_to_the_connection_with_the_same
 async def test_a_client_that_stops_reading_a_direct_stream_is_cut_off_within_the_write_timeout():
     backend = _CountingBackend(text_bytes=64 << 10, tokens=10_000)  # ~640 MB if nobody stops it
     server = await start_http_server(
-        build_app(OneModel(backend), lambda: {"status": "ok"}), "127.0.0.1", 0, write_timeout_s=0.5
+        build_app(OneModel(backend), lambda: {"status": "ok"}),
+        "127.0.0.1",
+        0,
+        limits=ConnectionLimits(stream_write_timeout_s=0.5),
     )
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
