@@ -116,7 +116,10 @@ class ReplicaConfig:
     )
     heartbeat_s: float = option(1.0, flag="heartbeat-interval", help="seconds between a replica's heartbeats")
     ttl_s: float = option(
-        5.0, flag="heartbeat-ttl", help="seconds without a heartbeat before a replica is dead"
+        3.0,
+        flag="heartbeat-ttl",
+        help="seconds without a heartbeat before a replica is dead: routers stop sending to it, "
+        "move its requests that have not begun and end its streams",
     )
     torch_threads: int | None = option(
         None, per_model=True, help="torch threads per replica (default: CPU replicas share the cores)"
@@ -124,10 +127,11 @@ class ReplicaConfig:
     drain_timeout_s: float = option(
         30.0, flag="drain-timeout", help="seconds in-flight requests get on SIGTERM"
     )
-    engine_stall_s: float = option(
-        60.0,
+    engine_stall_s: float | None = option(
+        None,
         flag="engine-stall-timeout",
-        help="seconds a step loop with work may go without finishing a step before the replica is unhealthy",
+        help="seconds a step loop with work may go without finishing a step before the replica is "
+        "unhealthy and fails what it holds (default: 5 on a GPU, 60 on CPU)",
     )
     tls: TLSConfig = option(factory=TLSConfig, help="TLS for the replica's gRPC (mTLS with client auth)")
     connections: ConnectionLimits = option(
@@ -158,7 +162,7 @@ class ReplicaConfig:
             )
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
-        if self.engine_stall_s <= 0:
+        if self.engine_stall_s is not None and self.engine_stall_s <= 0:
             raise ValueError(f"engine_stall_s must be positive, got {self.engine_stall_s}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")

@@ -10,8 +10,9 @@ index publisher and the metrics.
 A request that fails alone in a step gets ``RequestFailedError``; a step that fails for
 every request gets its requests ``EngineDeadError`` (the caller may retry elsewhere). An
 engine that cannot step any more (``LLMEngine.broken``) fails what it holds and refuses new
-work, and ``health()`` says so, as it does for a step loop that stopped making progress:
-the replica then leaves the index and its supervisor replaces it.
+work, and ``health()`` says so, as it does for a step loop that stopped making progress
+(a stuck kernel): the replica then fails what it holds (``fail_streams``), leaves the index
+and its supervisor replaces it.
 """
 
 from __future__ import annotations
@@ -82,14 +83,23 @@ class RequestFailedError(RuntimeError):
     """This request failed in the engine by itself; the requests beside it went on."""
 
 
-# A step loop with work that has not finished a loop turn for this long is stalled.
-DEFAULT_STALL_S = 60.0
+# A step loop with work that has not finished a loop turn for this long is stalled. A step on
+# a GPU takes well under a second, so several seconds without one is a stuck kernel (a false
+# stall costs a replica: its supervisor replaces it, hence not less); on CPU one prefill step
+# of a large model can take many seconds.
+GPU_STALL_S = 5.0
+CPU_STALL_S = 60.0
+
+
+def default_stall_s(device_type: str) -> float:
+    return GPU_STALL_S if device_type == "cuda" else CPU_STALL_S
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, stall_s: float = DEFAULT_STALL_S):
+    def __init__(self, engine: LLMEngine, stall_s: float | None = None):
+        """``stall_s``: None for the default of the engine's device (``default_stall_s``)."""
         self.engine = engine
-        self.stall_s = stall_s
+        self.stall_s = stall_s or default_stall_s(engine.runner.device.type)
         self._turn_at = time.monotonic()  # when the step loop last finished a turn or woke up
         self._idle = True  # waiting for a command, with nothing to step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,9 +116,10 @@ class AsyncLLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas for one request. Refusals (``ValueError`` for bad input,
-        ``EngineOverloadedError`` for a full queue) are raised before any delta."""
-        if self._stopped.is_set():
-            raise EngineDeadError("engine is shut down")
+        ``EngineOverloadedError`` for a full queue, ``EngineDeadError`` while the engine
+        cannot serve) are raised before any delta."""
+        if (reason := self.health()) is not None:
+            raise EngineDeadError(reason)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:  # the streams belong to this side; the engine checks its own
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -185,12 +196,21 @@ class AsyncLLMEngine:
         ended, or its step loop has had work and not finished a turn for ``stall_s``."""
         if self.engine.broken:
             return f"engine broken: {self.engine.broken}"
+        if self._stopped.is_set():
+            return "engine is shut down"
         if not self._thread.is_alive():
-            return "engine thread ended" if not self._stopped.is_set() else "engine is shut down"
+            return "engine thread ended"
         stuck = time.monotonic() - self._turn_at
         if not self._idle and stuck > self.stall_s:
             return f"engine step loop stalled: no turn finished for {stuck:.0f} s with work waiting"
         return None
+
+    def fail_streams(self, reason: str) -> None:
+        """End every request streaming from this engine with ``EngineDeadError(reason)``: its
+        step loop will not deliver them (stalled, or its thread ended). Callers move those
+        that produced nothing yet elsewhere; the others end with the error."""
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(reason))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()

@@ -2,25 +2,29 @@
 how much work this router has in flight on each.
 
 The live set is refreshed in the background. A replica leaves it when its heartbeat
-expires (the index says so) or, for a few seconds, after a call to it failed. When Redis
-is unreachable the last known set is kept (its heartbeats cannot be read) and only
-failed calls take replicas out; routing falls back to load (no prefix matches).
+expires (the index says so; its calls end then, see ``_went_silent``) or, for a few seconds,
+after a call to it failed. When Redis is unreachable the last known set is kept (its
+heartbeats cannot be read) and only failed calls take replicas out; routing falls back to
+load (no prefix matches).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
-from kvmesh.router.replica_http import ReplicaHttp
+from kvmesh.router.replica_http import CLOSED, ReplicaHttp
 from kvmesh.router.replica_load import ReplicaLoad, RequestWork
 from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving.auth import bearer_metadata
@@ -30,6 +34,11 @@ from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs, median_c
 from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
+# How long a replica whose heartbeat ran out has to answer a health check before its calls end.
+PROBE_S = 1.0
+# What a read of the live replicas may take: a heartbeat TTL this close to running out when a
+# read does not list its replica ran out meanwhile.
+READ_LATENCY_S = 0.25
 
 
 @dataclass
@@ -45,11 +54,15 @@ class ReplicaEntry:
     priced: StepCosts = PRIOR  # what the policy prices it at (its own, or like its peers)
     step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
     http: ReplicaHttp | None = None  # its OpenAI port, where the router can reach it (SSE relay)
+    closed_because: str = ""  # why it was closed under its calls: what their errors say
 
-    async def close(self) -> None:
+    async def close(self, because: str = CLOSED) -> None:
+        """Close its channel and connections; calls still on them end (``relay.py`` moves
+        those that had no answer yet)."""
+        self.closed_because = because
         await self.channel.close()
         if self.http is not None:
-            self.http.close()
+            self.http.close(because)
 
 
 class ReplicaRegistry:
@@ -70,6 +83,7 @@ class ReplicaRegistry:
         self.failure_cooldown_s = failure_cooldown_s
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
+        self._probes: set[asyncio.Task] = set()  # health checks of replicas whose heartbeat ran out
         self._https = tls.client_ssl_context() if tls else None
         self.index_problem = "index not read yet"  # "" while the index can be trusted to list replicas
         self._back_until = 0.0  # after the index returns: replicas it does not list yet are kept until then
@@ -79,10 +93,13 @@ class ReplicaRegistry:
 
     async def start(self) -> None:
         await self.refresh()
-        self._loops.start(self._refresh_loop(), "kvmesh-registry")
+        self._loops.start(self._refresh_loop, "kvmesh-registry")
 
     async def stop(self) -> None:
         await self._loops.stop()
+        for probe in list(self._probes):
+            probe.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
         for entry in [*self.entries.values(), *self._retired]:
             await entry.close()
         self.entries.clear()
@@ -130,7 +147,9 @@ class ReplicaRegistry:
             return False
 
     async def _apply(self, records: list[ReplicaRecord]) -> None:
-        now = self._read_at = time.monotonic()
+        now = time.monotonic()
+        on_time = now - self._read_at <= 1.5 * self.refresh_s  # see _went_silent
+        self._read_at = now
         seen = set()
         for rec in records:
             seen.add(rec.replica_id)
@@ -158,11 +177,33 @@ class ReplicaRegistry:
             if now < self._back_until:  # the index just came back: not re-registered yet
                 self.entries[gone].live_until = self._back_until
                 continue
-            self._retired.append(self.entries.pop(gone))
+            entry = self.entries.pop(gone)
+            self._retired.append(entry)
+            if on_time and _went_silent(entry, now):
+                self._probes.add(asyncio.create_task(self._end_if_silent(entry), name=f"kvmesh-probe-{gone}"))
         peers = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
         for entry in self.entries.values():
             entry.priced = priced_costs(entry.costs, peers)
         await self._close_idle_retired()
+
+    async def _end_if_silent(self, entry: ReplicaEntry) -> None:
+        """A replica whose heartbeat ran out: if it does not answer a health check within
+        ``PROBE_S`` either (stopped, hung, gone) its calls end now, and those that had no
+        answer yet move to another replica (``relay.py``); one that answers SERVING lost only
+        the index (a Redis hiccup), and its streams go on."""
+        try:
+            reply = await HealthStub(entry.channel).Check(HealthCheckRequest(), timeout=PROBE_S)
+            serving = reply.status == HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            serving = False
+        finally:
+            self._probes.discard(asyncio.current_task())
+        if serving or entry not in self._retired:
+            return
+        rid = entry.record.replica_id
+        log.warning("replica went silent: its calls end", extra={"replica_id": rid})
+        self._retired.remove(entry)
+        await entry.close(f"{rid} went silent: its heartbeat expired and it did not answer a health check")
 
     async def _close_idle_retired(self) -> None:
         """Close a departed replica's channel only once its calls are done: closing it under
@@ -287,6 +328,16 @@ class ReplicaRegistry:
         if entry:
             entry.failed_until = time.monotonic() + self.failure_cooldown_s
             log.warning("replica call failed, cooling down", extra={"replica_id": replica_id})
+
+
+def _went_silent(entry: ReplicaEntry, now: float) -> bool:
+    """Whether a replica gone from a read left because its heartbeat ran out (it stopped,
+    hung, or lost the index), not by deregistering with time left (a drain, or an engine that
+    cannot serve and failed its own requests). Its calls would wait on it for nothing, unless
+    it answers a health check (``_end_if_silent``). Asked only of a read on time (at most half a period late): a router that
+    fell behind may have missed a drain's deregistration until that replica's TTL had run out
+    too. ``READ_LATENCY_S``: a TTL that ran out while the read was on its way."""
+    return entry.live_until <= now + READ_LATENCY_S
 
 
 def _step_tokens(record: ReplicaRecord) -> int:

@@ -42,8 +42,8 @@ RETRYABLE_CODES = REPLICA_FAILURE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 def failover_targets(ranked: list[str]) -> list[str]:
     """The retry rule: the policy's first choice, then its second, never more.
 
-    A request whose replica fails before sending anything (unreachable, crashed, its
-    channel closed, its queue full) moves once, to the next-ranked replica. One retry
+    A request whose replica fails before sending anything (unreachable, crashed, gone
+    silent, its channel closed, its queue full) moves once, to the next-ranked replica. One retry
     bounds what a failing replica adds to a request's latency to one more attempt and keeps
     a failure from multiplying load across the fleet; the failed replica is cooled down in
     the registry, so the following requests skip it already. A request that has streamed
@@ -249,11 +249,11 @@ class Relay:
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # our caller went away
-            # Nobody cancelled us: the call's channel was closed under it. Re-raising would end
-            # the handler as "cancelled", and gRPC would then send the client no status at all.
-            raise _AttemptFailed(
-                grpc.StatusCode.UNAVAILABLE, "connection to the replica was closed", streamed
-            ) from None
+            # Nobody cancelled us: the call's channel was closed under it (the replica went
+            # silent, say). Re-raising would end the handler as "cancelled", and gRPC would
+            # then send the client no status at all.
+            why = entry.closed_because or "connection to the replica was closed"
+            raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, why, streamed) from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 # Not ours (ours raises CancelledError above): the replica's server cancelled

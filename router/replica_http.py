@@ -31,6 +31,7 @@ _MAX_IDLE = 16  # idle connections kept per replica
 # What ``read`` returns while splicing when the client's buffers are full: reading from the
 # replica has stopped; wait for the client to drain, then ``resume``.
 CLIENT_FULL = b""
+CLOSED = "the router closed its connections to the replica"
 
 
 class ReplicaHttpError(Exception):
@@ -232,6 +233,13 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def fail(self, error: OSError) -> None:
+        """Close it under its reader, who gets ``error``."""
+        if self.error is None:
+            self.error = error
+        self.close()
+        self._wake()
+
 
 class ReplicaHttp:
     """A replica's OpenAI port: ``post`` a request and read its streamed answer; connections
@@ -251,11 +259,13 @@ class ReplicaHttp:
         self.connect_timeout_s = connect_timeout_s
         self._netloc = parts.netloc.encode()
         self._idle: list[_Connection] = []
+        self._busy: set[_Connection] = set()  # a request on each, its answer not released yet
+        self.closed = ""  # why ``close`` was called (then no request goes out any more)
 
     async def post(self, path: str, body: bytes, headers: tuple[tuple[str, str], ...]) -> _Connection:
         """A connection whose response to ``POST path`` has status 200 and headers read (read
         its body with ``read``, then ``release`` it); ReplicaHttpError for another status,
-        OSError when the replica cannot be reached."""
+        OSError when the replica cannot be reached or ``close`` was called."""
         extra = "".join(f"{name}: {value}\r\n" for name, value in headers).encode()
         request = b"".join(
             (
@@ -275,16 +285,15 @@ class ReplicaHttp:
             conn = self._take_idle()
             reused = conn is not None
             conn = conn or await self._connect()
+            self._busy.add(conn)
             conn.send(request)
             try:
                 status = await conn.headers()
-            except OSError:
+            except BaseException as exc:  # cancelled too (the client left): the replica learns it now
+                self._busy.discard(conn)
                 conn.close()
-                if reused and not conn.received:
+                if isinstance(exc, OSError) and reused and not conn.received and not self.closed:
                     continue  # a kept connection the replica had closed meanwhile: a new one
-                raise
-            except BaseException:  # cancelled (the client left): the replica learns it now
-                conn.close()
                 raise
             break
         if status != 200:
@@ -294,15 +303,20 @@ class ReplicaHttp:
 
     def release(self, conn: _Connection) -> None:
         """Keep ``conn`` for the next request if its response was read to the end."""
+        self._busy.discard(conn)
         if conn.complete and conn.keep_alive and conn.usable and len(self._idle) < _MAX_IDLE:
             self._idle.append(conn)
         else:
             conn.close()
 
-    def close(self) -> None:
-        for conn in self._idle:
-            conn.close()
+    def close(self, because: str = CLOSED) -> None:
+        """Close every connection, those with a request on them too: their readers get
+        ``ConnectionAbortedError(because)``, and so does every later ``post``."""
+        self.closed = because
+        for conn in [*self._idle, *self._busy]:
+            conn.fail(ConnectionAbortedError(because))
         self._idle.clear()
+        self._busy.clear()
 
     def _take_idle(self) -> _Connection | None:
         while self._idle:
@@ -312,11 +326,16 @@ class ReplicaHttp:
         return None
 
     async def _connect(self) -> _Connection:
+        if self.closed:
+            raise ConnectionAbortedError(self.closed)
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout_s):
             _, conn = await loop.create_connection(
                 _Connection, self.host, self.port, ssl=self.ssl, server_hostname=self.server_name
             )
+        if self.closed:  # meanwhile
+            conn.close()
+            raise ConnectionAbortedError(self.closed)
         return conn
 
     async def _whole_body(self, conn: _Connection) -> bytes:
