@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import ray
@@ -272,26 +272,41 @@ class LocalCluster:
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain the router, stop the replicas, then Redis and Ray (if we started them).
-        ``grace``: seconds in-flight requests get (default: the configured drain timeouts)."""
-        if self.router:
-            await self.router.stop(grace)
-        grace = self.config.replica.drain_timeout_s if grace is None else grace
-        await asyncio.gather(
-            *(s.stop(grace, keep_replicas=self.config.keep_replicas) for s in self.supervisors.values())
-        )
-        for index in self._indexes.values():
-            await index.close()
-        if self.redis:
-            self.redis.close()
-        self._secrets.close()
-        if self._owns_ray:
-            ray.shutdown()
+        ``grace``: seconds in-flight requests get (default: the configured drain timeouts).
+        A step that fails is logged and the next one runs: the secrets it generated are
+        removed and the servers it started stopped, whatever went wrong before."""
+        try:
+            if self.router:
+                await _logged("router", self.router.stop(grace))
+            grace = self.config.replica.drain_timeout_s if grace is None else grace
+            await asyncio.gather(
+                *(
+                    _logged("replicas", s.stop(grace, keep_replicas=self.config.keep_replicas))
+                    for s in self.supervisors.values()
+                )
+            )
+            for index in self._indexes.values():
+                await _logged("index client", index.close())
+        finally:
+            if self.redis:
+                self.redis.close()
+            self._secrets.close()
+            if self._owns_ray:
+                ray.shutdown()
 
     async def __aenter__(self) -> LocalCluster:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
+
+
+async def _logged(what: str, step: Awaitable[None]) -> None:
+    """Await one step of a stop; an error is logged, not raised (the stop goes on)."""
+    try:
+        await step
+    except Exception:  # whatever one part did, the others must still stop
+        log.exception("stopping failed; stopping the rest", extra={"part": what})
 
 
 async def serve_cluster(config: ClusterConfig | Sequence[ClusterConfig]) -> None:

@@ -71,6 +71,7 @@ def _router_model(address: str, info: pb.ModelInfo, listing: pb.ListReplicasResp
         "controller": json.loads(listing.controller_state or "{}"),
         "index_state": listing.index_state,
         "index_state_cause": listing.index_state_cause,
+        "failing_loops": dict(listing.failing_loops),
     }
 
 
@@ -147,6 +148,8 @@ def render(models: list[dict]) -> str:
                 lines.append(
                     f"  {replica_id}: {slot['state']} ({slot['failures']} failed starts{retry}) {slot['error']}"
                 )
+        for loop, why in sorted(m.get("failing_loops", {}).items()):
+            lines.append(f"  router loop {loop} failing: {why}")
     return "\n".join(lines)
 
 

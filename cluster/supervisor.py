@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
+from redis.exceptions import NoPermissionError
 
 from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index_acl import issue_replica_user, replica_user, replica_users
 from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.replica.actor import replica_actor_class
 from kvmesh.replica.config import ReplicaConfig
@@ -111,6 +113,9 @@ class Supervisor:
         self.watch_errors = 0  # checks that failed unexpectedly (the watch went on)
         self._loops = BackgroundLoops()
         self._starts: set[asyncio.Task] = set()  # replacements and retries under way
+        # Whether it issues each replica an index user of its own (None: not tried yet; False:
+        # its index user is not the admin, and replicas use the role's user from their environment).
+        self.issues_users: bool | None = None
 
     @property
     def actors(self) -> dict[str, ray.actor.ActorHandle]:
@@ -138,7 +143,7 @@ class Supervisor:
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
-        self._loops.start(self._watch(), "kvmesh-supervisor")
+        self._loops.start(self._watch, "kvmesh-supervisor")
         await self._publish()
         return self.addresses
 
@@ -173,13 +178,44 @@ class Supervisor:
             **({"runtime_env": {"env_vars": self.environment}} if self.environment else {}),
             **({"resources": {self.ray_resource: 1}} if self.ray_resource else {}),
         )
-        slot.actor, slot.state = cls.remote(self.config_of(slot.replica_id)), "starting"
+        user = await self._issue_user(slot.replica_id)
+        slot.actor, slot.state = cls.remote(self.config_of(slot.replica_id), user), "starting"
         slot.address = await asyncio.wait_for(slot.actor.start.remote(), self.start_timeout_s)
         slot.state, slot.failures, slot.error = "ready", 0, ""
         seconds = time.monotonic() - started
         log.info("replica started", extra={"replica_id": slot.replica_id, "address": slot.address})
         if self.on_ready:
             self.on_ready(slot.replica_id, slot.address, seconds)
+
+    async def _issue_user(self, replica_id: str) -> tuple[str, str] | None:
+        """A new password for ``replica_id``'s own index user (rotated at every start), or
+        None where this supervisor may not make users."""
+        client = getattr(self.index, "client", None)
+        if self.issues_users is False or client is None:
+            return None
+        try:
+            user = await issue_replica_user(client, replica_id)
+        except NoPermissionError:
+            log.warning("not the index's admin: replicas use the replica role's user, not one each")
+            self.issues_users = False
+            return None
+        except ValueError as exc:  # an id that cannot stand in a key pattern
+            log.warning("replica uses the replica role's index user", extra={"why": str(exc)})
+            return None
+        self.issues_users = True
+        return user
+
+    async def _renew_lost_users(self) -> None:
+        """Replicas whose own index user the server no longer has (it restarted without its
+        runtime users) get it again, with a new password."""
+        if not self.issues_users:
+            return
+        have = await replica_users(self.index.client)
+        for slot in self.slots.values():
+            if slot.state == "ready" and replica_user(slot.replica_id) not in have:
+                user, password = await issue_replica_user(self.index.client, slot.replica_id)
+                await asyncio.wait_for(slot.actor.use_index_user.remote(user, password), 10)
+                log.warning("replica's index user renewed", extra={"replica_id": slot.replica_id})
 
     async def _name_released(self, replica_id: str, timeout_s: float = 10.0) -> None:
         """A killed actor gives its name back a moment later; a new one cannot take it before."""
@@ -233,6 +269,7 @@ class Supervisor:
             # loads the functions again on a server that restarted without them: routers and
             # replicas wait for exactly that.
             await self.index.has_settings()
+            await self._renew_lost_users()
         await self._publish()
 
     async def _why_unfit(self, slot: Slot) -> str | None:

@@ -8,7 +8,8 @@
 --   ns.."next"         STRING incarnation counter (replicas' and routers')
 --   ns.."replicas"     SET   replica ids with a record
 --   ns.."r:"..id       HASH  replica record: address, incarnation, slot, started_at, load...
---   ns.."i"..inc       STRING replica id of a LIVE incarnation; its TTL is the heartbeat
+--   ns.."l:"..id       STRING the replica's LIVE incarnation; its TTL is the heartbeat (a key per
+--                            replica, so a replica's ACL user may write its own and no other's)
 --   ns.."slots"        HASH  replica id -> the slot of its current incarnation
 --   ns.."dead"         HASH  slot -> when (server ms) its incarnation ended (its bits may remain
 --                            in block keys until a sweep pass clears them), or -(when it was freed)
@@ -54,6 +55,20 @@ local TEXT_FIELDS = {address = true, model_id = true, http_address = true}
 local function finite(v)
   local n = tonumber(v)
   return n ~= nil and n == n and n ~= math.huge and n ~= -math.huge
+end
+
+-- The number a shared key holds, or nil: every role can write its keys raw (a function's
+-- commands are checked against its caller's ACL user), so what they hold is never trusted.
+local function number(v)
+  if finite(v) then return tonumber(v) end
+  return nil
+end
+
+-- A whole number below 1e14 (printed without an exponent: it becomes part of key names).
+local function counter(v)
+  local n = number(v)
+  if n and n >= 0 and n < 1e14 and n == math.floor(n) then return n end
+  return nil
 end
 
 -- nil, or an error reply naming the first field of ARGV (from `first`, in pairs) that is not
@@ -157,7 +172,8 @@ local function lookup(keys, args)
   local h1, hn = hash_at(packed, 1), hash_at(packed, n)
   local got = redis.call('MGET', prefix .. h1, prefix .. '~0' .. h1, prefix .. '~1' .. h1,
     prefix .. hn, prefix .. '~0' .. hn, prefix .. '~1' .. hn)
-  local w = math.max(#(got[1] or ''), #(got[2] or ''), #(got[3] or ''))
+  -- (a bitmap wider than MAX_SLOTS bits was not written by kvmesh: its excess is ignored)
+  local w = math.min(math.max(#(got[1] or ''), #(got[2] or ''), #(got[3] or '')), MAX_SLOTS / 8)
   if w == 0 then return {} end
   if got[4] == got[1] and got[5] == got[2] and got[6] == got[3] and not (got[2] and got[3]) then
     -- the common case, no byte work: the last block has exactly the first one's holders
@@ -231,10 +247,26 @@ end
 
 -- ---------------------------------------------------------------- control keys: KEYS[1] = ns
 
+-- The next incarnation number, replicas' and routers' alike. The counter may hold anything
+-- (garbage counts as 0) or have been set back, so a number still in use by a live router or
+-- a router's unreaped share is never handed out again (a replica's liveness is its own key:
+-- two replicas on one number never touch each other's), and a replica's new incarnation is
+-- above its previous one (``above``).
+local function new_incarnation(ns, above)
+  local ok, stored = pcall(redis.call, 'GET', ns .. 'next')
+  local n = math.max((ok and counter(stored)) or 0, above or 0)
+  repeat
+    n = n + 1
+  until redis.call('EXISTS', ns .. 'ri' .. n, ns .. 'w' .. n) == 0
+    and redis.call('SISMEMBER', ns .. 'routers', n) == 0
+  redis.call('SET', ns .. 'next', n)
+  return n
+end
+
 -- ARGV: ttl_ms. A new router incarnation; returns its number.
 local function router_register(keys, args)
   local ns, ttl = keys[1], args[1]
-  local rinc = redis.call('INCR', ns .. 'next')
+  local rinc = new_incarnation(ns)
   redis.call('SET', ns .. 'ri' .. rinc, '1', 'PX', ttl)
   redis.call('SADD', ns .. 'routers', rinc)
   return rinc
@@ -254,10 +286,8 @@ local function add_load(key, field, delta)
   if not rid then return end
   local w = {0, 0, 0}
   local cur = redis.call('HGET', key, rid)
-  if cur then
-    local a, b, c = string.match(cur, '^(%S+) (%S+) (%S+)$')
-    w = {tonumber(a), tonumber(b), tonumber(c)}
-  end
+  local a, b, c = string.match(cur or '', '^(%S+) (%S+) (%S+)$')
+  if number(a) and number(b) and number(c) then w = {number(a), number(b), number(c)} end
   w[KINDS[kind]] = w[KINDS[kind]] + tonumber(delta)
   for i = 1, 3 do if math.abs(w[i]) < 1e-6 then w[i] = 0 end end
   if w[1] == 0 and w[2] == 0 and w[3] == 0 then
@@ -273,7 +303,10 @@ local function reap(ns)
   for _, rinc in ipairs(redis.call('SMEMBERS', ns .. 'routers')) do
     if redis.call('EXISTS', ns .. 'ri' .. rinc) == 0 then
       local share = redis.call('HGETALL', ns .. 'w' .. rinc)
-      for j = 1, #share, 2 do add_load(ns .. 'load', share[j], -tonumber(share[j + 1])) end
+      for j = 1, #share, 2 do
+        local held = number(share[j + 1])
+        if held then add_load(ns .. 'load', share[j], -held) end
+      end
       redis.call('DEL', ns .. 'w' .. rinc)
       redis.call('SREM', ns .. 'routers', rinc)
       reaped = reaped + 1
@@ -318,14 +351,18 @@ end
 -- A slot no live or recent incarnation has: the lowest free one.
 local function fresh_slot(ns)
   local used, now = {}, server_ms()
-  for _, s in ipairs(redis.call('HVALS', ns .. 'slots')) do used[tonumber(s)] = true end
+  for _, s in ipairs(redis.call('HVALS', ns .. 'slots')) do
+    if counter(s) then used[counter(s)] = true end
+  end
   local dead = redis.call('HGETALL', ns .. 'dead') -- slot -> died at, or -(freed at)
   for j = 1, #dead, 2 do
-    local at = tonumber(dead[j + 1])
-    if at < 0 and now + at > GRACE_MS then
+    local at = number(dead[j + 1])
+    if not counter(dead[j]) then
+      redis.call('HDEL', ns .. 'dead', dead[j]) -- not a slot at all
+    elseif at and at < 0 and now + at > GRACE_MS then
       redis.call('HDEL', ns .. 'dead', dead[j])
     else
-      used[tonumber(dead[j])] = true
+      used[counter(dead[j])] = true
     end
   end
   local slot = 0
@@ -350,18 +387,18 @@ local function register(keys, args)
   local ns, rid, ttl = keys[1], args[1], args[2]
   local refused = malformed(args, 3)
   if refused then return refused end
-  local rkey = ns .. 'r:' .. rid
-  local old = redis.call('HGET', rkey, 'incarnation')
-  if old then redis.call('DEL', ns .. 'i' .. old) end
-  end_slot(ns, rid)
+  -- what can fail comes first, so a refused register changes nothing (a function's writes
+  -- before an error stay: the replica's old slot must not end for a register that failed)
   local slot = fresh_slot(ns)
   if type(slot) == 'table' then return slot end
+  local rkey = ns .. 'r:' .. rid
+  local inc = new_incarnation(ns, counter(redis.call('HGET', rkey, 'incarnation')))
+  end_slot(ns, rid)
   redis.call('HSET', ns .. 'slots', rid, slot)
-  local inc = redis.call('INCR', ns .. 'next')
   redis.call('DEL', rkey)
   redis.call('HSET', rkey, 'replica_id', rid, 'incarnation', inc, 'slot', slot)
   for j = 3, #args, 2 do redis.call('HSET', rkey, args[j], args[j + 1]) end
-  redis.call('SET', ns .. 'i' .. inc, rid, 'PX', ttl)
+  redis.call('SET', ns .. 'l:' .. rid, inc, 'PX', ttl) -- the previous incarnation is no longer live
   redis.call('SADD', ns .. 'replicas', rid)
   return {inc, slot}
 end
@@ -372,9 +409,9 @@ local function heartbeat(keys, args)
   local ns, rid, inc, ttl = keys[1], args[1], args[2], args[3]
   local refused = malformed(args, 4)
   if refused then return refused end
-  local ikey = ns .. 'i' .. inc
-  if redis.call('GET', ikey) ~= rid then return 0 end
-  redis.call('PEXPIRE', ikey, ttl)
+  local lkey = ns .. 'l:' .. rid
+  if redis.call('GET', lkey) ~= inc then return 0 end
+  redis.call('PEXPIRE', lkey, ttl)
   -- keys read only now and then stay in use, so a memory-full server never evicts them
   redis.call('TOUCH', ns .. 'settings', ns .. 'slots', ns .. 'dead', ns .. 'next', ns .. 'replicas')
   local rkey = ns .. 'r:' .. rid
@@ -382,28 +419,25 @@ local function heartbeat(keys, args)
   return 1
 end
 
--- The replica's record goes, and its slot waits for a sweep pass.
+-- The replica's record goes (if it is still there), and its slot waits for a sweep pass.
 local function forget(ns, rid)
   end_slot(ns, rid)
-  redis.call('DEL', ns .. 'r:' .. rid)
+  if redis.call('EXISTS', ns .. 'r:' .. rid) == 1 then redis.call('DEL', ns .. 'r:' .. rid) end
   redis.call('SREM', ns .. 'replicas', rid)
 end
 
 -- ARGV: replica_id, incarnation. Graceful exit: gone from lookups at once.
 local function deregister(keys, args)
   local ns, rid, inc = keys[1], args[1], args[2]
-  if redis.call('GET', ns .. 'i' .. inc) ~= rid then return 0 end
-  redis.call('DEL', ns .. 'i' .. inc)
+  if redis.call('GET', ns .. 'l:' .. rid) ~= inc then return 0 end
+  redis.call('DEL', ns .. 'l:' .. rid)
   forget(ns, rid)
   return 1
 end
 
 -- ARGV: replica_id. Ends its current incarnation now (its process was seen dead).
 local function retire(keys, args)
-  local ns = keys[1]
-  local inc = redis.call('HGET', ns .. 'r:' .. args[1], 'incarnation')
-  if not inc then return 0 end
-  return redis.call('DEL', ns .. 'i' .. inc)
+  return redis.call('DEL', keys[1] .. 'l:' .. args[1])
 end
 
 -- Returns {slots no live incarnation owns (dead, or of a replica whose heartbeat lapsed), then
@@ -419,8 +453,9 @@ local function live_replicas(keys, args)
     for j = 1, #rec, 2 do
       if rec[j] == 'incarnation' then inc = rec[j + 1] elseif rec[j] == 'slot' then slot = rec[j + 1] end
     end
-    local ttl = inc and redis.call('PTTL', ns .. 'i' .. inc) or -2
-    if ttl > 0 and redis.call('GET', ns .. 'i' .. inc) == rid then
+    local lkey = ns .. 'l:' .. rid
+    local ttl = redis.call('PTTL', lkey)
+    if inc and ttl > 0 and redis.call('GET', lkey) == inc then
       out[#out + 1] = rec
       out[#out + 1] = ttl
     elseif slot then
@@ -447,8 +482,10 @@ local function swept(keys, args)
   local freed, dead = 0, redis.call('HGETALL', ns .. 'dead')
   local now = server_ms()
   for j = 1, #dead, 2 do
-    local died = tonumber(dead[j + 1])
-    if died >= 0 and died < began - QUARANTINE_MS then
+    local died = number(dead[j + 1])
+    if not died then
+      redis.call('HSET', ns .. 'dead', dead[j], now) -- not a time: quarantined again from now
+    elseif died >= 0 and died < began - QUARANTINE_MS then
       redis.call('HSET', ns .. 'dead', dead[j], -now); freed = freed + 1
     end
   end

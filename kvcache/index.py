@@ -12,6 +12,8 @@ spread over every shard and a lookup is still one call to one shard.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from importlib import resources
@@ -35,9 +37,11 @@ from kvmesh.kvcache.index_api import (
     ReplicaRecord,
     ShareHalves,
     Speculation,
+    check_settings,
     load_field,
     own_settings,
 )
+from kvmesh.kvcache.untrusted import UntrustedEntries
 
 __all__ = [
     "DEFAULT_DEPLOYMENT",
@@ -53,13 +57,16 @@ __all__ = [
     "pack_hashes",
 ]
 
-LAYOUT = 2  # the key layout's version: data written under another layout is never read
+LAYOUT = 3  # the key layout's version: data written under another layout is never read
 _SOURCE = resources.files("kvmesh.kvcache").joinpath("index.lua").read_text()
 VERSION = f"v{LAYOUT}_{xxhash.xxh32_hexdigest(_SOURCE.encode())}"
 LIBRARY = _SOURCE.replace("@VERSION@", VERSION)
 _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
 _PIPELINE_CALLS = 512  # publish calls per round trip when a resync spans many roots
 _SWEEP_COUNT = 500  # keys one sweep step scans on each server
+MAX_SLOTS = 8192  # index.lua's: bitmaps stay <= 1 KiB
+# index.lua's check of an address, for records it did not write (raw writes by a replica's user)
+_HOST_PORT = re.compile(r"[A-Za-z0-9.\-\[\]:/]+:[0-9]+")
 
 
 T = TypeVar("T")
@@ -173,6 +180,9 @@ class RedisPrefixIndex(ShareHalves):
         self._own_slots: dict[tuple[str, int], int] = {}  # (replica, incarnation) -> slot, from register
         self._sweep_cursors: dict[str, int | None] = {}  # server -> SCAN cursor; None: done this pass
         self._pass_began: int | None = None  # server ms when this client's current sweep pass began
+        self.untrusted = UntrustedEntries()  # what it read and skipped
+        self._url: str | None = None  # from_url's, to connect again (``reconnect``)
+        self._credentials: dict[str, str | None] = {}
 
     @classmethod
     def from_url(
@@ -186,8 +196,20 @@ class RedisPrefixIndex(ShareHalves):
         **credentials: str | None,
     ) -> RedisPrefixIndex:
         """``credentials``: ``username``, ``password``, ``ca_file`` (see ``connect``)."""
-        client = connect(url, **credentials)
-        return cls(client, model_id, block_size, hash_seed, deployment, members_max_age_s)
+        index = cls(
+            connect(url, **credentials), model_id, block_size, hash_seed, deployment, members_max_age_s
+        )
+        index._url, index._credentials = url, credentials
+        return index
+
+    async def reconnect(self, username: str, password: str) -> None:
+        """Go on as another user (a replica whose supervisor issued it a new password): new
+        calls use a new client, and the old one closes."""
+        if self._url is None:
+            raise RuntimeError("only an index made by from_url can connect again")
+        credentials = {**self._credentials, "username": username, "password": password}
+        old, self.client = self.client, connect(self._url, **credentials)
+        await old.aclose()
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -277,20 +299,18 @@ class RedisPrefixIndex(ShareHalves):
     # ------------------------------------------------------------------ settings
 
     async def ensure_settings(self) -> None:
-        """Store the cluster settings once; refuse to run with different ones."""
+        """Store the settings if the index has none (the admin's, or the first replica's);
+        IndexSettingsError when it has others. Routers only read them (``settings``): their
+        user may not write them."""
         mine = own_settings(self.model_id, self.deployment, self.block_size, self.hash_seed)
-        stored = _pairs(await self._control("settings", *[x for kv in mine.items() for x in kv]))
-        wrong = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
-        if wrong:
-            detail = ", ".join(
-                f"{k}: cluster has {have!r}, this process has {want!r}" for k, (have, want) in wrong.items()
-            )
-            raise IndexSettingsError(f"prefix index settings differ ({detail})")
+        stored = await self._control("settings", *[x for kv in mine.items() for x in kv])
+        check_settings(mine, _pairs(stored))
 
     async def settings(self) -> dict[str, str] | None:
-        """The settings the first replica (or router) stored, None while there are none."""
+        """The settings the admin or the first replica stored, None while there are none
+        (text as read, what does not decode replaced: a caller compares, never trusts)."""
         stored = await self.client.hgetall(f"{self.ns}settings")
-        return {k.decode(): v.decode() for k, v in stored.items()} or None
+        return {_text(k, lenient=True): _text(v, lenient=True) for k, v in stored.items()} or None
 
     async def has_settings(self) -> bool:
         """False when the server lost this model's data (restarted without persistence)."""
@@ -335,18 +355,10 @@ class RedisPrefixIndex(ShareHalves):
         raw = await self._control("live_replicas", read_only=True)
         records = []
         for flat, ttl in zip(raw[1::2], raw[2::2], strict=True):
-            fields = _pairs(flat)
-            records.append(
-                ReplicaRecord(
-                    replica_id=fields.pop("replica_id"),
-                    address=fields.pop("address"),
-                    incarnation=int(fields.pop("incarnation")),
-                    heartbeat_ttl_ms=int(ttl),
-                    fields=fields,
-                    slot=int(fields.pop("slot")),
-                )
-            )
-        dead = [int(slot) for slot in raw[0]]
+            record = self._record(flat, ttl)
+            if record is not None:
+                records.append(record)
+        dead = [slot for slot in map(_integer, raw[0]) if slot is not None]
         self._by_slot = {r.slot: r for r in records}
         self._slot_of = {r.replica_id: r.slot for r in records}
         self._known_slots = set(self._by_slot) | set(dead)
@@ -357,15 +369,37 @@ class RedisPrefixIndex(ShareHalves):
         if time.monotonic() - self._members_at > self.members_max_age_s:
             await self._members()
 
+    def _record(self, flat: list, ttl: object) -> ReplicaRecord | None:
+        """One replica's record as read, or None (counted, logged once) when it is not one
+        kvmesh wrote: any process with the replica role can write any bytes there, and one
+        bad record must cost only itself, never a decision or the other records."""
+        try:
+            fields = dict(zip(map(_text, flat[::2]), map(_text, flat[1::2]), strict=True))
+            record = ReplicaRecord(
+                replica_id=fields.pop("replica_id"),
+                address=fields.pop("address"),
+                incarnation=_integer(fields.pop("incarnation"), strict=True),
+                heartbeat_ttl_ms=_integer(ttl, strict=True),
+                fields=fields,
+                slot=_integer(fields.pop("slot"), strict=True),
+            )
+            if not 0 <= record.slot < MAX_SLOTS or not _HOST_PORT.fullmatch(record.address):
+                raise ValueError("its slot or address is out of shape")
+        except (KeyError, ValueError, TypeError) as exc:
+            named = dict(zip(flat[::2], flat[1::2], strict=False)).get(b"replica_id", b"?")
+            self.untrusted.reject("record", _text(named, lenient=True), exc)
+            return None
+        return record
+
     # ------------------------------------------------------------------ blocks
 
     async def _own_slot(self, replica_id: str, incarnation: int) -> int | None:
         slot = self._own_slots.get((replica_id, incarnation))
         if slot is None:  # registered through another client: read it from the record
             record = await self.client.hmget(f"{self.ns}r:{replica_id}", ["incarnation", "slot"])
-            if record[0] is None or int(record[0]) != incarnation:
-                return None
-            slot = self._own_slots[(replica_id, incarnation)] = int(record[1])
+            if _integer(record[0]) != incarnation or _integer(record[1]) is None:
+                return None  # retired, or its record was overwritten: resync under a new one
+            slot = self._own_slots[(replica_id, incarnation)] = _integer(record[1])
         return slot
 
     async def publish(self, replica_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
@@ -430,9 +464,9 @@ class RedisPrefixIndex(ShareHalves):
                 ("fcall", function("publish"), 1, args[0], slot, *args)
                 for args in batches[start : start + _PIPELINE_CALLS]
             ]
-            calls.append(("get", f"{self.ns}i{incarnation}"))  # still live? (a control key: its own shard)
+            calls.append(("get", f"{self.ns}l:{replica_id}"))  # still live? (a control key: its own shard)
             replies = await self._pipeline(calls)
-            if replies[-1] is None or replies[-1].decode() != replica_id:
+            if _integer(replies[-1]) != incarnation:
                 return False
         return True
 
@@ -463,7 +497,7 @@ class RedisPrefixIndex(ShareHalves):
         replies = await self._pipeline([*lookup, ("hgetall", self._load_key)])
         flat, load = (replies[0], replies[1]) if chain is not None else ([], replies[0])
         matched, speculative = await self._matches(flat)
-        return IndexView(matched, speculative, _fleet(load))
+        return IndexView(matched, speculative, self._fleet(load))
 
     async def _matches(self, flat: list) -> tuple[dict[str, int], dict[str, int]]:
         """(replicas' matches, speculative matches) from a lookup's (depth, published bitmap,
@@ -485,6 +519,20 @@ class RedisPrefixIndex(ShareHalves):
                     if record is not None:
                         into[record.replica_id] = depth
         return matched, speculative
+
+    def _fleet(self, load: Mapping[bytes, bytes]) -> dict[str, FleetWork]:
+        """The load hash (replica id -> "<requests> <prefill> <decode>") as work per replica;
+        an entry that does not parse is skipped (counted, logged once): routers may write it."""
+        fleet = {}
+        for rid, work in load.items():
+            try:
+                numbers = [float(x) for x in work.split()]
+                if len(numbers) != 3 or not all(math.isfinite(x) for x in numbers):
+                    raise ValueError("not three finite numbers")
+                fleet[_text(rid)] = FleetWork(*(max(0.0, x) for x in numbers))
+            except ValueError as exc:
+                self.untrusted.reject("load", _text(rid, lenient=True), exc)
+        return fleet
 
     async def share(
         self,
@@ -563,7 +611,7 @@ class RedisPrefixIndex(ShareHalves):
 
     async def controller_state(self) -> str | None:
         value = await self.client.get(f"{self.ns}controller")
-        return value.decode() if value is not None else None
+        return _text(value, lenient=True) if value is not None else None
 
     async def claim_resync(self, replica_id: str, interval_s: float) -> bool:
         """True for the one router that may ask ``replica_id`` to resync in this interval
@@ -597,11 +645,22 @@ def _slots(bitmap: bytes) -> list[int]:
     return np.flatnonzero(np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8))).tolist()
 
 
-def _fleet(load: Mapping[bytes, bytes]) -> dict[str, FleetWork]:
-    """The load hash (replica id -> "<requests> <prefill> <decode>") as work per replica."""
-    return {
-        rid.decode(): FleetWork(*(max(0.0, float(x)) for x in work.split())) for rid, work in load.items()
-    }
+def _text(value: object, lenient: bool = False) -> str:
+    """A stored value as text: UTF-8, or (``lenient``, for messages and keys of skipped
+    entries) with what does not decode replaced."""
+    if isinstance(value, bytes):
+        return value.decode(errors="replace" if lenient else "strict")
+    return str(value)
+
+
+def _integer(value: object, strict: bool = False) -> int | None:
+    """A stored integer; None (ValueError when ``strict``) when it is not one."""
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        if strict:
+            raise ValueError(f"not an integer: {value!r:.40}") from None
+        return None
 
 
 def _ms(seconds: float) -> int:
@@ -609,5 +668,5 @@ def _ms(seconds: float) -> int:
 
 
 def _pairs(flat: list) -> dict[str, str]:
-    items = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
-    return dict(zip(items[::2], items[1::2], strict=True))
+    items = [_text(x, lenient=True) for x in flat]
+    return dict(zip(items[::2], items[1::2], strict=False))

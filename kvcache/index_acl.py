@@ -3,9 +3,21 @@
 - ``admin`` (``kvmesh up``, the chart's controller): everything, and it alone loads the index
   functions, flushes or reconfigures the server.
 - ``router``: reads everything; writes only what routers own (its incarnation and shared
-  load, speculative entries, resync claims, the settings a router told its block size stores).
+  load, speculative entries, resync claims). Never the settings: a misconfigured router that
+  stored its own after a restart of the server kept every replica out.
 - ``replica``: reads everything; writes only what replicas own (registration, heartbeats,
-  their slots, published and swept block keys, the settings).
+  their slots, published and swept block keys, the settings when none are stored: a replica
+  whose block size is "auto" is the first to know it).
+
+Redis checks each command a function runs against its caller's ACL user, so a key a role's
+functions write is one the role can write raw: the functions and every reader treat such
+keys as untrusted (``kvcache/untrusted.py``), and a bad entry costs only itself.
+
+Each replica may also have a user of its own (``replica_user``; the supervisor, as admin,
+issues one with a fresh password each time it starts a replica): the replica role's rights,
+but only its own record and liveness key, so no replica can register as another, move
+another's address or end another's incarnation. The role's shared user stays for
+deployments whose supervisor is not the index's admin.
 
 Functions run with the caller's rights, so a router that calls ``register`` is refused like
 one that writes the keys itself: no router can pose as a replica, no replica can steer
@@ -17,16 +29,23 @@ published blocks ``{<8 hex>.<4 hex>}<8 bytes>``, speculative ones ``{<8 hex>.<4 
 from __future__ import annotations
 
 import hashlib
+import re
+import secrets
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 ROLES = ("admin", "router", "replica")
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 USERS = {role: f"kvmesh-{role}" for role in ROLES}
 
 _CONTROL = "{k:????????}"  # alone: the control functions' declared key, never written itself
 _TAG = "{????????.????}"  # a function's declared key (a chain's hash tag); never written itself
 _BLOCK = _TAG + "????????"
 _SPECULATIVE = _TAG + "~?????????"
-_ROUTER_KEYS = ("next", "ri*", "routers", "load", "w*", "settings", "resync:*")
-_REPLICA_KEYS = ("next", "r:*", "i*", "slots", "dead", "replicas", "settings")
+_ROUTER_KEYS = ("next", "ri*", "routers", "load", "w*", "resync:*")
+_REPLICA_KEYS = ("next", "slots", "dead", "replicas", "settings")
+_OWN_KEYS = ("r:", "l:")  # a replica's record and liveness key: + its id
 
 # Every role may read, write (within its keys), call functions and manage its connection;
 # nothing dangerous (FLUSHALL, CONFIG, KEYS, DEBUG, ...) and no FUNCTION but LIST; TIME (the
@@ -38,17 +57,67 @@ _SERVING_COMMANDS = (
 )
 
 
-def acl_rules(role: str) -> str:
-    """The ACL rules of ``role``, without its password (ACL SETUSER / ACL file syntax)."""
+def acl_rules(role: str, replica_id: str | None = None) -> str:
+    """The ACL rules of ``role``, without its password (ACL SETUSER / ACL file syntax);
+    ``replica_id``: the rules of that one replica's own user (role "replica")."""
     if role == "admin":
         return "~* &* +@all"
     if role == "router":
         keys = [_CONTROL + k for k in ("", *_ROUTER_KEYS)] + [_TAG, _SPECULATIVE]
     elif role == "replica":
-        keys = [_CONTROL + k for k in ("", *_REPLICA_KEYS)] + [_TAG, _BLOCK]
+        own = check_replica_id(replica_id) if replica_id is not None else "*"
+        keys = [_CONTROL + k for k in ("", *_REPLICA_KEYS, *(k + own for k in _OWN_KEYS))] + [_TAG, _BLOCK]
     else:
         raise ValueError(f"unknown index role {role!r}; known: {', '.join(ROLES)}")
     return " ".join(["resetchannels", "%R~*", *(f"~{k}" for k in keys), _SERVING_COMMANDS])
+
+
+def replica_user(replica_id: str) -> str:
+    """The name of one replica's own index user."""
+    return f"{USERS['replica']}.{check_replica_id(replica_id)}"
+
+
+def check_replica_id(replica_id: str) -> str:
+    """``replica_id`` if it can stand in a key pattern as itself (no glob characters)."""
+    if not _PLAIN_ID.fullmatch(replica_id):
+        raise ValueError(
+            f"a replica id with its own index user is letters, digits, '.', '_', '-': {replica_id!r:.80}"
+        )
+    return replica_id
+
+
+async def issue_replica_user(client: Redis | RedisCluster, replica_id: str) -> tuple[str, str]:
+    """Create (or reset) ``replica_id``'s own user with a new password, on every node of a
+    cluster (ACL users are per node); returns (user, password). Needs the admin's rights."""
+    user, password = replica_user(replica_id), secrets.token_urlsafe(32)
+    command = (
+        "ACL",
+        "SETUSER",
+        user,
+        "reset",
+        "on",
+        f">{password}",
+        *acl_rules("replica", replica_id).split(),
+    )
+    if isinstance(client, RedisCluster):
+        await client.execute_command(*command, target_nodes=RedisCluster.ALL_NODES)
+    else:
+        await client.execute_command(*command)
+    return user, password
+
+
+async def replica_users(client: Redis | RedisCluster) -> set[str]:
+    """The replicas' own users the server has (on a cluster: those on every node)."""
+    if isinstance(client, RedisCluster):
+        per_node = await client.execute_command("ACL", "USERS", target_nodes=RedisCluster.ALL_NODES)
+        names = set.intersection(*({_text(u) for u in users} for users in per_node.values()))
+    else:
+        names = {_text(u) for u in await client.execute_command("ACL", "USERS")}
+    return {name for name in names if name.startswith(USERS["replica"] + ".")}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def acl_file(passwords: dict[str, str]) -> str:

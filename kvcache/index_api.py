@@ -78,6 +78,17 @@ def own_settings(
     }
 
 
+def check_settings(mine: Mapping[str, str], stored: Mapping[str, str]) -> None:
+    """IndexSettingsError naming each setting ``stored`` (the index's, authoritative) has
+    otherwise than ``mine``."""
+    wrong = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
+    if wrong:
+        detail = ", ".join(
+            f"{k}: the index has {have!r:.80}, this process {want!r}" for k, (have, want) in wrong.items()
+        )
+        raise IndexSettingsError(f"prefix index settings differ ({detail})")
+
+
 def load_field(replica_id: str, kind: str) -> str:
     return f"{replica_id}|{kind}"
 

@@ -19,11 +19,11 @@ from typing import TypeVar
 from kvmesh.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.kvcache.index_api import (
     DEFAULT_DEPLOYMENT,
-    IndexSettingsError,
     IndexView,
     ReplicaRecord,
     ShareHalves,
     Speculation,
+    check_settings,
     fleet_work,
     own_settings,
 )
@@ -160,8 +160,7 @@ class MemoryPrefixIndex(ShareHalves):
         mine = own_settings(self.model_id, self.deployment, self.block_size, self.hash_seed)
         if self._settings is None:
             self._settings = mine
-        if self._settings != mine:
-            raise IndexSettingsError(f"prefix index settings differ: stored {self._settings}, this {mine}")
+        check_settings(mine, self._settings)
 
     async def settings(self) -> dict[str, str] | None:
         return dict(self._settings) if self._settings else None

@@ -13,10 +13,12 @@ from kvmesh.replica.process import ReplicaConfig, ReplicaServer
 class ReplicaActor:
     """Ray async actor around ReplicaServer; create with ``replica_actor_class(...)``."""
 
-    def __init__(self, config: ReplicaConfig):
+    def __init__(self, config: ReplicaConfig, index_user: tuple[str, str] | None = None):
+        """``index_user``: (user, password) of this replica's own index user, where its
+        supervisor issued one (else the process's environment names the role's user)."""
         # A node's drain (kvmesh drain-replicas) ends this process once the replica drained:
         # the supervisor sees it gone and starts a replacement where Ray can place it.
-        self.server = ReplicaServer(config, on_drained=lambda: os._exit(0))
+        self.server = ReplicaServer(config, on_drained=lambda: os._exit(0), index_user=index_user)
 
     def config(self) -> ReplicaConfig:
         """The settings it runs with (a controller re-attaches only to replicas with its own)."""
@@ -42,6 +44,10 @@ class ReplicaActor:
     def health(self) -> dict:
         """The replica's health (its engine's, while not draining): the supervisor's check."""
         return self.server.health()
+
+    async def use_index_user(self, user: str, password: str) -> None:
+        """Its own index user's new password (the server lost its users, or it was rotated)."""
+        await self.server.use_index_user(user, password)
 
     def pid(self) -> int:
         return os.getpid()

@@ -78,7 +78,7 @@ class PodMetrics:
     async def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         await self._turn()
-        self._loops.start(self._loop(), "kvmesh-pod-metrics")
+        self._loops.start(self._loop, "kvmesh-pod-metrics")
 
     async def stop(self) -> None:
         await self._loops.stop()

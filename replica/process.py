@@ -24,15 +24,18 @@ from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor, is_loopback_host
-from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
+from kvmesh.serving.background import BackgroundLoops, failing_loops, sleep_to_next_tick
 from kvmesh.serving.grpc_server import GrpcServer, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
-from kvmesh.serving.index_connection import connect_index
+from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.app import OneModel, build_app
 from kvmesh.serving.options import effective_config
 
 log = logging.getLogger(__name__)
+# The index refusing a replica this long (settings that differ, a register it will not take)
+# makes it unhealthy: routers cannot see it, so it serves nobody.
+OUT_OF_INDEX_S = 30.0
 
 
 def advertised_host(config: ReplicaConfig) -> str:
@@ -48,10 +51,17 @@ def advertised_host(config: ReplicaConfig) -> str:
 
 
 class ReplicaServer:
-    def __init__(self, config: ReplicaConfig, on_drained: Callable[[], None] | None = None):
-        """``on_drained``: called once a node's drain (``DrainSocket``) has been answered."""
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        on_drained: Callable[[], None] | None = None,
+        index_user: tuple[str, str] | None = None,
+    ):
+        """``on_drained``: called once a node's drain (``DrainSocket``) has been answered.
+        ``index_user``: (user, password) of its own index user, else the environment's."""
         self.config = config
         self.on_drained = on_drained
+        self.index_user = index_user
         self.drain_socket: DrainSocket | None = None
         self._stopping: asyncio.Future | None = None
         self.engine: AsyncLLMEngine | None = None
@@ -135,10 +145,15 @@ class ReplicaServer:
                 title="kvmesh replica",
                 relay_routes=True,
             )
-            self.http = await start_http_server(app, c.host, c.http_port, c.tls, write_timeout_s)
+            self.http = await start_http_server(app, c.host, c.http_port, c.tls, c.connections)
             self.http_address = f"{'https' if c.tls.cert else 'http'}://{host}:{self.http.port}"
             info["http_address"] = self.http_address
-        index = connect_index(c.redis_url, engine.model_id, engine.block_size, engine.hash_seed, c.deployment)
+        own = RedisCredentials.from_env()
+        if self.index_user is not None:
+            own = dataclasses.replace(own, username=self.index_user[0], password=self.index_user[1])
+        index = connect_index(
+            c.redis_url, engine.model_id, engine.block_size, engine.hash_seed, c.deployment, own
+        )
         self.publisher = IndexPublisher(
             index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
         )
@@ -148,7 +163,7 @@ class ReplicaServer:
             await self.pod_metrics.start()
         self.drain_socket = DrainSocket(c.replica_id, self.stop, self.on_drained)
         await self.drain_socket.start()
-        self._loops.start(self._follow_engine(), "kvmesh-engine-health")
+        self._loops.start(self._follow_engine, "kvmesh-engine-health")
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
 
@@ -158,27 +173,45 @@ class ReplicaServer:
 
     def health(self) -> dict:
         """HTTP /health (and the supervisor's check): ok while the engine serves; 503 once
-        draining (routers then stop sending) or while the engine cannot serve."""
-        status = "draining" if self.draining else "unhealthy" if self.unhealthy else "ok"
+        draining (routers then stop sending), while the engine cannot serve, or once the
+        index has refused this replica for ``OUT_OF_INDEX_S`` (no router would send it work:
+        the supervisor replaces it). Loops that keep failing are named."""
+        refused = self.publisher is not None and self.publisher.out_of_index_for() > OUT_OF_INDEX_S
+        reason = self.unhealthy or (f"out of the index: {self.publisher.refused}" if refused else None)
+        status = "draining" if self.draining else "unhealthy" if reason else "ok"
         body = {"status": status, "replica_id": self.config.replica_id}
-        if self.unhealthy:
-            body["reason"] = self.unhealthy
+        if reason:
+            body["reason"] = reason
+        if failing := failing_loops():
+            body["failing_loops"] = failing
         return body
 
     async def _follow_engine(self) -> None:
         """The engine's health, checked every heartbeat, decides what the replica shows: a
-        replica whose engine is broken or stalled is NOT_SERVING and leaves the index."""
+        replica whose engine is broken or stalled is NOT_SERVING and leaves the index, and
+        ends what it holds at once (UNAVAILABLE: a router moves those that have not begun)
+        rather than when the supervisor replaces it."""
         while self._loops.running:
             await sleep_to_next_tick(self.config.heartbeat_s)
             reason = self.engine.health()
             if reason == self.unhealthy:
                 continue
             self.unhealthy = reason
+            if reason is not None:
+                self.engine.fail_streams(reason)
             await self.grpc.set_serving(reason is None)
             if reason is None:
                 self.publisher.rejoin()
             else:
                 await self.publisher.withdraw(reason)
+
+    async def use_index_user(self, user: str, password: str) -> None:
+        """Go on as this index user (its supervisor issued a new password): the publisher
+        syncs again under it at once."""
+        self.index_user = (user, password)
+        if self.publisher is not None:
+            await self.publisher.index.reconnect(user, password)
+            self.publisher.sync_soon("index user renewed")
 
     async def resync(self, reason: str) -> int:
         if self.publisher is None:

@@ -19,13 +19,16 @@ import contextlib
 import logging
 import time
 
+from redis.exceptions import ResponseError
+
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
 from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import PrefixIndex
+from kvmesh.kvcache.index_api import IndexSettingsError, PrefixIndex
 from kvmesh.replica.engine_thread import AsyncLLMEngine
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)
+SETTINGS_DIFFER = "index settings differ: "
 
 
 class IndexPublisher:
@@ -37,7 +40,7 @@ class IndexPublisher:
         address: str,
         info: dict[str, object] | None = None,
         heartbeat_s: float = 1.0,
-        ttl_s: float = 5.0,
+        ttl_s: float = 3.0,
         max_buffered_events: int = 100_000,
         retry_s: float = 0.5,
         sweep_s: float = 5.0,
@@ -53,6 +56,8 @@ class IndexPublisher:
         self.incarnation: int | None = None
         self.dirty = True  # the index may not equal the cache: sync before publishing
         self.withdrawn: str | None = None  # why this replica is out of the index on purpose
+        self.refused: str | None = None  # why the index refused its last sync (None: it did not)
+        self.refused_since: float | None = None  # monotonic time it began refusing
         self.syncs = 0
         self.synced_hashes = 0  # hashes the last sync published
         self._buffer: list[KVEvent] = []
@@ -61,11 +66,15 @@ class IndexPublisher:
         self._tokens_at = (time.monotonic(), 0)
 
     async def start(self) -> None:
-        """Try a first sync (Redis may be down: then it is retried), start the loops."""
+        """Try a first sync (Redis may be down: then it is retried), start the loops. A
+        replica whose settings differ from the index's stored ones does not start
+        (IndexSettingsError): it would publish hashes no router can match."""
         await self._try_sync()
-        self._loops.start(self._events_loop(), "kvmesh-publish")
-        self._loops.start(self._heartbeat_loop(), "kvmesh-heartbeat")
-        self._loops.start(self._sweep_loop(), "kvmesh-sweep")
+        if self.refused is not None and self.refused.startswith(SETTINGS_DIFFER):
+            raise IndexSettingsError(self.refused)
+        self._loops.start(self._events_loop, "kvmesh-publish")
+        self._loops.start(self._heartbeat_loop, "kvmesh-heartbeat")
+        self._loops.start(self._sweep_loop, "kvmesh-sweep")
 
     async def stop(self) -> None:
         await self._loops.stop()
@@ -96,9 +105,27 @@ class IndexPublisher:
         self._last_sync_attempt = time.monotonic()
         try:
             await self._sync()
+        except (IndexSettingsError, ResponseError) as exc:  # the index answered: not this way
+            self._refuse(f"{SETTINGS_DIFFER}{exc}" if isinstance(exc, IndexSettingsError) else str(exc))
         except INDEX_ERRORS as exc:
             log.warning("prefix index unreachable, serving without it", extra={"error": str(exc)})
             self.dirty = True
+        else:
+            self.refused, self.refused_since = None, None
+
+    def _refuse(self, why: str) -> None:
+        """The index refused this replica's sync (settings that differ, a register it did not
+        take): it stays out, and tries again every ``retry_s`` (the settings may be restored)."""
+        if self.refused != why:
+            log.error("the prefix index refused this replica; retrying", extra={"reason": why[:300]})
+        if self.refused_since is None:
+            self.refused_since = time.monotonic()
+        self.refused, self.dirty = why, True
+
+    def out_of_index_for(self) -> float:
+        """Seconds the index has refused this replica without a break (0 while it is in, or
+        only unreachable: a Redis outage is not the replica's fault)."""
+        return 0.0 if self.refused_since is None else time.monotonic() - self.refused_since
 
     async def _sync(self) -> None:
         await self.index.ensure_settings()
@@ -119,12 +146,16 @@ class IndexPublisher:
         """Publish the whole cache again under a new incarnation (a router saw the index lie
         about this replica); returns the hashes published. TimeoutError if Redis is away."""
         syncs = self.syncs
-        self._mark_dirty(f"asked to resync: {reason}")
-        self._last_sync_attempt = 0.0  # the events loop syncs at its next turn
+        self.sync_soon(f"asked to resync: {reason}")
         async with asyncio.timeout(timeout_s):
             while self.syncs == syncs:
                 await asyncio.sleep(0.01)
         return self.synced_hashes
+
+    def sync_soon(self, why: str) -> None:
+        """Sync again at the events loop's next turn, not after ``retry_s``."""
+        self._mark_dirty(why)
+        self._last_sync_attempt = 0.0
 
     def _mark_dirty(self, why: str) -> None:
         if not self.dirty:

@@ -15,6 +15,7 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.metrics import heartbeat_age
 from kvmesh.router.models import ModelRoute, ModelRoutes
 from kvmesh.serving import tracing
+from kvmesh.serving.background import failing_loops
 from kvmesh.serving.connections import ClientStalled, end_call, send_all
 from kvmesh.serving.errors import ServingError
 
@@ -127,7 +128,11 @@ class RouterService(pb_grpc.RouterServicer):
             controller = ""
         state, cause = first.core.watch.overall()
         return pb.ListReplicasResponse(
-            replicas=replicas, controller_state=controller, index_state=state, index_state_cause=cause
+            replicas=replicas,
+            controller_state=controller,
+            index_state=state,
+            index_state_cause=cause,
+            failing_loops=failing_loops(),
         )
 
 

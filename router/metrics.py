@@ -68,6 +68,11 @@ class RouterMetrics(ServerMetrics):
             ("policy", "branch"),
         )
         self.retries = self.counter("kvmesh_router_failovers", "Requests retried on another replica")
+        self.index_skipped = self.counter(
+            "kvmesh_router_index_skipped_entries",
+            "Index entries read and skipped as malformed, by kind (record, load)",
+            ("kind",),
+        )
         self.relayed = self.counter(
             "kvmesh_router_relayed_streams",
             "Streamed HTTP requests relayed from their replica's own OpenAI port, byte for byte",

@@ -17,13 +17,14 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvmesh.kvcache.index import INDEX_ERRORS, IndexSettingsError
+from kvmesh.kvcache.index_api import check_settings, own_settings
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
 from kvmesh.router.decision import RoutingOptions
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.shared_load import FleetLoad
-from kvmesh.serving.errors import InvalidRequest, NotFound, Unavailable
+from kvmesh.serving.errors import InvalidRequest, NotFound, Unavailable, shown
 from kvmesh.serving.index_connection import RedisCredentials, connect_index
 from kvmesh.serving.metrics import MetricsRegistry
 from kvmesh.serving.model_info import ModelInfo, model_id_of
@@ -81,11 +82,11 @@ class ModelRoute:
             )
 
     async def start(self, on_live_change: Callable[[int], Awaitable[None]]) -> None:
-        """Learn the block size (auto) or store it, then route: the core, shared load, registry."""
+        """Learn the block size (auto) or check it, then route: the core, shared load, registry."""
         if self.model is None:
             self.model = await self._learn_block_size()
         else:
-            await self._store_settings()
+            await self._check_settings()
         c = self.config
         options = RoutingOptions(
             c.policy,
@@ -95,6 +96,7 @@ class ModelRoute:
             index_health=c.index_health,
         )
         metrics = RouterMetrics(self.model.api_name, self.metrics_registry)
+        self.index.untrusted.on_skip = lambda kind: metrics.index_skipped.labels(kind).inc()
         self.core = RouterCore(self.model, self.tokenizer, self.index, self.registry, options, metrics)
         self.registry.on_change(on_live_change)
         if self.fleet is not None:
@@ -103,13 +105,18 @@ class ModelRoute:
             await self.fleet.start()
         await self.registry.start()
 
-    async def _store_settings(self) -> None:
+    async def _check_settings(self) -> None:
+        """A router of a known block size refuses to start if the index holds other settings
+        (it would hash no prompt as the replicas do). It never stores them: the admin or the
+        first replica does, and a router's user may not write them."""
         try:
-            await self.index.ensure_settings()
-        except IndexSettingsError:
-            raise
+            stored = await self.index.settings()
         except INDEX_ERRORS as exc:  # Redis away at start: serve anyway, the registry keeps trying
             log.warning("prefix index unreachable at start", extra={"error": str(exc)})
+            return
+        if stored:
+            i = self.index
+            check_settings(own_settings(i.model_id, i.deployment, i.block_size, i.hash_seed), stored)
 
     async def _learn_block_size(self) -> ModelInfo:
         """Block size "auto": the one the replicas chose (they store it when they register)."""
@@ -121,8 +128,14 @@ class ModelRoute:
                 settings = None
                 if not said:
                     log.warning("prefix index unreachable, waiting for it", extra={"error": str(exc)})
-            if settings:
-                model = self._model_info(int(settings["block_size"]))
+            block_size = _positive(settings.get("block_size")) if settings else None
+            if settings and block_size is None and not said:
+                log.warning(
+                    "the index's stored block size is not one; waiting for the admin to store it again"
+                )
+                said = True
+            if block_size is not None:
+                model = self._model_info(block_size)
                 if str(model.hash_seed) != settings.get("hash_seed"):
                     raise IndexSettingsError(
                         f"the replicas of {self.model_id!r} hash with seed {settings.get('hash_seed')}, "
@@ -177,7 +190,7 @@ class ModelRoutes:
         route = self._by_name.get(name)
         if route is None:
             raise NotFound(
-                f"model {name!r} is not served here; this router serves {', '.join(self.api_names)}"
+                f"model {shown(name)} is not served here; this router serves {', '.join(self.api_names)}"
             )
         return route
 
@@ -208,3 +221,12 @@ class ModelRoutes:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
+
+
+def _positive(text: str | None) -> int | None:
+    """A stored block size, None unless it is a positive whole number."""
+    try:
+        value = int(text or "")
+    except ValueError:
+        return None
+    return value if value > 0 else None

@@ -21,6 +21,7 @@ from kvmesh.router.models import ModelRoutes
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor
+from kvmesh.serving.background import failing_loops
 from kvmesh.serving.grpc_server import GrpcServer, check_free, start_grpc_server
 from kvmesh.serving.http_server import HttpServer, start_http_server
 from kvmesh.serving.index_connection import RedisCredentials
@@ -106,7 +107,7 @@ class RouterServer:
                 self.config.host,
                 self.config.http_port,
                 self.config.tls,
-                self.config.connections.stream_write_timeout_s,
+                self.config.connections,
             )
         log.info("router serving", extra={"grpc": self.address, "http_port": self.http_port})
 
@@ -148,11 +149,15 @@ class RouterServer:
 
     def health(self) -> dict:
         """/health: ok while this router routes (503 while draining, or with no live replica of
-        any model); the live replicas in all, and of each model."""
+        any model); the live replicas in all, and of each model; background loops that failed
+        lately (they are restarted, but one that keeps failing leaves part of the router stale)."""
         models = {route.api_name: route.live for route in self.models.routes}
         live = sum(models.values())
         status = "draining" if self._draining else "ok" if live else "no live replica"
-        return {"status": status, "replicas": live, "models": models}
+        body = {"status": status, "replicas": live, "models": models}
+        if failing := failing_loops():
+            body["failing_loops"] = failing
+        return body
 
     @property
     def _draining(self) -> bool:

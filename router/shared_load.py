@@ -73,7 +73,7 @@ class FleetLoad:
 
     async def start(self) -> None:
         await self._renew()
-        self._loops.start(self._heartbeat_loop(), "kvmesh-fleet-load")
+        self._loops.start(self._heartbeat_loop, "kvmesh-fleet-load")
 
     async def stop(self) -> None:
         await self._loops.stop()

@@ -8,7 +8,7 @@ environment, ``KVMESH_REDIS_USERNAME`` and ``KVMESH_REDIS_PASSWORD_FILE`` (and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -19,11 +19,13 @@ from kvmesh.serving.options import env_name, read_env
 
 @dataclass(frozen=True)
 class RedisCredentials:
-    """Who this process is to Redis: an ACL user (or the default one) and its password file."""
+    """Who this process is to Redis: an ACL user (or the default one) and its password file,
+    or the password itself where its supervisor issued it (a replica's own user)."""
 
     username: str | None = None
     password_file: str | None = None
     ca_file: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> RedisCredentials:
@@ -31,7 +33,7 @@ class RedisCredentials:
 
     def connect_kwargs(self) -> dict[str, str | None]:
         """What ``kvcache.index.connect`` takes (the password read from its file now)."""
-        password = (
+        password = self.password or (
             read_token_file(self.password_file, env_name("redis-password-file"))
             if self.password_file
             else None

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.commands.checks import check_files, check_model_folder
     from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.logs import setup_logging
+    from kvmesh.kvcache.index_api import IndexSettingsError
     from kvmesh.serving.grpc_server import ListenError
 
     built = FLAGS.build_models(args)
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(logging.verbose)
     try:
         event_loop.run(serve_router(configs))
-    except ListenError as exc:
+    except (ListenError, IndexSettingsError) as exc:  # a port taken; settings the index has otherwise
         raise UsageError(str(exc)) from None
     return 0
 

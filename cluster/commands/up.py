@@ -37,10 +37,11 @@ def run(args: argparse.Namespace) -> int:
     # Ray and torch only once the flags are known good: a usage error is answered at once.
     from kvmesh.cluster.launcher import serve_cluster
     from kvmesh.cluster.supervisor import ReplicaStartError
+    from kvmesh.kvcache.index_api import IndexSettingsError
 
     setup_logging(configs[0].verbose)
     try:
         asyncio.run(serve_cluster(configs))
-    except (ReplicaStartError, ListenError) as exc:
+    except (ReplicaStartError, ListenError, IndexSettingsError) as exc:
         raise UsageError(str(exc)) from None
     return 0

@@ -457,3 +457,46 @@ def wait_for_ctrl_c(proc: subprocess.Popen, err: Path, timeout: float = 240) -> 
         text += line
     assert "Ctrl-C" in text, text + err.read_text()
     return text
+
+
+def test_a_router_whose_settings_differ_from_the_index_refuses_to_start_in_one_line(qwen3_dir, valkey_server):
+    """Issue 48: the index's stored settings are authoritative; a router configured otherwise
+    says so in one line (exit 2) instead of a traceback, and never overwrites them."""
+    import asyncio
+
+    from kvmesh.kvcache import namespace_seed
+    from kvmesh.kvcache.index import RedisPrefixIndex
+
+    model_id = Path(qwen3_dir).name
+
+    async def store_then_read(index: RedisPrefixIndex):
+        await index.ensure_settings()
+        return await index.settings()
+
+    stored = RedisPrefixIndex.from_url(
+        valkey_server.url, model_id, 16, namespace_seed(model_id, 16), "settled"
+    )
+    before = asyncio.run(store_then_read(stored))
+    out = run(
+        "router",
+        "--model",
+        str(qwen3_dir),
+        "--redis-url",
+        valkey_server.url,
+        "--deployment",
+        "settled",
+        "--block-size",
+        "32",
+        "--port",
+        "0",
+        "--http-port",
+        "-1",
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    [line] = out.stderr.strip().splitlines()[-1:]
+    assert "settings differ" in line and "block_size" in line and "Traceback" not in out.stderr
+    again = RedisPrefixIndex.from_url(
+        valkey_server.url, model_id, 16, namespace_seed(model_id, 16), "settled"
+    )
+    assert asyncio.run(store_then_read(again)) == before

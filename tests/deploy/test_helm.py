@@ -750,11 +750,12 @@ def test_redis_choice(chart):
     assert (
         cm["data"]["KVMESH_REDIS_URL"].startswith("rediss://") and "KVMESH_REDIS_USERNAME" not in cm["data"]
     )
-    # one ACL user per role, each pod with its own user and only its own password
+    # one ACL user per role, each pod with its own user and only its own password; with the
+    # bundled Valkey the Ray pods hold none (the controller issues each replica a user of its own)
     for docs, users, secret in (
         (
             default,
-            {"router": "kvmesh-router", "controller": "kvmesh-admin", "ray": "kvmesh-replica"},
+            {"router": "kvmesh-router", "controller": "kvmesh-admin", "ray": None},
             "llm-kvmesh-redis-auth",
         ),
         (external, {"router": "llm-router", "controller": "llm-admin", "ray": "llm-replica"}, "kvmesh-redis"),
@@ -770,6 +771,10 @@ def test_redis_choice(chart):
             c = spec["containers"][0]
             env = {e["name"]: e["value"] for e in c["env"]}
             role = {"router": "router", "controller": "admin", "ray": "replica"}[part]
+            if users[part] is None:
+                assert not env.keys() & {"KVMESH_REDIS_USERNAME", "KVMESH_REDIS_PASSWORD_FILE"}, owner
+                assert all(v.get("secret", {}).get("secretName") != secret for v in spec["volumes"]), owner
+                continue
             assert env["KVMESH_REDIS_USERNAME"] == users[part], owner
             assert secret_of(spec, c, env["KVMESH_REDIS_PASSWORD_FILE"]) == (secret, role), owner
             mounted = [
@@ -1021,7 +1026,10 @@ def test_tls_and_token_are_wired_by_reference(chart):
             path = flag(c["args"], "--replica-api-key-file")
             replica_token[owner] = path
             assert secret_of(spec, c, path) == ("kvmesh-replica-token", "token"), owner
-        assert secret_of(spec, c, env["KVMESH_REDIS_PASSWORD_FILE"])[0] == "kvmesh-redis", owner
+        if owner.startswith("ray-"):  # the bundled Valkey: replicas get their own users
+            assert "KVMESH_REDIS_PASSWORD_FILE" not in env, owner
+        else:
+            assert secret_of(spec, c, env["KVMESH_REDIS_PASSWORD_FILE"])[0] == "kvmesh-redis", owner
     # the controller hands its path to every replica: the Ray pods hold the same file there
     path = replica_token["llm-kvmesh-controller"]
     for owner, spec in kvmesh_pods(docs).items():

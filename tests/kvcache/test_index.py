@@ -223,7 +223,7 @@ async def test_cluster_settings_are_stored_once_and_enforced(redis_server):
         RedisPrefixIndex.from_url(redis_server.url, "settings-model", 32, 42),
         RedisPrefixIndex.from_url(redis_server.url, "settings-model", 16, 43),
     ):
-        with pytest.raises(IndexSettingsError, match="cluster has"):
+        with pytest.raises(IndexSettingsError, match="the index has"):
             await wrong.ensure_settings()
         await wrong.close()
     await a.close()

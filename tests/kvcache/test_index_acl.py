@@ -6,7 +6,15 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from kvmesh.kvcache import BlockStored
 from kvmesh.kvcache.index import IndexFunctionsMissing, RedisPrefixIndex, connect, function, pack_hashes
-from kvmesh.kvcache.index_acl import ROLES, USERS, acl_file, acl_rules
+from kvmesh.kvcache.index_acl import (
+    ROLES,
+    USERS,
+    acl_file,
+    acl_rules,
+    issue_replica_user,
+    replica_user,
+    replica_users,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAIN = [11, 12, 13]
@@ -60,6 +68,10 @@ async def test_a_router_cannot_pose_as_a_replica_or_change_the_server(acl_server
                 function("publish"), 1, router.tag(11), 0, router.tag(11), "+", pack_hashes(CHAIN)
             )
         assert await router.live_replicas() == []  # and nothing half-written
+        with refused():  # the settings: a router's would keep every replica out
+            await router.client.hset(f"{router.ns}settings", "block_size", "32")
+        with refused():
+            await router.ensure_settings()
         for command in (
             ("FUNCTION", "FLUSH"),
             ("FLUSHALL",),
@@ -133,3 +145,51 @@ async def test_acl_file_holds_hashes_not_passwords_and_refuses_gaps():
         acl_file({**passwords, "router": "two words"})
     with pytest.raises(ValueError, match="unknown"):
         acl_rules("guest")
+
+
+async def test_a_replicas_own_user_serves_itself_and_cannot_pose_as_or_move_another(acl_server):
+    """Issue 48: every replica shared one user, so one could re-register another at an address
+    of its choosing (and the router sends the replica token wherever it dials)."""
+    server, _ = acl_server
+    admin = as_role(acl_server, "admin", "own-users")
+    try:
+        await admin.load_functions()
+        await admin.ensure_settings()
+        users = {rid: await issue_replica_user(admin.client, rid) for rid in ("r0", "r1")}
+        assert await replica_users(admin.client) >= {replica_user("r0"), replica_user("r1")}
+        own = {
+            rid: RedisPrefixIndex.from_url(server.url, "m", 16, 7, "own-users", username=u, password=p)
+            for rid, (u, p) in users.items()
+        }
+        incarnations = {
+            rid: await own[rid].register(rid, f"10.0.0.{i}:5000", ttl_s=5) for i, rid in enumerate(own)
+        }
+        await own["r0"].publish("r0", incarnations["r0"], [BlockStored(tuple(CHAIN), None, 16, CHAIN[0])])
+        assert await own["r0"].heartbeat("r0", incarnations["r0"], ttl_s=5)
+        await own["r0"].sweep()
+        with refused():  # its address would get r1's prompts, and the replica token
+            await own["r0"].register("r1", "10.6.6.6:5000", ttl_s=5)
+        with refused():
+            await own["r0"].client.hset(f"{own['r0'].ns}r:r1", "address", "10.6.6.6:5000")
+        with refused():  # nor end r1's incarnation
+            await own["r0"].client.delete(f"{own['r0'].ns}l:r1")
+        with refused():
+            await own["r0"].deregister("r1", incarnations["r1"])
+        records = {r.replica_id: r.address for r in await admin.live_replicas()}
+        assert records == {"r0": "10.0.0.0:5000", "r1": "10.0.0.1:5000"}
+        assert await own["r1"].deregister("r1", incarnations["r1"])
+        _, renewed = await issue_replica_user(admin.client, "r0")  # a new password: the old one is gone
+        with pytest.raises(AuthenticationError):
+            await connect(server.url, username=users["r0"][0], password=users["r0"][1]).ping()
+        await own["r0"].reconnect(users["r0"][0], renewed)
+        assert await own["r0"].heartbeat("r0", incarnations["r0"], ttl_s=5)
+        for index in own.values():
+            await index.close()
+    finally:
+        await admin.close()
+
+
+async def test_a_replica_id_that_is_not_plain_gets_no_user_of_its_own():
+    with pytest.raises(ValueError, match="letters"):
+        replica_user("r*")
+    assert "~{k:????????}r:r0 " in acl_rules("replica", "r0") + " "

@@ -134,6 +134,17 @@ redis://{{ include "kvmesh.redisHost" . }}:6379/0
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding a part's index password, or "": (list . "router"|"controller"|"ray").
+     The Ray pods of the bundled Valkey get none: the controller, its admin, issues each replica
+     a user of its own with a fresh password when it starts it, so no pod holds a password
+     that could register as, or move, any replica. */}}
+{{- define "kvmesh.redisSecretOf" -}}
+{{- $root := index . 0 -}}
+{{- if not (and (eq (index . 1) "ray") $root.Values.redis.bundled.enabled) -}}
+{{ include "kvmesh.redisSecret" $root }}
+{{- end -}}
+{{- end -}}
+
 {{/* The index role of a part: the controller loads the index functions (admin), the router
      pods are routers, the Ray pods host the replicas. */}}
 {{- define "kvmesh.redisRole" -}}
@@ -191,7 +202,7 @@ kvmesh-{{ $role }}
 envFrom:
   - configMapRef:
       name: {{ include "kvmesh.configmap" $root }}
-{{- $redis := include "kvmesh.redisSecret" $root }}
+{{- $redis := include "kvmesh.redisSecretOf" (list $root $who) }}
 {{- $tls := $root.Values.security.tls }}
 {{- $router := eq $who "router" }}
 {{- $ray := and $root.Values.ray.auth.enabled (ne $who "router") }}
@@ -242,7 +253,7 @@ env:
 {{- if and (eq $who "router") $root.Values.security.auth.existingSecret }}
 - {name: api-key, mountPath: {{ dir (include "kvmesh.apiKeyFile" $root) }}, readOnly: true}
 {{- end }}
-{{- if include "kvmesh.redisSecret" $root }}
+{{- if include "kvmesh.redisSecretOf" (list $root $who) }}
 - {name: redis-password, mountPath: {{ dir (include "kvmesh.redisPasswordFile" $root) }}, readOnly: true}
 {{- end }}
 {{- if and $root.Values.ray.auth.enabled (ne $who "router") }}
@@ -271,7 +282,7 @@ env:
     defaultMode: 0440
     items: [{key: {{ $root.Values.security.auth.tokenKey }}, path: {{ base (include "kvmesh.apiKeyFile" $root) }}}]
 {{- end }}
-{{- with include "kvmesh.redisSecret" $root }}
+{{- with include "kvmesh.redisSecretOf" (list $root $who) }}
 - name: redis-password
   secret:
     secretName: {{ . }}

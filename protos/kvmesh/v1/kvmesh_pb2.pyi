@@ -260,16 +260,25 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas", "controller_state", "index_state", "index_state_cause")
+    __slots__ = ("replicas", "controller_state", "index_state", "index_state_cause", "failing_loops")
+    class FailingLoopsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_STATE_FIELD_NUMBER: _ClassVar[int]
     INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
     INDEX_STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FAILING_LOOPS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     controller_state: str
     index_state: str
     index_state_cause: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., controller_state: _Optional[str] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ...) -> None: ...
+    failing_loops: _containers.ScalarMap[str, str]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., controller_state: _Optional[str] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., failing_loops: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
