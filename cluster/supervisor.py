@@ -194,7 +194,7 @@ class Supervisor:
         if self.issues_users is False or client is None:
             return None
         try:
-            user = await issue_replica_user(client, replica_id)
+            user = await issue_replica_user(client, self.index.digest, replica_id)
         except NoPermissionError:
             log.warning("not the index's admin: replicas use the replica role's user, not one each")
             self.issues_users = False
@@ -212,8 +212,10 @@ class Supervisor:
             return
         have = await replica_users(self.index.client)
         for slot in self.slots.values():
-            if slot.state == "ready" and replica_user(slot.replica_id) not in have:
-                user, password = await issue_replica_user(self.index.client, slot.replica_id)
+            if slot.state == "ready" and replica_user(self.index.digest, slot.replica_id) not in have:
+                user, password = await issue_replica_user(
+                    self.index.client, self.index.digest, slot.replica_id
+                )
                 await asyncio.wait_for(slot.actor.use_index_user.remote(user, password), 10)
                 log.warning("replica's index user renewed", extra={"replica_id": slot.replica_id})
 

@@ -162,7 +162,7 @@ class RedisPrefixIndex(ShareHalves):
         self.deployment = deployment
         self.block_size = block_size
         self.hash_seed = hash_seed
-        digest = _digest(model_id, deployment)
+        self.digest = digest = _digest(model_id, deployment)  # names this deployment's keys
         self.ns = f"{{k:{digest}}}"  # the control keys' hash-tagged prefix (membership, routers' work)
         self._ns_key = self.ns.encode()
         self.block_pattern = f"{{{digest}.*".encode()

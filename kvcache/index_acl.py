@@ -37,6 +37,7 @@ from redis.asyncio.cluster import RedisCluster
 
 ROLES = ("admin", "router", "replica")
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_DIGEST = re.compile(r"[0-9a-f]{8}")
 USERS = {role: f"kvmesh-{role}" for role in ROLES}
 
 _CONTROL = "{k:????????}"  # alone: the control functions' declared key, never written itself
@@ -57,24 +58,30 @@ _SERVING_COMMANDS = (
 )
 
 
-def acl_rules(role: str, replica_id: str | None = None) -> str:
+def acl_rules(role: str, replica: tuple[str, str] | None = None) -> str:
     """The ACL rules of ``role``, without its password (ACL SETUSER / ACL file syntax);
-    ``replica_id``: the rules of that one replica's own user (role "replica")."""
+    ``replica``: (deployment digest, replica id) for the rules of that one replica's own user
+    (role "replica"): its deployment's keys only, and of the replicas' own, its own."""
     if role == "admin":
         return "~* &* +@all"
     if role == "router":
         keys = [_CONTROL + k for k in ("", *_ROUTER_KEYS)] + [_TAG, _SPECULATIVE]
+    elif role == "replica" and replica is None:
+        keys = [_CONTROL + k for k in ("", *_REPLICA_KEYS, *(k + "*" for k in _OWN_KEYS))] + [_TAG, _BLOCK]
     elif role == "replica":
-        own = check_replica_id(replica_id) if replica_id is not None else "*"
-        keys = [_CONTROL + k for k in ("", *_REPLICA_KEYS, *(k + own for k in _OWN_KEYS))] + [_TAG, _BLOCK]
+        digest, own = _check_digest(replica[0]), check_replica_id(replica[1])
+        control, tag = "{k:" + digest + "}", "{" + digest + ".????}"
+        keys = [control + k for k in ("", *_REPLICA_KEYS, *(k + own for k in _OWN_KEYS))]
+        keys += [tag, tag + "????????"]
     else:
         raise ValueError(f"unknown index role {role!r}; known: {', '.join(ROLES)}")
     return " ".join(["resetchannels", "%R~*", *(f"~{k}" for k in keys), _SERVING_COMMANDS])
 
 
-def replica_user(replica_id: str) -> str:
-    """The name of one replica's own index user."""
-    return f"{USERS['replica']}.{check_replica_id(replica_id)}"
+def replica_user(digest: str, replica_id: str) -> str:
+    """The name of one replica's own index user (``digest``: its deployment's, as the index's
+    keys carry it: two deployments on one server each have their ``replica-0``)."""
+    return f"{USERS['replica']}.{_check_digest(digest)}.{check_replica_id(replica_id)}"
 
 
 def check_replica_id(replica_id: str) -> str:
@@ -86,19 +93,13 @@ def check_replica_id(replica_id: str) -> str:
     return replica_id
 
 
-async def issue_replica_user(client: Redis | RedisCluster, replica_id: str) -> tuple[str, str]:
-    """Create (or reset) ``replica_id``'s own user with a new password, on every node of a
-    cluster (ACL users are per node); returns (user, password). Needs the admin's rights."""
-    user, password = replica_user(replica_id), secrets.token_urlsafe(32)
-    command = (
-        "ACL",
-        "SETUSER",
-        user,
-        "reset",
-        "on",
-        f">{password}",
-        *acl_rules("replica", replica_id).split(),
-    )
+async def issue_replica_user(client: Redis | RedisCluster, digest: str, replica_id: str) -> tuple[str, str]:
+    """Create (or reset) the own user of ``replica_id`` of the deployment ``digest`` names,
+    with a new password, on every node of a cluster (ACL users are per node); returns (user,
+    password). Needs the admin's rights."""
+    user, password = replica_user(digest, replica_id), secrets.token_urlsafe(32)
+    rules = acl_rules("replica", (digest, replica_id)).split()
+    command = ("ACL", "SETUSER", user, "reset", "on", f">{password}", *rules)
     if isinstance(client, RedisCluster):
         await client.execute_command(*command, target_nodes=RedisCluster.ALL_NODES)
     else:
@@ -114,6 +115,12 @@ async def replica_users(client: Redis | RedisCluster) -> set[str]:
     else:
         names = {_text(u) for u in await client.execute_command("ACL", "USERS")}
     return {name for name in names if name.startswith(USERS["replica"] + ".")}
+
+
+def _check_digest(digest: str) -> str:
+    if not _DIGEST.fullmatch(digest):
+        raise ValueError(f"not a deployment digest (8 hex digits): {digest!r:.40}")
+    return digest
 
 
 def _text(value: bytes | str) -> str:

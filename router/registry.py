@@ -55,6 +55,7 @@ class ReplicaEntry:
     step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
     http: ReplicaHttp | None = None  # its OpenAI port, where the router can reach it (SSE relay)
     closed_because: str = ""  # why it was closed under its calls: what their errors say
+    probing: bool = False  # a health check is on its channel: nothing else may close it meanwhile
 
     async def close(self, because: str = CLOSED) -> None:
         """Close its channel and connections; calls still on them end (``relay.py`` moves
@@ -179,7 +180,8 @@ class ReplicaRegistry:
                 continue
             entry = self.entries.pop(gone)
             self._retired.append(entry)
-            if on_time and _went_silent(entry, now):
+            if on_time and entry.load.requests and _went_silent(entry, now):
+                entry.probing = True
                 self._probes.add(asyncio.create_task(self._end_if_silent(entry), name=f"kvmesh-probe-{gone}"))
         peers = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
         for entry in self.entries.values():
@@ -197,6 +199,7 @@ class ReplicaRegistry:
         except grpc.aio.AioRpcError:
             serving = False
         finally:
+            entry.probing = False
             self._probes.discard(asyncio.current_task())
         if serving or entry not in self._retired:
             return
@@ -207,10 +210,11 @@ class ReplicaRegistry:
 
     async def _close_idle_retired(self) -> None:
         """Close a departed replica's channel only once its calls are done: closing it under
-        a call cancels the call, which would surface as a cancelled client request."""
+        a call cancels the call, which would surface as a cancelled client request (and under
+        a health check, grpc aborted the process)."""
         busy = []
         for entry in self._retired:
-            if entry.load.requests:
+            if entry.load.requests or entry.probing:
                 busy.append(entry)
             else:
                 await entry.close()

@@ -155,8 +155,8 @@ async def test_a_replicas_own_user_serves_itself_and_cannot_pose_as_or_move_anot
     try:
         await admin.load_functions()
         await admin.ensure_settings()
-        users = {rid: await issue_replica_user(admin.client, rid) for rid in ("r0", "r1")}
-        assert await replica_users(admin.client) >= {replica_user("r0"), replica_user("r1")}
+        users = {rid: await issue_replica_user(admin.client, admin.digest, rid) for rid in ("r0", "r1")}
+        assert await replica_users(admin.client) >= {replica_user(admin.digest, r) for r in ("r0", "r1")}
         own = {
             rid: RedisPrefixIndex.from_url(server.url, "m", 16, 7, "own-users", username=u, password=p)
             for rid, (u, p) in users.items()
@@ -175,10 +175,17 @@ async def test_a_replicas_own_user_serves_itself_and_cannot_pose_as_or_move_anot
             await own["r0"].client.delete(f"{own['r0'].ns}l:r1")
         with refused():
             await own["r0"].deregister("r1", incarnations["r1"])
+        u, pw = users["r0"]
+        elsewhere = RedisPrefixIndex.from_url(server.url, "m", 16, 7, "another", username=u, password=pw)
+        with refused():  # another deployment's replica-0 is not it (two kvmesh up on one Redis)
+            await elsewhere.register("r0", "10.6.6.6:5000", ttl_s=5)
+        await elsewhere.close()
         records = {r.replica_id: r.address for r in await admin.live_replicas()}
         assert records == {"r0": "10.0.0.0:5000", "r1": "10.0.0.1:5000"}
         assert await own["r1"].deregister("r1", incarnations["r1"])
-        _, renewed = await issue_replica_user(admin.client, "r0")  # a new password: the old one is gone
+        _, renewed = await issue_replica_user(
+            admin.client, admin.digest, "r0"
+        )  # a new password: the old one is gone
         with pytest.raises(AuthenticationError):
             await connect(server.url, username=users["r0"][0], password=users["r0"][1]).ping()
         await own["r0"].reconnect(users["r0"][0], renewed)
@@ -191,5 +198,7 @@ async def test_a_replicas_own_user_serves_itself_and_cannot_pose_as_or_move_anot
 
 async def test_a_replica_id_that_is_not_plain_gets_no_user_of_its_own():
     with pytest.raises(ValueError, match="letters"):
-        replica_user("r*")
-    assert "~{k:????????}r:r0 " in acl_rules("replica", "r0") + " "
+        replica_user("0123abcd", "r*")
+    rules = acl_rules("replica", ("0123abcd", "r0")).split()
+    assert "~{k:0123abcd}r:r0" in rules and "~{0123abcd.????}????????" in rules
+    assert not any("{k:????????}" in rule for rule in rules)  # no other deployment's keys
