@@ -267,6 +267,24 @@ def _soak(benches) -> None:
     soak.set_defaults(handler=run)
 
 
+def _http_door(benches) -> None:
+    door = benches.add_parser(
+        "http-door", help="server CPU a request through the HTTP door's bounds, against plain httptools"
+    )
+    door.add_argument("--requests", type=int, default=2000, help="keep-alive requests per batch")
+    door.add_argument("--rounds", type=int, default=6, help="batches of each protocol, interleaved")
+    door.add_argument("--out", default="results/bench_http_door.json", help="JSON result file")
+
+    def run(args):
+        if args.requests <= 0 or args.rounds <= 0:
+            raise UsageError("--requests and --rounds must be positive")
+        from kvmesh.cluster.benchmarks.http_door_cpu import main
+
+        return main(args.out, args.requests, args.rounds)
+
+    door.set_defaults(handler=run)
+
+
 def _router(benches) -> None:
     rtr = benches.add_parser("router", help="latency the router adds, routing decision time")
     rtr.add_argument("--out", default="results/bench_router.json", help="JSON result file")
@@ -436,7 +454,19 @@ def _serve(benches) -> None:
     serve.set_defaults(handler=usage_errors(run))
 
 
-BENCHMARKS = (_kvcache, _engine, _index, _soak, _router, _routers, _peers, _serve, _simulator, _dashboard)
+BENCHMARKS = (
+    _kvcache,
+    _engine,
+    _index,
+    _soak,
+    _http_door,
+    _router,
+    _routers,
+    _peers,
+    _serve,
+    _simulator,
+    _dashboard,
+)
 
 
 def register(commands) -> None:
