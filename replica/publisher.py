@@ -28,7 +28,6 @@ from kvmesh.replica.engine_thread import AsyncLLMEngine
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)
-SETTINGS_DIFFER = "index settings differ: "
 
 
 class IndexPublisher:
@@ -56,7 +55,7 @@ class IndexPublisher:
         self.incarnation: int | None = None
         self.dirty = True  # the index may not equal the cache: sync before publishing
         self.withdrawn: str | None = None  # why this replica is out of the index on purpose
-        self.refused: str | None = None  # why the index refused its last sync (None: it did not)
+        self.refusal: Exception | None = None  # why the index refused its last sync (None: it did not)
         self.refused_since: float | None = None  # monotonic time it began refusing
         self.syncs = 0
         self.synced_hashes = 0  # hashes the last sync published
@@ -70,8 +69,8 @@ class IndexPublisher:
         replica whose settings differ from the index's stored ones does not start
         (IndexSettingsError): it would publish hashes no router can match."""
         await self._try_sync()
-        if self.refused is not None and self.refused.startswith(SETTINGS_DIFFER):
-            raise IndexSettingsError(self.refused)
+        if isinstance(self.refusal, IndexSettingsError):
+            raise self.refusal
         self._loops.start(self._events_loop, "kvmesh-publish")
         self._loops.start(self._heartbeat_loop, "kvmesh-heartbeat")
         self._loops.start(self._sweep_loop, "kvmesh-sweep")
@@ -106,21 +105,26 @@ class IndexPublisher:
         try:
             await self._sync()
         except (IndexSettingsError, ResponseError) as exc:  # the index answered: not this way
-            self._refuse(f"{SETTINGS_DIFFER}{exc}" if isinstance(exc, IndexSettingsError) else str(exc))
+            self._refuse(exc)
         except INDEX_ERRORS as exc:
             log.warning("prefix index unreachable, serving without it", extra={"error": str(exc)})
             self.dirty = True
         else:
-            self.refused, self.refused_since = None, None
+            self.refusal, self.refused_since = None, None
 
-    def _refuse(self, why: str) -> None:
+    @property
+    def refused(self) -> str | None:
+        """Why the index refused this replica's last sync, as its health says (None: it did not)."""
+        return None if self.refusal is None else str(self.refusal)
+
+    def _refuse(self, exc: Exception) -> None:
         """The index refused this replica's sync (settings that differ, a register it did not
         take): it stays out, and tries again every ``retry_s`` (the settings may be restored)."""
-        if self.refused != why:
-            log.error("the prefix index refused this replica; retrying", extra={"reason": why[:300]})
+        if self.refused != str(exc):
+            log.error("the prefix index refused this replica; retrying", extra={"reason": str(exc)[:300]})
         if self.refused_since is None:
             self.refused_since = time.monotonic()
-        self.refused, self.dirty = why, True
+        self.refusal, self.dirty = exc, True
 
     def out_of_index_for(self) -> float:
         """Seconds the index has refused this replica without a break (0 while it is in, or
