@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 RAY_NAMESPACE = "kvmesh"
 # A start fails with the actor's error (RayError), a timeout, or a name still taken (ValueError).
 START_ERRORS = (RayError, TimeoutError, ValueError)
+# Tries to issue a replica its index user (a second apart) before its start fails.
+ISSUE_ATTEMPTS = 10
 
 
 class ReplicaStartError(RuntimeError):
@@ -193,17 +195,26 @@ class Supervisor:
         client = getattr(self.index, "client", None)
         if self.issues_users is False or client is None:
             return None
-        try:
-            user = await issue_replica_user(client, self.index.digest, replica_id)
-        except NoPermissionError:
-            log.warning("not the index's admin: replicas use the replica role's user, not one each")
-            self.issues_users = False
-            return None
-        except ValueError as exc:  # an id that cannot stand in a key pattern
-            log.warning("replica uses the replica role's index user", extra={"why": str(exc)})
-            return None
-        self.issues_users = True
-        return user
+        unanswered: Exception | None = None
+        for _ in range(ISSUE_ATTEMPTS):
+            try:
+                user = await issue_replica_user(client, self.index.digest, replica_id)
+            except NoPermissionError:
+                log.warning("not the index's admin: replicas use the replica role's user, not one each")
+                self.issues_users = False
+                return None
+            except ValueError as exc:  # an id that cannot stand in a key pattern
+                log.warning("replica uses the replica role's index user", extra={"why": str(exc)})
+                return None
+            except INDEX_ERRORS as exc:  # Redis slow or away: the start waits for it a while
+                unanswered = exc
+                await asyncio.sleep(1.0)
+            else:
+                self.issues_users = True
+                return user
+        raise ReplicaStartError(
+            f"{replica_id} failed to start: the index did not answer to issue its user ({unanswered})"
+        )
 
     async def _renew_lost_users(self) -> None:
         """Replicas whose own index user the server no longer has (it restarted without its
