@@ -30,7 +30,9 @@ COLUMNS = (
     "heartbeat_age_s",
     "index_state",
     "index_state_cause",
+    "share_alarm",
 )
+SHARE_ALARM = "SHARE ALARM: over its fair share, no new prefixes"
 
 
 async def from_router(
@@ -141,6 +143,7 @@ def render(models: list[dict]) -> str:
                 f"{r['num_running']:>5}{r['num_waiting']:>5}{blocks:>19}{r['tokens_per_s']:>8.1f}{r['heartbeat_age_s']:>7.1f}s"
                 + (f"  index {_state(r)}" if r.get("index_state") else "")
                 + (_cost_columns(r["step_costs"]) if r.get("step_costs") else "")
+                + (f"  {SHARE_ALARM}" if r.get("share_alarm") else "")
             )
         for replica_id, slot in sorted(m["controller"].items()):
             if slot["state"] != "ready":

@@ -37,6 +37,12 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def hardware_name(device: torch.device) -> str:
+    """What the router groups replicas by when it prices them (``router/pricing.py``): the
+    GPU's name, else the device type. Replicas on like hardware are priced alike."""
+    return (torch.cuda.get_device_name(device) if device.type == "cuda" else device.type)[:64]
+
+
 def default_block_size(device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> int:
     """256 where flash-attn's paged kernels will run (they need multiples of 256), else 16."""
     wants_flash = backend == "flash_attn" or (

@@ -20,6 +20,7 @@ from kvmesh.replica.drain_socket import DrainSocket
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.engine_thread import AsyncLLMEngine
 from kvmesh.replica.grpc_service import ReplicaService
+from kvmesh.replica.model_runner import hardware_name
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing
@@ -135,6 +136,7 @@ class ReplicaServer:
             "process_started_at": self.started_at,  # unlike the incarnation, a resync keeps it
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the router prices steps by it
             "max_num_seqs": engine.config.max_num_seqs,
+            "hardware": hardware_name(engine.runner.device),  # like hardware is priced alike
         }
         if c.serves_http:
             app = build_app(

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.policies import POLICIES
+from kvmesh.router.pricing import FleetPrices
+from kvmesh.router.share_alarm import ShareAlarm
 from kvmesh.serving.api_config import APIConfig
 from kvmesh.serving.auth import read_token_file
 from kvmesh.serving.connections import ConnectionLimits
@@ -53,6 +55,50 @@ class RouterLimits:
 
 
 @dataclass(frozen=True)
+class BalanceConfig:
+    """How the prefix policy keeps one replica from taking too much (``router/pricing.py``,
+    ``router/share_alarm.py``, ``PrefixAware``)."""
+
+    price_spread: float = option(
+        1.0,
+        help="largest ratio between the prices of two replicas on like hardware "
+        "(1: priced alike, their queues still tell them apart)",
+    )
+    price_half_life_s: float = option(
+        10.0, flag="price-half-life", help="seconds a replica's price takes to move halfway to a new fit"
+    )
+    saturation_steps: float = option(
+        2.0,
+        help="a replica keeps a prefix it holds until its queued prefill exceeds this many full "
+        "chunked-prefill steps; then the prefix spills to a second replica",
+    )
+    share_alarm_factor: float = option(
+        2.0, help="share alarm: a replica over this many times its fair share of requests or prefill"
+    )
+    share_alarm_window_s: float = option(
+        60.0, flag="share-alarm-window", help="seconds of routing the share alarm judges"
+    )
+    share_alarm_min_requests: int = option(
+        20, help="requests in the window before the share alarm judges anything"
+    )
+
+    def __post_init__(self) -> None:
+        if self.price_spread < 1:
+            raise ValueError(f"price_spread must be >= 1, got {self.price_spread}")
+        if self.share_alarm_factor <= 1:
+            raise ValueError(f"share_alarm_factor must be > 1, got {self.share_alarm_factor}")
+        _check_positive(
+            self, "price_half_life_s", "saturation_steps", "share_alarm_window_s", "share_alarm_min_requests"
+        )
+
+    def prices(self) -> FleetPrices:
+        return FleetPrices(self.price_spread, self.price_half_life_s)
+
+    def alarm(self) -> ShareAlarm:
+        return ShareAlarm(self.share_alarm_factor, self.share_alarm_window_s, self.share_alarm_min_requests)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_dir: str = option(
         flag="model",
@@ -94,6 +140,9 @@ class RouterConfig:
     )
     limits: RouterLimits = option(factory=RouterLimits, help="request limits")
     api: APIConfig = option(factory=APIConfig, per_model=True, help="how the model is presented to clients")
+    balance: BalanceConfig = option(
+        factory=BalanceConfig, help="how the prefix policy keeps one replica from taking too much"
+    )
     index_health: IndexHealthConfig = option(
         factory=IndexHealthConfig, help="when the router stops trusting the index for a replica"
     )

@@ -93,6 +93,7 @@ class RoutingOptions:
     lookup_timeout_s: float = 0.25  # an index lookup slower than this routes by load alone
     speculative_ttl_s: float = 2.0  # how long this router's own speculative entries last
     index_health: IndexHealthConfig = field(default_factory=IndexHealthConfig)
+    saturation_steps: float = 2.0  # the prefix policy's (``PrefixAware``)
 
 
 class Decider:
@@ -116,6 +117,7 @@ class Decider:
         self.limits = options.limits
         self.lookup_timeout_s = options.lookup_timeout_s
         self.policies: dict[str, Policy] = {}
+        self.saturation_steps = options.saturation_steps
         self.default_policy = self.policy(options.policy).name
         self._index_warned = False
 
@@ -126,7 +128,9 @@ class Decider:
 
     def policy(self, name: str) -> Policy:
         if name not in self.policies:
-            self.policies[name] = make_policy(name, block_size=self.model.block_size)
+            self.policies[name] = make_policy(
+                name, block_size=self.model.block_size, saturation_steps=self.saturation_steps
+            )
         return self.policies[name]
 
     async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
@@ -141,7 +145,7 @@ class Decider:
         try:
             policy = self.policy(request.policy or self.default_policy).name
         except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise InvalidRequest(str(exc), param="policy") from None
         sampling, _ = admit(
             request,
             len(ids),

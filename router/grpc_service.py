@@ -156,6 +156,7 @@ def _replica_infos(route: ModelRoute) -> list[pb.ReplicaInfo]:
                 index_state=state,
                 index_state_cause=cause,
                 model=route.api_name,
+                share_alarm=rec.replica_id in core.registry.alarm.on,
             )
         )
     return infos

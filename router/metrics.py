@@ -3,8 +3,8 @@
 Requests, latency (vLLM's buckets), decisions by replica and by policy branch, the index's
 lookup latency and errors, the index truth (fleet's best, predicted and actual cached
 tokens, the per-request prediction error, misses by cause, resyncs, each replica's trust
-state) and per-replica gauges read from the heartbeats at scrape time (a replica that
-leaves is gone from the next scrape).
+state), share alarms turned on, and per-replica gauges read at scrape time from the
+heartbeats and the share alarm (a replica that leaves is gone from the next scrape).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import ClassVar
 from prometheus_client.core import GaugeMetricFamily
 
 from kvmesh.router.index_trust.states import STATES
+from kvmesh.router.share_alarm import Change
 from kvmesh.serving.metrics import (
     FAST_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -41,6 +42,7 @@ class ReplicaGauges:
     tokens_per_s: float
     heartbeat_age_s: float
     inflight: int
+    share_alarm: bool = False  # over its fair share lately (``router/share_alarm.py``)
 
 
 class RouterMetrics(ServerMetrics):
@@ -134,7 +136,16 @@ class RouterMetrics(ServerMetrics):
             "Routers registered in this deployment as of this router's last heartbeat, itself included "
             "(1: alone, nothing shared per request)",
         )
+        self.share_alarms = self.counter(
+            "kvmesh_router_share_alarms",
+            "Share alarms turned on: a replica took far over its fair share of requests or prefill",
+        )
         self.set_overall_state(STATES[0])
+
+    def count_share_alarm(self, change: Change) -> None:
+        """A share alarm listener (``registry.alarm_listeners``): counts those turned on."""
+        if change.on:
+            self.share_alarms.inc()
 
     def set_index_state(self, replica_id: str, state: str) -> None:
         for s in STATES:
@@ -185,6 +196,10 @@ class _ReplicaCollector:
         "inflight": (
             "kvmesh_router_replica_inflight_requests",
             "Requests this router has streaming on a replica",
+        ),
+        "share_alarm": (
+            "kvmesh_router_replica_share_alarm",
+            "1 while a replica's share alarm is on: it gets no prompt it would compute from scratch",
         ),
     }
 

@@ -62,6 +62,8 @@ class ModelRoute:
             tls=config.tls,
             fleet=self.fleet,
             replica_token=config.replica_token(),
+            prices=config.balance.prices(),
+            alarm=config.balance.alarm(),
         )
         self.core: RouterCore | None = None
 
@@ -94,11 +96,13 @@ class ModelRoute:
             self.defaults,
             speculative_ttl_s=c.speculative_ttl_s,
             index_health=c.index_health,
+            saturation_steps=c.balance.saturation_steps,
         )
         metrics = RouterMetrics(self.model.api_name, self.metrics_registry)
         self.index.untrusted.on_skip = lambda kind: metrics.index_skipped.labels(kind).inc()
         self.core = RouterCore(self.model, self.tokenizer, self.index, self.registry, options, metrics)
         self.registry.on_change(on_live_change)
+        self.registry.alarm_listeners.append(metrics.count_share_alarm)
         if self.fleet is not None:
             self.fleet.on_synced = metrics.fleet_sync.observe
             metrics.fleet_routers.set_function(lambda: self.fleet.routers)

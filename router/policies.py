@@ -7,7 +7,9 @@ every candidate ranked; the router tries the first and fails over to the next.
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ class RouteRequest:
     token_ids: Sequence[int]
     block_hashes: Sequence[int]  # the prompt's full-block hash chain
     max_tokens: int = 16
-    affinity_key: str = ""
+    affinity_key: str = ""  # a session or conversation key (a hint to the prefix policy)
 
     @property
     def num_blocks(self) -> int:
@@ -50,6 +52,7 @@ class ReplicaState:
     recent_blocks: float = 0.0  # blocks of new prefixes placed on it lately (decaying), for tie-breaks
     costs: StepCosts = PRIOR  # what a step costs there, measured (its heartbeat)
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens one of its steps computes at most (chunked prefill)
+    share_alarm: bool = False  # it took far over its fair share lately (``router/share_alarm.py``)
 
     @property
     def load(self) -> int:
@@ -143,54 +146,55 @@ class ConsistentHash(Policy):
         return [r.replica_id for r in rendezvous(key, replicas)]
 
 
-class Session(Policy):
-    """Same ``affinity_key`` -> same replica (rendezvous); no key -> least loaded."""
+@dataclass(frozen=True)
+class FleetTerms:
+    """What one prefix decision compares every replica against (``PrefixAware.fleet``)."""
 
-    name = "session"
-
-    def rank(self, request, replicas):
-        if not request.affinity_key:
-            return LeastLoaded().rank(request, replicas)
-        return [r.replica_id for r in rendezvous(request.affinity_key.encode(), replicas)]
+    cap: float  # the hot-spot guard's in-flight cap
+    prefill_s: float  # the recompute term's price of a prompt token: the replicas' median
+    tick_s: float  # scores closer than this may tie: ``tie_steps`` of the median base step
 
 
 @dataclass
 class PrefixAware(Policy):
     """Routes by predicted time to first token (TTFT) plus what a recomputed prefix costs the
-    fleet, under a bounded-load hot-spot guard.
+    fleet; a holder keeps its prefix until it is saturated; a hot-spot guard and the share
+    alarm bound what any one replica takes.
 
-    On each replica, priced by that replica's own measured step costs (its heartbeat; like
-    replicas at their median, see ``router/registry.py``)::
+    On each replica, priced by its step costs as ``router/pricing.py`` bounds them (like
+    hardware alike)::
 
         ttft  = wait + step + uncached * prefill_token
         wait  = queued * prefill_token + queued / step_tokens * step
         step  = base + decode_seq * requests in flight there
-        score = ttft + recompute_weight * uncached * prefill_token
+        score = ttft + recompute_weight * billed * fleet_prefill_token
 
     ``queued``: the prefill tokens routed to it and not yet computed (every router's, with
     shared load), which its scheduler serves first; ``uncached``: the prompt tokens it does
-    not hold. A replica twice as slow prices everything twice as high, so under saturation it
-    gets half the work of one twice as fast.
+    not hold. So a prompt nobody holds goes to the replica with the least uncached work in
+    flight, this prompt's included (llm-d's lookahead), in seconds at its own price: a replica
+    twice as slow gets half the cold work under saturation.
 
     ``recompute_weight``: a prompt computed where it is not cached costs more than this
-    request's wait. The time its prefill takes delays every request that queues behind it
-    there, and the copy it makes displaces other prefixes from that cache; both fall on
-    later requests, which a request's own TTFT does not see. Charged as 15 more times the
-    prefill's own time, measured in the simulator (docs/experiments.md, "Pricing"): at 0 (pure
-    TTFT) the shared-prefix suite loses up to 14 points of hit rate and its p90 TTFT rises
-    4.8x; 1 loses 1.2 points of hit rate on Mooncake (8 replicas) and has a worse p90 on the
-    hot-spot and cache-pressure cells; 3-31 keep every hit rate, 15 the best on Mooncake. A burst
-    on one prefix stays on its holder until waiting there costs more than 16 times the prefill
-    it saves.
+    request's wait: its prefill delays every request queued behind it there, and its copy
+    displaces other prefixes from that cache (docs/experiments.md, "Pricing": 3-31 keep every
+    simulated hit rate, 0 loses up to 14 points). It is charged at the fleet's median prompt
+    token price, not the replica's own: charged at its own, a price difference was multiplied
+    16 times into where every cold prompt went, and a replica whose fit came out cheap for a
+    few seconds took them all (issue 49). ``billed``: the uncached tokens, or the whole prompt
+    on a replica that is **saturated** (its queued prefill is more than ``saturation_steps``
+    full chunked-prefill steps there, i.e. its queue delay is that many full steps at its own
+    prefill rate): a holder keeps its prefix until then, and then the prefix spills to the
+    next-best replica by load, which becomes a second holder.
 
-    Guard: a replica already holding more than ``hot_spot_factor`` times its fair share of
-    in-flight requests (+ ``hot_spot_slack``) is only used if all are that busy, so one
-    shared system prompt can never pile every request on one replica while predictions lag
-    (costs and queues are as of the last heartbeat and reservation). Equal scores (a prefix
-    nobody holds, like replicas idle) go to the replica that had the fewest new prefixes
-    placed on it lately (by blocks, ``ReplicaLoad``), then by rendezvous hashing of the
-    first block: at low load a stream of cold prompts spreads evenly (more distinct
-    prefixes stay cached), and repeat visits agree.
+    Guards, before the score: a replica holding more than ``hot_spot_factor`` times its fair
+    share of in-flight requests (+ ``hot_spot_slack``) is used only if all are; a replica
+    whose share alarm is on (``router/share_alarm.py``) gets no prompt it would compute from
+    scratch while another can take it. Scores are compared in ticks of ``tie_steps`` base
+    steps (``ticks``), and equal ones (a prefix nobody holds, like replicas near idle) go by the request's session key (rendezvous: a conversation's first turn lands
+    where its key points, and its later turns break ties the same way) or, without one, to
+    the replica with the fewest new prefixes placed on it lately (``ReplicaLoad``), then by
+    rendezvous hashing of the first block.
     """
 
     block_size: int = 16
@@ -199,6 +203,8 @@ class PrefixAware(Policy):
     # 1.5 x + 3 raised every simulated hit rate without a worse tail (docs/experiments.md)
     hot_spot_factor: float = 1.5
     hot_spot_slack: float = 3.0
+    saturation_steps: float = 2.0
+    tie_steps: float = 2.0  # scores are compared in ticks of this many base steps (``ticks``)
     name: ClassVar[str] = "prefix"
 
     def step_seconds(self, r: ReplicaState) -> float:
@@ -216,20 +222,52 @@ class PrefixAware(Policy):
         queued = r.inflight_prefill_blocks * self.block_size
         return queued * r.costs.prefill_token_s + queued / r.step_tokens * step_s
 
+    def saturated(self, r: ReplicaState) -> bool:
+        """Whether ``r``'s queued prefill takes more than ``saturation_steps`` full steps of
+        its chunked prefill (the same at any price: both sides are its own prefill rate)."""
+        return r.inflight_prefill_blocks * self.block_size > self.saturation_steps * r.step_tokens
+
     def uncached_tokens(self, request: RouteRequest, r: ReplicaState) -> int:
         return (request.num_blocks - min(r.matched_blocks, request.num_blocks)) * self.block_size
 
+    def load_seconds(self, r: ReplicaState) -> float:
+        """What any prompt waits for on ``r`` before its own prefill: the queue and one step."""
+        step_s = self.step_seconds(r)
+        return self.wait_seconds(r, step_s) + step_s
+
     def ttft(self, request: RouteRequest, r: ReplicaState) -> float:
         """Predicted seconds to ``request``'s first token on ``r``."""
-        step_s = self.step_seconds(r)
-        return (
-            self.wait_seconds(r, step_s) + step_s + self.uncached_tokens(request, r) * r.costs.prefill_token_s
+        return self.load_seconds(r) + self.uncached_tokens(request, r) * r.costs.prefill_token_s
+
+    def billed_tokens(self, request: RouteRequest, r: ReplicaState) -> int:
+        """The prompt tokens the recompute term charges on ``r``: all of them where it is
+        saturated (its cache no longer earns it the request)."""
+        return request.num_blocks * self.block_size if self.saturated(r) else self.uncached_tokens(request, r)
+
+    def score(self, request: RouteRequest, r: ReplicaState, fleet_prefill_s: float) -> float:
+        """What sending ``request`` to ``r`` costs, in seconds: lower is better.
+        ``fleet_prefill_s``: what the recompute term charges a prompt token (``FleetTerms``)."""
+        return self.priced(
+            self.load_seconds(r),
+            self.uncached_tokens(request, r),
+            r.costs.prefill_token_s,
+            self.billed_tokens(request, r),
+            fleet_prefill_s,
         )
 
-    def score(self, request: RouteRequest, r: ReplicaState) -> float:
-        """What sending ``request`` to ``r`` costs, in seconds: lower is better."""
-        recompute = self.recompute_weight * self.uncached_tokens(request, r) * r.costs.prefill_token_s
-        return self.ttft(request, r) + recompute
+    def priced(
+        self, load_s: float, uncached: int, prefill_s: float, billed: int, fleet_prefill_s: float
+    ) -> float:
+        """The score from its parts (the simulator's fast path adds them up the same way)."""
+        return load_s + uncached * prefill_s + self.recompute_weight * billed * fleet_prefill_s
+
+    def fleet(self, replicas: Sequence[ReplicaState]) -> FleetTerms:
+        """What a decision compares every replica against, from ``replicas`` (the fleet)."""
+        return FleetTerms(
+            self.cap(replicas),
+            statistics.median(r.costs.prefill_token_s for r in replicas),
+            self.tie_steps * statistics.median(r.costs.base_s for r in replicas),
+        )
 
     def cap(self, replicas: Sequence[ReplicaState]) -> float:
         """The guard's cap: the fair share of in-flight requests (this one included) times the factor."""
@@ -238,15 +276,32 @@ class PrefixAware(Policy):
     def cap_of(self, inflight_requests: int, num_replicas: int) -> float:
         return self.hot_spot_factor * (inflight_requests + 1) / num_replicas + self.hot_spot_slack
 
-    def sort_key(self, request: RouteRequest, r: ReplicaState, cap: float) -> tuple[bool, float, int]:
+    def sort_key(
+        self, request: RouteRequest, r: ReplicaState, fleet: FleetTerms
+    ) -> tuple[bool, bool, float, int]:
         """Where ``r`` ranks for ``request``, lower first, before the rendezvous tie-break:
-        over the guard's cap, then the score, then the new prefixes placed there lately. The
-        one statement of the order: the simulator's fast path ranks by its parts too."""
+        over the guard's cap, then held back by its share alarm (a prompt it would compute
+        from scratch), then the score in whole ticks, then the new prefixes placed there
+        lately (not with a session key: the key's rendezvous breaks the tie). The one statement
+        of the order: the simulator's fast path ranks by its parts too."""
         return (
-            self.over_cap(r.inflight_requests, cap),
-            self.score(request, r),
-            self.recent_rank(r.recent_blocks),
+            self.over_cap(r.inflight_requests, fleet.cap),
+            self.held_back(request, r),
+            self.ticks(self.score(request, r, fleet.prefill_s), fleet.tick_s),
+            0 if request.affinity_key else self.recent_rank(r.recent_blocks),
         )
+
+    @staticmethod
+    def ticks(score: float, tick_s: float) -> float:
+        """A score as the order compares it: in whole ticks, so that scores a few ms apart tie
+        (a prediction is no finer than a step: a request waits out the step in progress, and
+        the counts it reads are a round trip old), and the tie-breaks spread them."""
+        return math.floor(score / tick_s) if tick_s > 0 else score
+
+    def held_back(self, request: RouteRequest, r: ReplicaState) -> bool:
+        """Whether ``r``'s share alarm keeps ``request`` away: it would compute it from scratch
+        (holds none of it, or is saturated)."""
+        return r.share_alarm and (r.matched_blocks == 0 or self.saturated(r))
 
     @staticmethod
     def over_cap(inflight_requests: int, cap: float) -> bool:
@@ -258,23 +313,25 @@ class PrefixAware(Policy):
         """Recent new prefixes, as the order compares them (whole blocks: near-equal is a tie)."""
         return round(recent_blocks)
 
-    def rank(self, request, replicas, cap: float | None = None):
-        """``cap``: the guard's cap when ``replicas`` is a subset of the fleet (the simulator
+    def rank(self, request, replicas, fleet: FleetTerms | None = None):
+        """``fleet``: the fleet's terms, when ``replicas`` is a subset of it (the simulator
         passes only the replicas that can come first); by default, from ``replicas``."""
-        cap = self.cap(replicas) if cap is None else cap
-        key = (
-            request.block_hashes[0].to_bytes(8, "little")
-            if request.num_blocks
-            else bytes(token_buffer(request.token_ids[:64]))
-        )
+        fleet = self.fleet(replicas) if fleet is None else fleet
+        if request.affinity_key:
+            key = request.affinity_key.encode()
+        elif request.num_blocks:
+            key = request.block_hashes[0].to_bytes(8, "little")
+        else:
+            key = bytes(token_buffer(request.token_ids[:64]))
         tiebreak = {r.replica_id: i for i, r in enumerate(rendezvous(key, replicas))}
-        ordered = sorted(replicas, key=lambda r: (*self.sort_key(request, r, cap), tiebreak[r.replica_id]))
+        ordered = sorted(replicas, key=lambda r: (*self.sort_key(request, r, fleet), tiebreak[r.replica_id]))
         return [r.replica_id for r in ordered]
 
     def branch(self, request, replicas, chosen):
         """prefix_hit: it holds the deepest prefix; load_fallback: nobody holds any;
-        hot_spot_guard: every deepest holder was over the guard's cap; load_over_prefix:
-        a deeper holder scored worse (its queue outweighed the prefill saved)."""
+        hot_spot_guard: every deepest holder was over the guard's cap; spill: every deepest
+        holder was saturated or over the cap, one at least saturated; load_over_prefix: a
+        deeper holder scored worse (its queue outweighed the prefill saved)."""
         depth = {r.replica_id: min(r.matched_blocks, request.num_blocks) for r in replicas}
         best = max(depth.values())
         if best == 0:
@@ -283,22 +340,29 @@ class PrefixAware(Policy):
             return "prefix_hit"
         cap = self.cap(replicas)
         holders = [r for r in replicas if depth[r.replica_id] == best]
-        return "hot_spot_guard" if all(r.inflight_requests + 1 > cap for r in holders) else "load_over_prefix"
+        if all(self.over_cap(r.inflight_requests, cap) for r in holders):
+            return "hot_spot_guard"
+        if all(self.over_cap(r.inflight_requests, cap) or self.saturated(r) for r in holders):
+            return "spill"
+        return "load_over_prefix"
 
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p
-    for p in (PrefixAware, RoundRobin, LeastLoaded, PowerOfTwo, RandomChoice, ConsistentHash, Session)
+    p.name: p for p in (PrefixAware, RoundRobin, LeastLoaded, PowerOfTwo, RandomChoice, ConsistentHash)
 }
 
 
-def make_policy(name: str, block_size: int = 16, seed: int | None = None) -> Policy:
+def make_policy(
+    name: str, block_size: int = 16, seed: int | None = None, saturation_steps: float = 2.0
+) -> Policy:
     """A policy by name; ``ValueError`` naming the known ones otherwise."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {shown(name)}; known: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[name]
     if cls in (RandomChoice, PowerOfTwo):
         return cls(seed=seed)
-    if cls in (ConsistentHash, PrefixAware):
+    if cls is PrefixAware:
+        return cls(block_size=block_size, saturation_steps=saturation_steps)
+    if cls is ConsistentHash:
         return cls(block_size=block_size)
     return cls()

@@ -24,13 +24,15 @@ from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
 from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
 from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
+from kvmesh.router.pricing import FleetPrices, MeasuredReplica
 from kvmesh.router.replica_http import CLOSED, ReplicaHttp
 from kvmesh.router.replica_load import ReplicaLoad, RequestWork
+from kvmesh.router.share_alarm import Change, ShareAlarm
 from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
-from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs, median_costs, priced_costs
+from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs
 from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class ReplicaEntry:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failed_until: float = 0.0
     costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
-    priced: StepCosts = PRIOR  # what the policy prices it at (its own, or like its peers)
+    priced: StepCosts = PRIOR  # what the policy prices it at (``router/pricing.py``)
     step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
     http: ReplicaHttp | None = None  # its OpenAI port, where the router can reach it (SSE relay)
     closed_because: str = ""  # why it was closed under its calls: what their errors say
@@ -75,6 +77,8 @@ class ReplicaRegistry:
         tls: TLSConfig | None = None,
         fleet: FleetLoad | None = None,
         replica_token: str | None = None,
+        prices: FleetPrices | None = None,
+        alarm: ShareAlarm | None = None,
     ):
         self.index = index
         self.auth = bearer_metadata(replica_token)
@@ -82,6 +86,9 @@ class ReplicaRegistry:
         self.tls = tls
         self.refresh_s = refresh_s
         self.failure_cooldown_s = failure_cooldown_s
+        self.prices = prices or FleetPrices()
+        self.alarm = alarm or ShareAlarm()
+        self.alarm_listeners: list = []  # called with each ``Change`` of the share alarm
         self.entries: dict[str, ReplicaEntry] = {}
         self._retired: list[ReplicaEntry] = []  # gone from the index, calls still in flight
         self._probes: set[asyncio.Task] = set()  # health checks of replicas whose heartbeat ran out
@@ -138,8 +145,15 @@ class ReplicaRegistry:
                     self._back_until = time.monotonic() + ttl / 1000
                 self.index_problem = ""
                 await self._apply(records)
+        self._judge_shares()
         for callback in self._listeners:
             await callback(len(self.live()))
+
+    def _judge_shares(self) -> None:
+        for change in self.alarm.update((e.record.replica_id for e in self.live()), time.monotonic()):
+            _log_alarm(change)
+            for listener in self.alarm_listeners:
+                listener(change)
 
     async def _index_has_settings(self) -> bool:
         try:
@@ -183,9 +197,9 @@ class ReplicaRegistry:
             if on_time and entry.load.requests and _went_silent(entry, now):
                 entry.probing = True
                 self._probes.add(asyncio.create_task(self._end_if_silent(entry), name=f"kvmesh-probe-{gone}"))
-        peers = median_costs([e.costs for e in self.entries.values() if e.costs is not None])
-        for entry in self.entries.values():
-            entry.priced = priced_costs(entry.costs, peers)
+        prices = self.prices.update((_measured(e) for e in self.entries.values()), now)
+        for rid, entry in self.entries.items():
+            entry.priced = prices[rid]
         await self._close_idle_retired()
 
     async def _end_if_silent(self, entry: ReplicaEntry) -> None:
@@ -270,6 +284,7 @@ class ReplicaRegistry:
                 num_waiting=int(e.record.load("num_waiting")),
                 costs=e.priced,
                 step_tokens=e.step_tokens,
+                share_alarm=e.record.replica_id in self.alarm.on,
             )
             for e in self.live()
         ]
@@ -307,6 +322,7 @@ class ReplicaRegistry:
                     rate,
                     age,
                     e.load.requests,
+                    share_alarm=r.replica_id in self.alarm.on,
                 )
             )
         return rows
@@ -315,7 +331,9 @@ class ReplicaRegistry:
     def begin(self, entry: ReplicaEntry, work: RequestWork) -> None:
         if self.fleet is not None:
             self.fleet.add(entry.record.replica_id, 1, work.prefill, work.decode)
-        entry.load.begin(work, time.monotonic())
+        now = time.monotonic()
+        entry.load.begin(work, now)
+        self.alarm.record(entry.record.replica_id, work.prefill, now)
 
     def prefill_done(self, entry: ReplicaEntry, work: RequestWork) -> None:
         if self.fleet is not None:
@@ -342,6 +360,28 @@ def _went_silent(entry: ReplicaEntry, now: float) -> bool:
     fell behind may have missed a drain's deregistration until that replica's TTL had run out
     too. ``READ_LATENCY_S``: a TTL that ran out while the read was on its way."""
     return entry.live_until <= now + READ_LATENCY_S
+
+
+def _log_alarm(change: Change) -> None:
+    shares = {
+        "replica_id": change.replica_id,
+        "request_share": round(change.request_share, 3),
+        "prefill_share": round(change.prefill_share, 3),
+        "fair_share": round(change.fair_share, 3),
+    }
+    if change.on:
+        log.warning(
+            "replica took far over its fair share: it gets no new prefixes until back under", extra=shares
+        )
+    else:
+        log.info("replica back under its share alarm", extra=shares)
+
+
+def _measured(entry: ReplicaEntry) -> MeasuredReplica:
+    record = entry.record
+    return MeasuredReplica(
+        record.replica_id, record.fields.get("hardware", ""), entry.costs, record.load("cost_steps")
+    )
 
 
 def _step_tokens(record: ReplicaRecord) -> int:

@@ -7,7 +7,7 @@ The first two terms are compute, the last is KV reads (memory-bound attention). 
 fits the four costs online from its own steps (``replica/step_costs.py``) and sends them with
 its heartbeat as ``cost_<term>`` fields (with ``cost_steps``, how many steps it has fitted);
 the router prices a request's time to first token
-with them (``router/policies.py``); the simulator runs time by them
+with them (``router/pricing.py`` bounds and smooths them, ``router/policies.py`` uses them); the simulator runs time by them
 (``cluster/experiments/cost_model.py``).
 """
 
@@ -56,28 +56,10 @@ TERMS = tuple(f.name for f in fields(StepCosts))
 MEASURED_AFTER_STEPS = 32
 
 
-# Like replicas' fits differ by noise (a few %): a replica whose step costs within this of
-# its peers' median is priced at the median, so like replicas price alike (cold prompts then
-# spread over them by recent work, instead of all going to the fit that came out lowest); one
-# slower or faster than that keeps its own. Compared on one reference step (prompt tokens,
-# decoding sequences, context tokens).
-LIKE_PEERS = 0.25
-REFERENCE_STEP = (512, 16, 16_384)
-
-
 def measured_costs(load: Callable[[str, float], float]) -> StepCosts | None:
     """A record's step costs once its replica has measured them (``cost_steps`` >=
     ``MEASURED_AFTER_STEPS``), else None."""
     return StepCosts.from_fields(load) if load("cost_steps", 0.0) >= MEASURED_AFTER_STEPS else None
-
-
-def priced_costs(own: StepCosts | None, peers: StepCosts) -> StepCosts:
-    """What the router prices a replica at: its peers' median unless it has measured costs
-    of its own that differ from it by more than ``LIKE_PEERS``."""
-    if own is None:
-        return peers
-    ratio = own.step_seconds(*REFERENCE_STEP) / max(peers.step_seconds(*REFERENCE_STEP), 1e-12)
-    return peers if abs(ratio - 1) <= LIKE_PEERS else own
 
 
 def median_costs(measured: Sequence[StepCosts]) -> StepCosts:

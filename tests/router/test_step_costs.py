@@ -181,35 +181,41 @@ def published(costs: StepCosts) -> StepCosts:
 
 
 @pytest.mark.asyncio
-async def test_the_router_prices_a_replica_that_has_not_measured_like_its_measured_peers():
+async def test_the_router_prices_like_hardware_alike_and_other_hardware_by_its_own_fit():
     """A replica just started reports the prior pulled toward a few warm-up steps: the router
     prices it like the replicas that have measured (else a fleet of slow CPUs would send all
-    work to the newcomer whose prior says H100), one whose costs differ from theirs by noise
-    at their median too (like replicas price alike), and one that has measured costs of its
-    own far from theirs at its own."""
+    work to the newcomer whose prior says H100); one on the same hardware whose fit differs
+    (noise, or 9x off) at their median too; one on other hardware at its own fit."""
     from kvmesh.kvcache.memory_index import MemoryPrefixIndex
     from kvmesh.router.policies import DEFAULT_STEP_TOKENS
     from kvmesh.router.registry import ReplicaRegistry
 
     index = MemoryPrefixIndex()
     slow = StepCosts(0.05, 4e-4, 1e-3, 1e-6)
-    for rid, costs, steps, budget in (
-        ("old-0", slow, 500, 512),
-        ("old-1", slow, 900, -5),  # a record is never trusted to be sane
-        ("new", PRIOR, MEASURED_AFTER_STEPS - 1, 4096),
-        ("near", StepCosts(*(1.1 * c for c in astuple(slow))), 700, 2048),  # like its peers, by noise
+    fast = StepCosts(*(c / 9 for c in astuple(slow)))
+    for rid, costs, steps, budget, hardware in (
+        ("old-0", slow, 500, 512, "cpu"),
+        ("old-1", slow, 900, -5, "cpu"),  # a record is never trusted to be sane
+        ("new", PRIOR, MEASURED_AFTER_STEPS - 1, 4096, "cpu"),
+        ("near", StepCosts(*(1.1 * c for c in astuple(slow))), 700, 2048, "cpu"),  # noise
+        ("odd", fast, 10**6, 2048, "cpu"),  # 9x off, on the same hardware: a bad fit
+        ("gpu", fast, 10**6, 2048, "NVIDIA H100"),
     ):
-        fields = {**costs.as_fields(), "cost_steps": steps, "max_num_batched_tokens": budget}
+        fields = {
+            **costs.as_fields(),
+            "cost_steps": steps,
+            "max_num_batched_tokens": budget,
+            "hardware": hardware,
+        }
         await index.register(rid, f"127.0.0.1:{len(rid)}", 10.0, fields)
     registry = ReplicaRegistry(index)
     try:
         await registry.refresh()
         states = {s.replica_id: s for s in registry.states({})}
-        assert states["new"].costs == states["near"].costs == states["old-0"].costs == published(slow)
+        like = {states[r].costs for r in ("old-0", "old-1", "new", "near", "odd")}
+        assert like == {published(slow)}
         assert [states[r].step_tokens for r in ("old-0", "old-1", "new")] == [512, DEFAULT_STEP_TOKENS, 4096]
-        # measured and 9x faster than its peers: priced at its own costs
-        assert await index.heartbeat("new", 3, 10.0, {"cost_steps": MEASURED_AFTER_STEPS})
-        await registry.refresh()
-        assert {s.replica_id: s for s in registry.states({})}["new"].costs == published(PRIOR)
+        gpu = states["gpu"].costs.prefill_token_s / published(slow).prefill_token_s
+        assert gpu == pytest.approx(1 / 9, rel=0.01)
     finally:
         await registry.stop()
