@@ -29,6 +29,9 @@ class InputLimits:
     max_request_id_chars: int = option(
         256, help="characters in a client's request id (echoed in every response)"
     )
+    max_session_key_bytes: int = option(
+        256, help="bytes of a session key (gRPC affinity_key, the x-session-id header or OpenAI's user)"
+    )
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -41,6 +44,11 @@ class InputLimits:
         what = f"sequences ({n} choices x {prompts} prompts)"
         _at_most("n", prompts * n, self.max_choices, what, "--max-choices")
 
+    def check_session_key(self, field: str, key: str) -> None:
+        """A session key, under the name the client gave it (a field or a header)."""
+        size = len(key.encode())
+        _at_most(field, size, self.max_session_key_bytes, "bytes", "--max-session-key-bytes")
+
     def check(self, request: pb.GenerateRequest) -> None:
         """One request's counts and sizes (before it is rendered, tokenized or queued)."""
         _at_most(
@@ -50,6 +58,7 @@ class InputLimits:
             "characters",
             "--max-request-id-chars",
         )
+        self.check_session_key("affinity_key", request.affinity_key)
         s = request.sampling
         _at_most("stop", len(s.stop), self.max_stop_strings, "stop strings", "--max-stop")
         longest = max((len(text) for text in s.stop), default=0)

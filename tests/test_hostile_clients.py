@@ -28,6 +28,7 @@ from kvmesh.replica import sampler as sampler_module
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterLimits
+from kvmesh.router.policies import POLICIES
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.errors import ServingError
@@ -178,6 +179,8 @@ HTTP_OVER_BOUNDS = [
     ("completions", {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(3, 12)}}, "logit_bias"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"d": "x" * 2100}]}, "tools"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "documents": [{"d": "x" * 2100}]}, "tools"),
+    ("completions", {"prompt": "hi", "user": "u" * 300}, "user"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "user": "u" * 300}, "user"),
 ]
 
 
@@ -204,14 +207,56 @@ async def test_grpc_requests_are_bounded_the_same_way(stack, where):
     big_bias.sampling.logit_bias.update({t: 1.0 for t in range(3, 12)})
     long_id = ordinary(4)
     long_id.request_id = "x" * 300  # echoed in every response: a long one would multiply the stream
+    long_key = ordinary(5)
+    long_key.affinity_key = "k" * 300
     for request, field in (
         (too_many_stops, "stop"),
         (chat, "messages"),
         (big_bias, "logit_bias"),
         (long_id, "request_id"),
+        (long_key, "affinity_key"),
     ):
         code, details = await grpc_code(address, stub, request)
         assert code == "INVALID_ARGUMENT" and details.startswith(f"{field}: "), details
+
+
+@pytest.mark.parametrize("where", ["router", "replica"])
+async def test_a_session_header_is_bounded_and_wins_over_user(stack, where):
+    """The x-session-id header is the session key when given (a long ``user`` beside it is
+    not used, so not refused: streamed through a relaying router included)."""
+    body = {"prompt": "hi", "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=urls(stack)[where], timeout=60) as http:
+        long = await http.post("/v1/completions", json=body, headers={"x-session-id": "k" * 300})
+        wins = [
+            await http.post(
+                "/v1/completions",
+                json={**body, "user": "u" * 300, "stream": stream},
+                headers={"x-session-id": "conv-1"},
+            )
+            for stream in (False, True)
+        ]
+    error = long.json()["error"]
+    assert long.status_code == 400 and error["param"] == "x-session-id"
+    assert error["message"] == "x-session-id: 300 bytes, the limit is 256 (--max-session-key-bytes)"
+    assert [r.status_code for r in wins] == [200, 200] and "error" not in wins[1].text
+
+
+async def test_the_session_policy_is_gone_and_the_known_ones_are_named(stack):
+    """``session`` became the prefix policy's hint: asking for it is an unknown policy."""
+    router, _ = stack
+    known = f"known: {', '.join(sorted(POLICIES))}"
+    assert "session" not in POLICIES and "prefix" in known
+    request = ordinary(6)
+    request.policy = "session"
+    code, details = await grpc_code(router.address, pb_grpc.RouterStub, request)
+    assert code == "INVALID_ARGUMENT" and details == f"unknown policy 'session'; {known}"
+    async with httpx.AsyncClient(base_url=urls(stack)["router"], timeout=60) as http:
+        reply = await http.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "policy": "session"}
+        )
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "policy"
+    assert error["message"] == f"unknown policy 'session'; {known}"
 
 
 # ---------------------------------------------------------------- admission before allocation

@@ -331,7 +331,6 @@ def notes(results: dict) -> list[str]:
         f"- **consistent_hash** is the strongest competitor on hit rate: it never moves a prefix, so it {where}, "
         f"but it ignores load: max/mean load up to {ch_w1:.2f} on W1 (prefix: {prefix_w1:.2f}) and longer TTFT "
         "tails under load (W1, W2).",
-        "- **session** falls back to least_loaded when requests carry no affinity key (W1-W5 have none).",
         "- **W5 max/mean** is mostly where the first prefills of the ~60 rarely requested groups land (2k+ "
         "tokens each), not the hot group: one seed's value moves by up to 0.25 with the sample alone (seeds 0-5 "
         "gave 1.31-1.65 under one policy). The docs' 1.436 became 1.71 when the workload's sampler changed "

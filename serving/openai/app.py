@@ -49,7 +49,7 @@ from kvmesh.serving.openai.protocol import (
     TokenizeRequest,
 )
 from kvmesh.serving.openai.relay import RELAY_PATHS, ChatEnvelope, CompletionEnvelope, trailer
-from kvmesh.serving.openai.requests import Plan, chat_plan, completion_plan, tokenize_request
+from kvmesh.serving.openai.requests import Plan, chat_plan, completion_plan, session_key_of, tokenize_request
 from kvmesh.serving.openai.responses import Echo, ResponseBuilder, TokenNames
 from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
@@ -329,9 +329,10 @@ def build_app(
         backend = models.backend(body.model)
         prompts = len(body.prompts())
         backend.inputs.check_batch(prompts, body.n)
+        session = session_key_of(raw.headers, body, backend.inputs)
         ticket = backend.admit(prompts, body.policy or "")
         with _released_unless_streaming(ticket):
-            plan = await sized(size, completion_plan, body, backend.tokenizer)
+            plan = await sized(size, completion_plan, body, backend.tokenizer, session)
             if _relayed(backend, body, plan):
                 return await _relay(backend, raw, plan, False, ticket)
             echoes = await _echoes(backend, body, plan, size) if plan.echo_prompt else None
@@ -343,9 +344,10 @@ def build_app(
         body.check_supported()
         backend = models.backend(body.model)
         backend.inputs.check_batch(1, body.n)
+        session = session_key_of(raw.headers, body, backend.inputs)
         ticket = backend.admit(1, body.policy or "")
         with _released_unless_streaming(ticket):
-            plan = await sized(size, chat_plan, body)
+            plan = await sized(size, chat_plan, body, session)
             if _relayed(backend, body, plan):
                 return await _relay(backend, raw, plan, True, ticket)
             return await _serve(backend, raw, body, plan, True, None, ticket)

@@ -68,7 +68,13 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule(
         "echo", "both", "yes", "completions: the prompt before the text (max_tokens 0: the prompt only)"
     ),
-    FieldRule("user", "both", "yes", "the session-affinity key for the affinity policy"),
+    FieldRule(
+        "user",
+        "both",
+        "yes",
+        "a session key: a hint to the prefix policy where a conversation's first turn goes "
+        "(the x-session-id header wins)",
+    ),
     FieldRule("add_special_tokens", "completions", "yes", "vLLM extension"),
     FieldRule("tools", "chat", "yes", "given to the chat template; tool calls come back as text (no parser)"),
     FieldRule("tool_choice", "chat", "400 unless none or auto", refused_example="required"),
@@ -154,7 +160,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     prompt_logprobs: int | None = None
     echo: bool = False
-    user: str | None = None  # used as the session affinity key
+    user: str | None = None  # the session key, unless an x-session-id header gives one
     policy: str | None = None  # kvmesh extension: per-request routing policy
     response_format: dict | None = None
     include_stop_str_in_output: bool = False

@@ -8,10 +8,12 @@ replica, which resolve them the same way for gRPC clients.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvmesh.protos import pb
 from kvmesh.serving.errors import InvalidRequest, shown
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.openai.protocol import (
     ChatMessage,
     ChatRequest,
@@ -21,6 +23,7 @@ from kvmesh.serving.openai.protocol import (
 )
 from kvmesh.serving.tokenizer import PromptTokenizer
 
+SESSION_HEADER = "x-session-id"
 _UNSIGNED = frozenset({"max_tokens", "seed", "min_tokens", "logprobs", "prompt_logprobs", "n"})
 
 
@@ -81,11 +84,25 @@ def sampling_of(body: _Sampling, max_tokens: int | None, logprobs: int | None) -
     return sampling
 
 
-def _request(body: _Sampling, sampling: pb.SamplingParams) -> pb.GenerateRequest:
-    return pb.GenerateRequest(sampling=sampling, policy=body.policy or "", affinity_key=body.user or "")
+def _request(body: _Sampling, sampling: pb.SamplingParams, session_key: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(sampling=sampling, policy=body.policy or "", affinity_key=session_key)
 
 
-def completion_plan(body: CompletionRequest, tokenizer: PromptTokenizer | None) -> Plan:
+def session_key_of(headers: Mapping[str, str], body: _Sampling, inputs: InputLimits) -> str:
+    """A request's session key, the prefix policy's hint for where a conversation goes: its
+    ``x-session-id`` header, else its body's ``user`` (for clients that set no headers);
+    bounded, and named in the error as the client sent it."""
+    header = headers.get(SESSION_HEADER)
+    field, key = (SESSION_HEADER, header) if header else ("user", body.user or "")
+    inputs.check_session_key(field, key)
+    return key
+
+
+def completion_plan(
+    body: CompletionRequest, tokenizer: PromptTokenizer | None, session_key: str = ""
+) -> Plan:
+    """``session_key``: ``session_key_of``'s; none where nothing is routed (a render, a
+    request a router relayed here)."""
     echo_only = body.echo and body.max_tokens == 0
     if body.max_tokens == 0 and not body.echo:
         raise InvalidRequest("max_tokens must be positive (0 only with echo)", param="max_tokens")
@@ -95,7 +112,7 @@ def completion_plan(body: CompletionRequest, tokenizer: PromptTokenizer | None) 
         sampling.prompt_logprobs = body.logprobs
     requests = []
     for prompt in body.prompts():
-        request = _request(body, sampling)
+        request = _request(body, sampling, session_key)
         if isinstance(prompt, str) and body.add_special_tokens:
             request.text = prompt
         elif isinstance(prompt, str):
@@ -114,10 +131,11 @@ def set_token_ids(request: pb.GenerateRequest, ids: list[int], param: str) -> No
     request.token_ids.ids.extend(ids)
 
 
-def chat_plan(body: ChatRequest) -> Plan:
+def chat_plan(body: ChatRequest, session_key: str = "") -> Plan:
+    """``session_key``: as for ``completion_plan``."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    request = _request(body, sampling_of(body, max_tokens, logprobs))
+    request = _request(body, sampling_of(body, max_tokens, logprobs), session_key)
     set_chat(request.chat, body.messages, body.tools, body.chat_template_kwargs)
     request.chat.add_generation_prompt = body.add_generation_prompt
     request.chat.continue_final_message = body.continue_final_message

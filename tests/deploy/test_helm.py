@@ -14,6 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvmesh.router.policies import POLICIES
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvmesh"
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "helm"
@@ -175,6 +177,11 @@ def test_schema_rejects_bad_values(chart, override, needle):
     with pytest.raises(helm.HelmError) as err:  # and Helm refuses to render them
         chart.render(values, name="llm", namespace="serving")
     assert needle in str(err.value)
+
+
+def test_the_schemas_policies_are_the_routers():
+    """The chart offers exactly the policies the router has (``session`` went into ``prefix``)."""
+    assert sorted(SCHEMA["properties"]["router"]["properties"]["policy"]["enum"]) == sorted(POLICIES)
 
 
 def merge(base: dict, override: dict) -> dict:

@@ -4,8 +4,9 @@ right cause, and recovered from; steady load raises no alarm.
 One router and two replicas run in this process (real gRPC, a real valkey, the real engine
 on the tiny model), so faults can be injected inside a replica: a different hash seed,
 KV events dropped, a cache reset that sends no event, Redis flushed, a replica restarted.
-Requests go to a chosen replica through the ``session`` policy (an affinity key that
-rendezvous-hashes to it); the router predicts and checks every request whatever the policy.
+Requests go to a chosen replica through the ``consistent_hash`` policy (a prompt whose first
+blocks rendezvous-hash to it); the router predicts and checks every request whatever the
+policy.
 """
 
 import asyncio
@@ -22,12 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cluster import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.index_trust.predictions import LIES
 from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexHealthConfig
-from kvmesh.router.policies import ReplicaState, rendezvous
+from kvmesh.router.policies import ReplicaState, RouteRequest, make_policy
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples
 
@@ -72,20 +74,33 @@ async def fleet(qwen3_dir):
     redis.close()
 
 
-def affinity_key(replica_id: str) -> str:
-    ids = [ReplicaState("truth-0"), ReplicaState("truth-1")]
-    return next(k for k in map(str, range(1000)) if rendezvous(k.encode(), ids)[0].replica_id == replica_id)
+STEER = make_policy("consistent_hash", block_size=BS)
 
 
-def prompt(blocks: int) -> list[int]:
-    return [rng.randrange(10, 1000) for _ in range(blocks * BS)]
+def routed_to(fleet: dict, ids: list[int]) -> str:
+    """Where ``consistent_hash`` sends ``ids`` among this fleet's replicas."""
+    assert len(ids) >= STEER.prefix_blocks * BS, "a shorter prompt is keyed by all its tokens"
+    model = fleet["router"].core.model
+    request = RouteRequest(ids, block_hashes(ids, model.block_size, model.hash_seed))
+    return STEER.rank(request, [ReplicaState(rid) for rid in fleet["replicas"]])[0]
+
+
+def prompt(blocks: int, fleet: dict | None = None, replica_id: str | None = None) -> list[int]:
+    """Random token ids; with ``replica_id``, ones that ``send`` routes there, and so does
+    every prompt that starts with them (``consistent_hash`` keys a prompt of
+    ``STEER.prefix_blocks`` blocks or more by its first ones, hashed as the router does)."""
+    while True:
+        ids = [rng.randrange(10, 1000) for _ in range(blocks * BS)]
+        if replica_id is None or routed_to(fleet, ids) == replica_id:
+            return ids
 
 
 async def send(fleet, ids: list[int], replica_id: str | None = None) -> pb.Complete:
-    """One request (to ``replica_id`` if given); its Complete."""
+    """One request (to ``replica_id`` if given: a prompt from ``prompt(..., replica_id)``); its
+    Complete."""
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_tokens=1))
     if replica_id:
-        req.policy, req.affinity_key = "session", affinity_key(replica_id)
+        req.policy = "consistent_hash"
     async for r in fleet["stub"].Generate(req, timeout=60):
         if r.WhichOneof("kind") == "complete":
             assert not replica_id or r.complete.replica_id == replica_id
@@ -140,7 +155,7 @@ async def until_alarm(fleet, replica_id: str, cause: str, before: float, timeout
 async def exact_again(fleet, replica_id: str) -> None:
     """Recovered: the state is EXACT and a repeated prefix is predicted exactly."""
     await until_state(fleet, replica_id, EXACT)
-    ids = prompt(4)
+    ids = prompt(4, fleet, replica_id)
     await send(fleet, ids + [5], replica_id)
     await asyncio.sleep(SETTLE_S)  # past speculation: the index alone must know it
     c = await send(fleet, ids + [6, 7], replica_id)
@@ -188,7 +203,7 @@ async def test_a_replica_hashing_with_another_seed_is_routed_by_load_only(fleet)
     seed = await engine.call(lambda e: e.block_manager.seed)
     await engine.call(lambda e: setattr(e.block_manager, "seed", seed ^ 0x5EED))
     try:
-        took = await until_state(fleet, rid, LOAD_ONLY, feed=lambda: send(fleet, prompt(3), rid))
+        took = await until_state(fleet, rid, LOAD_ONLY, feed=lambda: send(fleet, prompt(4, fleet, rid), rid))
         assert took < DETECT_S and state(fleet, rid) == (LOAD_ONLY, "hash_mismatch")
         assert rid in fleet["router"].core.watch.untrusted()
         listing = await fleet["stub"].ListReplicas(pb.ListReplicasRequest())
@@ -199,7 +214,7 @@ async def test_a_replica_hashing_with_another_seed_is_routed_by_load_only(fleet)
         assert metric(fleet, "kvmesh_router_replica_index_state", replica=rid, state="LOAD_ONLY") == 1
     finally:
         await engine.call(lambda e: setattr(e.block_manager, "seed", seed))
-    await until_state(fleet, rid, EXACT, feed=lambda: send(fleet, prompt(3), rid))
+    await until_state(fleet, rid, EXACT, feed=lambda: send(fleet, prompt(4, fleet, rid), rid))
     await exact_again(fleet, rid)
 
 
@@ -213,7 +228,7 @@ async def test_dropped_kv_events_are_found_stale_and_resynced(fleet, monkeypatch
     monkeypatch.setattr(publisher, "_publish_buffer", drop)
     resyncs = metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid)
     before = alarms(fleet, rid, "stale_index")
-    prefixes = [prompt(4) for _ in range(5)]
+    prefixes = [prompt(4, fleet, rid) for _ in range(5)]
     for p in prefixes:
         await send(fleet, p + [1], rid)
     await asyncio.sleep(SETTLE_S)
@@ -235,7 +250,7 @@ async def test_dropped_kv_events_are_found_stale_and_resynced(fleet, monkeypatch
 async def test_a_cache_reset_without_events_is_found_stale(fleet):
     rid = "truth-1"
     before = alarms(fleet, rid, "stale_index")
-    prefixes = [prompt(4) for _ in range(5)]
+    prefixes = [prompt(4, fleet, rid) for _ in range(5)]
     for p in prefixes:
         await send(fleet, p + [1], rid)
     await asyncio.sleep(SETTLE_S)

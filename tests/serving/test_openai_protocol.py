@@ -12,9 +12,10 @@ from kvmesh.protos import pb
 from kvmesh.serving.admission import admit
 from kvmesh.serving.errors import InvalidRequest, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
+from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.openai.app import OneModel, build_app
 from kvmesh.serving.openai.protocol import FIELD_RULES, ChatRequest, CompletionRequest, field_table
-from kvmesh.serving.openai.requests import chat_plan, completion_plan
+from kvmesh.serving.openai.requests import chat_plan, completion_plan, session_key_of
 from kvmesh.serving.sampling_params import SamplingParams, sampling_from_proto
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +79,7 @@ EXPECTED = SamplingParams(
 
 def test_every_completions_field_reaches_the_engine():
     body = CompletionRequest(prompt="hi", logprobs=4, **ALL_SAMPLING)
-    (request,) = completion_plan(body, None).requests
+    (request,) = completion_plan(body, None, session_key_of({}, body, InputLimits())).requests
     assert request.text == "hi" and request.affinity_key == "session-1" and request.policy == "least_loaded"
     params = sampling_from_proto(request.sampling)
     assert params == SamplingParams(**{**EXPECTED.__dict__, "logprobs": 4})
@@ -161,3 +162,63 @@ async def test_a_mid_stream_failure_is_an_in_band_openai_error():
         "code": 503,
     }
     assert whole.status_code == 503 and whole.json()["error"]["type"] == "service_unavailable"
+
+
+class _Recording(FakeBackend):
+    """Answers every request with one token and keeps the requests it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[pb.GenerateRequest] = []
+
+    async def generate(self, request, trace=None):
+        self.seen.append(request)
+        yield pb.GenerateResponse(request_id="r", chunk=pb.Chunk(token_ids=[1], text="a", prompt_tokens=3))
+
+
+SESSION_BODIES = {
+    "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 1},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+async def post(path: str, user: str | None, header: str | None) -> tuple[httpx.Response, _Recording]:
+    """A request with this ``user`` and ``x-session-id`` header (None: left out) to a fresh app
+    over one recording backend (through the hot routes, as clients' requests go)."""
+    body = {**SESSION_BODIES[path], **({"user": user} if user is not None else {})}
+    headers = {"X-Session-Id": header} if header is not None else {}
+    app = build_app(OneModel(backend := _Recording()), lambda: {"status": "ok"})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        return await http.post(path, json=body, headers=headers), backend
+
+
+@pytest.mark.parametrize("path", SESSION_BODIES)
+@pytest.mark.parametrize(
+    ("header", "user", "key"),
+    [(None, None, ""), (None, "u-1", "u-1"), ("h-1", None, "h-1"), ("h-1", "u-1", "h-1"), ("", "u-1", "u-1")],
+)
+async def test_the_session_key_is_the_header_else_user(path, header, user, key):
+    reply, backend = await post(path, user, header)
+    assert reply.status_code == 200, reply.text
+    assert [r.affinity_key for r in backend.seen] == [key]
+
+
+@pytest.mark.parametrize("path", SESSION_BODIES)
+@pytest.mark.parametrize(
+    ("header", "user", "param", "size"),
+    [
+        ("h" * 257, None, "x-session-id", 257),
+        (None, "é" * 129, "user", 258),
+        ("h" * 257, "u-1", "x-session-id", 257),
+    ],
+)
+async def test_an_oversized_session_key_is_a_400_naming_where_it_came_from(path, header, user, param, size):
+    reply, backend = await post(path, user, header)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and not backend.seen
+    assert error["message"] == f"{param}: {size} bytes, the limit is 256 (--max-session-key-bytes)"
+
+
+async def test_a_session_key_at_the_bound_is_taken_whole():
+    reply, backend = await post("/v1/completions", None, "k" * 256)
+    assert reply.status_code == 200 and backend.seen[0].affinity_key == "k" * 256
