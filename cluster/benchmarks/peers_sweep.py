@@ -6,10 +6,12 @@ caches (checked empty), under the same seeded load: the shared-prefix shape from
 (a generator nobody here wrote) and from kvmesh's own, and multi-turn chat (closed loop:
 kvmesh's generator for every router, each turn resending the answer it got). Every repeat
 runs every (router, workload, rate) cell once, in its own shuffled order, with its own
-seed. The replicas, not the clients, say what was cached: their /metrics counters are read
-around every run. Router overhead is measured in every run by interleaving identical
-requests sent through the router and straight to a replica. The summary gives, per
-(router, workload, rate), medians and min/max across repeats.
+seed; each run starts its own router process, or (``one_router``) each contender keeps one
+through all its runs, as a router lives in production. The replicas, not the clients, say
+what was cached: their /metrics counters are read around every run. Router overhead is
+measured in every run by interleaving identical requests sent through the router and
+straight to a replica. The summary gives, per (router, workload, rate), medians and
+min/max across repeats.
 
 The KV pool is sized to hold only some of the shared prefixes per replica, so a router
 that scatters a prefix over every replica evicts it again; with a pool that holds every
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import random
 import shutil
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -226,6 +230,8 @@ class PeersConfig:
     model_dir: Path | None = None  # None: the demo's tiny model, built once in cache_dir
     docs: Path | None = None  # write the results as a section of this document (docs/experiments.md)
     resume: bool = False  # keep the runs rows.jsonl already has (a sweep cut short) and run the rest
+    one_router: bool = False  # one router process per contender through all its runs, as in production
+    guidellm_only: bool = False  # the shared-prefix cell through guidellm alone (no kvmesh-generator runs)
 
     @property
     def main_generator(self) -> str:
@@ -234,7 +240,7 @@ class PeersConfig:
 
     def generators(self, workload: str) -> tuple[str, ...]:
         if workload == "shared_prefix" and self.guidellm:
-            return ("guidellm", "kvmesh_loadgen")
+            return ("guidellm",) if self.guidellm_only else ("guidellm", "kvmesh_loadgen")
         return ("kvmesh_loadgen",)  # multi-turn is closed loop: kvmesh's generator for every router
 
     @property
@@ -259,19 +265,45 @@ class _Bench:
     replicas: list[Replica]
     cluster: LocalCluster
     http: httpx.AsyncClient
+    kept: dict[str, RouterProcess] = field(default_factory=dict)  # with ``one_router``: by contender
 
-    async def run(
-        self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
-    ) -> dict:
-        """One router process, its overhead, cold caches, one load: one row."""
+    def new_router(self, contender: Contender, stem: str) -> RouterProcess:
+        """A router process in front of the replicas, not started yet, logging to ``stem``.log."""
         port = free_port()
         workers = [r.http_url for r in self.replicas]
         command = router_command(
             contender, self.config.venv, port, workers, str(self.model), self.cluster.redis_url
         )
-        stem = f"{contender.name.replace(' ', '-')}-{workload}-{rate:g}-{generator}-{repeat}"
         log = self.scratch / f"{stem}.log"
-        async with RouterProcess(contender, command, port, log, self.cluster.router_environment()) as router:
+        return RouterProcess(contender, command, port, log, self.cluster.router_environment())
+
+    @contextlib.asynccontextmanager
+    async def router(self, contender: Contender, stem: str) -> AsyncIterator[RouterProcess]:
+        """The run's router: a new process, stopped after the run, or with ``one_router`` the
+        contender's kept one (started at its first run, or again if it exited; ``stop_routers``
+        stops it)."""
+        if not self.config.one_router:
+            async with self.new_router(contender, stem) as router:
+                yield router
+            return
+        kept = self.kept.get(contender.name)
+        if kept is None or kept.proc.poll() is not None:
+            if kept is not None:
+                progress(f"  {contender.name}'s router exited ({kept.proc.returncode}); starting a new one")
+            kept = self.kept[contender.name] = await self.new_router(contender, stem).start()
+        yield kept
+
+    def stop_routers(self) -> None:
+        """The kept routers' end: the sweep's, or its error's."""
+        for router in self.kept.values():
+            router.stop()
+
+    async def run(
+        self, contender: Contender, workload: str, rate: float, generator: str, repeat: int
+    ) -> dict:
+        """A router process, its overhead, cold caches, one load: one row."""
+        stem = f"{contender.name.replace(' ', '-')}-{workload}-{rate:g}-{generator}-{repeat}"
+        async with self.router(contender, stem) as router:
             overhead = await router_overhead(
                 self.http, router.url, self.replicas, self.model.name, self.config.overhead_pairs
             )
@@ -307,6 +339,7 @@ class _Bench:
             "rate": rate,
             "repeat": repeat,
             "generator": generator,
+            "router_pid": router.proc.pid,  # with one_router: which runs one process served
             **client,
             **truth,
             **overhead,
@@ -408,16 +441,19 @@ async def run(config: PeersConfig) -> dict:
         config.kept_rows.write_text("".join(json.dumps(row) + "\n" for row in rows))
         prompt = "".join(bench.words[: config.load.prefix_tokens + config.load.prompt_tokens])
         baseline = await unloaded_ttft_ms(http, replicas[0], model.name, prompt)
-        for repeat, cells in sweep_plan(config, rows):
-            for n, (contender, workload, rate, generator) in enumerate(cells, 1):
-                progress(
-                    f"repeat {repeat + 1}/{config.repeats}, run {n}/{len(cells)}: {contender.name}, {workload} at {rate:g}/s, {generator} ..."
-                )
-                row = await bench.run_honest(contender, workload, rate, generator, repeat)
-                rows.append(row)
-                with config.kept_rows.open("a") as kept:
-                    kept.write(json.dumps(row) + "\n")
-                progress(f"  {_line(row)}")
+        try:
+            for repeat, cells in sweep_plan(config, rows):
+                for n, (contender, workload, rate, generator) in enumerate(cells, 1):
+                    progress(
+                        f"repeat {repeat + 1}/{config.repeats}, run {n}/{len(cells)}: {contender.name}, {workload} at {rate:g}/s, {generator} ..."
+                    )
+                    row = await bench.run_honest(contender, workload, rate, generator, repeat)
+                    rows.append(row)
+                    with config.kept_rows.open("a") as kept:
+                        kept.write(json.dumps(row) + "\n")
+                    progress(f"  {_line(row)}")
+        finally:
+            bench.stop_routers()
     return _report(config, rows, baseline)
 
 
@@ -427,7 +463,12 @@ def _run_key(row: dict) -> tuple:
 
 def sweep_plan(config: PeersConfig, done: list[dict]) -> list[tuple[int, list[tuple]]]:
     """Each repeat's runs in its own seeded order, without the ones ``done`` already has (a
-    resumed sweep runs exactly what the cut-short one had left, in the order it would have)."""
+    resumed sweep runs exactly what the cut-short one had left, in the order it would have).
+
+    With ``one_router`` a repeat runs each contender's runs back to back (contenders in the
+    order the shuffle first meets them, each one's runs in shuffled order): its kept router
+    then goes from one run straight into its next, as a router serving without pause does,
+    instead of idling through other routers' runs, and the others idle while it runs."""
     finished = {_run_key(row) for row in done}
     plan = []
     for repeat in range(config.repeats):
@@ -439,6 +480,9 @@ def sweep_plan(config: PeersConfig, done: list[dict]) -> list[tuple[int, list[tu
             for g in config.generators(w)
         ]
         random.Random(config.load.seed + repeat).shuffle(cells)
+        if config.one_router:
+            contenders = list(dict.fromkeys(c for c, *_ in cells))
+            cells.sort(key=lambda cell: contenders.index(cell[0]))  # stable: shuffled within
         left = [cell for cell in cells if (cell[0].name, *cell[1:], repeat) not in finished]
         if left:
             plan.append((repeat, left))
@@ -546,6 +590,7 @@ def _report(config: PeersConfig, rows: list[dict], unloaded_ms: float) -> dict:
             "workloads": list(config.workloads),
             "main_generator": config.main_generator,
             "generator_of": generator_of,
+            "one_router": config.one_router,
         },
         "unloaded_cold_ttft_ms": unloaded_ms,
         "runs_discarded": sum(r["runs_discarded"] for r in rows),
@@ -582,23 +627,50 @@ def _cell(s: dict, key: str, fmt: str) -> str:
     return median if s["runs"] == 1 else f"{median} [{low}-{high}]"
 
 
+LOPSIDED = 1.6  # requests max/mean over which a run counts as piled on one replica
+
+
+def lopsided_runs(rows: list[dict], summary: list[dict]) -> list[str]:
+    """Per kvmesh cell of ``summary``, how many of its runs were lopsided: a median over
+    repeats hides the one run in many where a router piles requests on one replica."""
+    lines = []
+    for s in summary:
+        if s["router"].startswith("kvmesh "):
+            spreads = [r["requests_max_over_mean"] for r in rows if all(r[k] == s[k] for k in _CELL)]
+            above = sum(spread > LOPSIDED for spread in spreads)
+            lines.append(
+                f"- {s['router']} at {s['rate']:g}/s: runs with requests max/mean above {LOPSIDED:g}: "
+                f"{above} of {len(spreads)}"
+            )
+    return lines
+
+
 def write_tables(result: dict, out: str) -> str:
     """Markdown tables (one per workload and load generator: medians [min-max] over repeats;
-    TTFT and added latency in ms) and plots beside the JSON."""
-    sections = []
+    TTFT and added latency in ms), each with its kvmesh cells' lopsided runs, and plots beside
+    the JSON."""
+    routers = (
+        "one router process per contender through all its runs (caches reset between runs)"
+        if result["config"]["one_router"]
+        else "a new router process per run"
+    )
+    sections = [f"Routers: {routers}."]
     for workload in result["config"]["workloads"]:
         for generator in ("guidellm", "kvmesh_loadgen"):
             rows = [s for s in result["summary"] if s["workload"] == workload and s["generator"] == generator]
             if not rows:
                 continue
+            rows = sorted(rows, key=lambda s: (s["rate"], s["router"]))
             cells = [
                 (s["router"], {"rate": f"{s['rate']:g}"} | {k: _cell(s, k, f) for _, k, f in _SWEEP_TABLE})
-                for s in sorted(rows, key=lambda s: (s["rate"], s["router"]))
+                for s in rows
             ]
             columns = [("rate/s", "rate", "{}"), *((h, k, "{}") for h, k, _ in _SWEEP_TABLE)]
+            table = markdown_table(cells, columns, first="router")
+            lopsided = "\n".join(lopsided_runs(result["rows"], rows))
             sections.append(
-                f"**{workload}, {generator}** ({rows[0]['runs']} runs per cell)\n\n"
-                + markdown_table(cells, columns, first="router")
+                f"**{workload}, {generator}** ({rows[0]['runs']} runs per cell)\n\n{table}"
+                + (f"\n\n{lopsided}" if lopsided else "")
             )
             plot_sweep_bands(
                 Path(out).with_name(f"{Path(out).stem}_{workload}_{generator}.png"),

@@ -336,12 +336,21 @@ def _peers(benches) -> None:
         "sglang and vllm cache_aware)",
     )
     peers.add_argument("--no-guidellm", action="store_true", help="kvmesh's load generator only")
+    peers.add_argument(
+        "--guidellm-only", action="store_true", help="the shared-prefix cell through guidellm alone"
+    )
     peers.add_argument("--docs", help="also update this document's bench-peers section (docs/experiments.md)")
     peers.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
     peers.add_argument(
         "--resume",
         action="store_true",
         help="keep the runs a cut-short sweep with the same flags kept (<out>/rows.jsonl) and run the rest",
+    )
+    peers.add_argument(
+        "--one-router",
+        action="store_true",
+        help="each contender's router process lives through all its runs (caches still reset between "
+        "runs): how a router runs for days; default: a new router a run",
     )
     peers.set_defaults(handler=_run_peers)
 
@@ -380,6 +389,8 @@ def _run_peers(args: argparse.Namespace) -> int:
         args.output_tokens,
         args.requests,
     )
+    if args.guidellm_only and args.no_guidellm:
+        raise UsageError("--guidellm-only and --no-guidellm exclude each other")
     if min(sizes) <= 0 or min(rates) <= 0 or args.max_seconds <= 0:
         raise UsageError("sizes, --rates and --max-seconds must be positive")
     contenders = tuple(known[n] for n in names)
@@ -416,6 +427,8 @@ def _run_peers(args: argparse.Namespace) -> int:
         guidellm=not args.no_guidellm,
         docs=Path(args.docs) if args.docs else None,
         resume=args.resume,
+        one_router=args.one_router,
+        guidellm_only=args.guidellm_only,
     )
     try:
         resumed_rows(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import resource
 import time
 from pathlib import Path
@@ -54,9 +55,28 @@ def register(commands) -> None:
         "--heartbeat-ms", type=float, default=0.0, help="how often routers learn replicas' queues (0: live)"
     )
     sim.add_argument(
+        "--speeds",
+        help="replicas of several speeds: replica i's steps take the i-th (cyclically) of these times "
+        "the cost model's, e.g. 1,1.3,2 (the router prices them as it prices real fits)",
+    )
+    sim.add_argument(
+        "--fit-noise",
+        type=float,
+        default=0.0,
+        help="the step-cost fits the router sees are off by up to this fraction either way, drawn "
+        "anew every second, e.g. 0.3",
+    )
+    sim.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="replicas' speeds wander: a random walk of log speed, this standard deviation per "
+        "square root of a minute (within 2x of their own)",
+    )
+    sim.add_argument(
         "--load",
         type=float,
-        help="arrive at this fraction of the fleet's capacity (Poisson; measured first by a probe: "
+        help="arrive at this fraction of the fleet's capacity (as --arrivals says; measured first by a probe: "
         "a few replicas saturated with a sample of the workload's groups)",
     )
     sim.add_argument(
@@ -69,6 +89,21 @@ def register(commands) -> None:
     sim.add_argument("--out", default="results/simulate.json")
     sim.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(handler=usage_errors(simulate))
+
+
+def _speeds(text: str | None) -> list[float] | None:
+    """``--speeds``: positive numbers separated by commas (None: not given)."""
+    if text is None:
+        return None
+    try:
+        speeds = [float(part) for part in text.split(",")]
+    except ValueError:
+        speeds = []
+    if not speeds or not all(0 < s < math.inf for s in speeds):
+        raise ValueError(
+            f"--speeds must be positive numbers separated by commas (e.g. 1,1.3,2), got {text!r}"
+        )
+    return speeds
 
 
 CEILING_MAX_REQUESTS = 200_000  # the infinite-cache ceiling keeps every hash: skipped past this
@@ -94,6 +129,9 @@ def simulate(args: argparse.Namespace) -> int:
         raise ValueError("--replicas, --routers, --block-size and --blocks-per-replica must be positive")
     if args.event_lag_ms < 0 or args.heartbeat_ms < 0:
         raise ValueError("--event-lag-ms and --heartbeat-ms must not be negative")
+    if not 0 <= args.fit_noise < 1 or not 0 <= args.drift < math.inf:
+        raise ValueError("--fit-noise must be in [0, 1) and --drift must not be negative")
+    args.speeds = _speeds(args.speeds)
     if args.load is not None and (args.load <= 0 or args.rate is not None or not args.workload or args.trace):
         raise ValueError("--load needs a generated --workload, no --rate or --trace, and a positive fraction")
     if args.model:
@@ -128,6 +166,10 @@ def simulate(args: argparse.Namespace) -> int:
             "capacity": dataclasses.asdict(capacity) if capacity else None,
             "speedup": args.speedup,
             "copies": args.copies,
+            "arrivals": args.arrivals,
+            "speeds": args.speeds,
+            "fit_noise": args.fit_noise,
+            "drift": args.drift,
         },
         "hit_rate_ceiling": round(wl.infinite_cache_hit_rate(stream(), args.block_size), 4)
         if total <= CEILING_MAX_REQUESTS
@@ -162,6 +204,9 @@ def _simulation(args: argparse.Namespace, workload, replicas: int, policy: str, 
         shared_load=args.shared_load == "on",
         event_lag_s=args.event_lag_ms / 1000,
         heartbeat_s=args.heartbeat_ms / 1000,
+        speeds=args.speeds,
+        fit_noise=args.fit_noise,
+        drift=args.drift,
     )
 
 
@@ -236,11 +281,13 @@ def simulation_table(result: dict) -> str:
     lines = [
         f"{cfg['workload']}: {cfg['requests']} requests, {cfg['replicas']} replicas{routers}, "
         f"ceiling hit rate {result['hit_rate_ceiling']}, peak RSS {result['peak_rss_mb']} MB",
-        f"{'policy':<16}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'TTFT p99':>10}{'tok/s':>11}{'max/mean':>9}{'wall':>8}",
+        f"{'policy':<16}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'TTFT p99':>10}{'tok/s':>11}{'max/mean':>9}"
+        f"{'cold/fair':>10}{'alarms':>7}{'wall':>8}",
     ]
     for policy, s in result["policies"].items():
         lines.append(
             f"{policy:<16}{s['hit_rate']:>9.3f}{s['ttft_p50']:>9.3f}s{s['ttft_p90']:>9.3f}s{s['ttft_p99']:>9.3f}s"
-            f"{s['throughput_tok_s']:>11.0f}{s['load_imbalance_max_over_mean']:>9.2f}{s['wall_s']:>7.0f}s"
+            f"{s['throughput_tok_s']:>11.0f}{s['load_imbalance_max_over_mean']:>9.2f}"
+            f"{s['cold_share_max_over_fair']:>10.2f}{s['share_alarms']:>7}{s['wall_s']:>7.0f}s"
         )
     return "\n".join(lines)

@@ -33,7 +33,14 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--copies", type=int, default=1, help="trace: play it this many times in a row, each with new content"
     )
-    p.add_argument("--rate", type=float, help="Poisson arrivals per second (generated workloads)")
+    p.add_argument("--rate", type=float, help="arrivals per second (generated workloads; --arrivals: how)")
+    p.add_argument(
+        "--arrivals",
+        choices=sorted(wl.ARRIVALS),
+        default="poisson",
+        help="how --rate's requests arrive: one at a time (poisson) or in bursts of 4 on average, "
+        "as a load generator's workers send them (bursty)",
+    )
     p.add_argument("--requests", type=int, help="use only the first N requests")
     p.add_argument("--seed", type=int, default=0)
     for name, (kind, text) in WORKLOAD_FLAGS.items():
@@ -45,6 +52,12 @@ def stream_workload(args: argparse.Namespace) -> tuple[str, Callable[[], Iterato
     stream per call, its length). ValueError (a usage error) when the flags do not fit."""
     if args.requests is not None and args.requests <= 0:
         raise ValueError("--requests must be positive")
+    if args.arrivals != "poisson" and (args.trace or args.workload == "mooncake"):
+        raise ValueError(
+            f"--arrivals {args.arrivals} times a generated workload; a trace keeps its own times"
+        )
+    if args.arrivals != "poisson" and args.rate is None and getattr(args, "load", None) is None:
+        raise ValueError(f"--arrivals {args.arrivals} needs --rate")
     if args.trace or args.workload == "mooncake":
         path = args.trace or wl.MOONCAKE_TRACE
         name = "mooncake"
@@ -57,7 +70,7 @@ def stream_workload(args: argparse.Namespace) -> tuple[str, Callable[[], Iterato
 
         def base() -> Iterator[wl.WorkloadRequest]:
             stream = wl.make_stream(name, seed=args.seed, **knobs)
-            return wl.iter_poisson_arrivals(stream, args.rate, seed=args.seed) if args.rate else stream
+            return wl.ARRIVALS[args.arrivals](stream, args.rate, seed=args.seed) if args.rate else stream
     else:
         raise ValueError("give --workload NAME or --trace FILE")
 

@@ -2,12 +2,15 @@
 work with (``serving/step_costs.py``: base, per prefill token, per decoding sequence, per
 context token), plus what a replica holds (KV capacity, batch limits). A model comes from a
 preset, from ``kvmesh bench engine``'s calibration section (measured on the machine that ran
-it), or from the costs replicas sent in their heartbeats during a real run.
+it), or from the costs replicas sent in their heartbeats during a real run. ``FleetHardware``
+varies it per replica: other speeds, a speed that wanders, fits that miss.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -53,6 +56,62 @@ H100_LLAMA3_8B = CostModel(
     source="public H100 / Llama-3-8B figures, see serving/step_costs.py",
 )
 PRESETS = {H100_LLAMA3_8B.name: H100_LLAMA3_8B}
+
+
+def scaled(costs: StepCosts, factor: float) -> StepCosts:
+    """Every term of ``costs`` times ``factor`` (a replica ``factor`` times slower)."""
+    return StepCosts(*(term * factor for term in costs.terms()))
+
+
+# How far a drifting replica's speed wanders from its own, either way.
+MAX_DRIFT = 2.0
+
+
+class FleetHardware:
+    """Simulated replicas that differ: replica i runs ``speeds[i % len(speeds)]`` times the
+    cost model's step time, wandering by ``drift`` (a random walk of log speed, that standard
+    deviation per square root of a minute, within ``MAX_DRIFT`` of its own either way); what
+    the router sees of it (its fit) is off by a factor drawn anew at every ``tick``, uniform
+    in [1 - ``fit_noise``, 1 + ``fit_noise``]: the noise and drift a real fleet's fits show."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        replicas: int,
+        speeds: Sequence[float] = (1.0,),
+        fit_noise: float = 0.0,
+        drift: float = 0.0,
+        seed: int = 0,
+    ):
+        if not speeds or min(speeds) <= 0:
+            raise ValueError(f"speeds must be positive numbers, got {list(speeds)}")
+        if not 0 <= fit_noise < 1 or drift < 0:
+            raise ValueError(f"fit noise must be in [0, 1) and drift not negative, got {fit_noise}, {drift}")
+        self.cost = cost
+        self.speeds = [speeds[i % len(speeds)] for i in range(replicas)]
+        self.fit_noise = fit_noise
+        self.drift = drift
+        self._log_speed = [math.log(s) for s in self.speeds]
+        self._rng = random.Random(seed)
+        self._at = 0.0
+        self.true = [scaled(cost.step_costs, s) for s in self.speeds]  # what its steps take
+        self.fits = list(self.true)  # what the router sees of them
+
+    def hardware(self, replica: int) -> str:
+        """Its hardware label: replicas of one speed class are like hardware to the router."""
+        return f"{self.speeds[replica]:g}x"
+
+    def tick(self, now: float) -> None:
+        """Drift every replica's speed up to ``now`` and draw its fit anew."""
+        minutes, self._at = max(0.0, now - self._at) / 60, now
+        bound = math.log(MAX_DRIFT)
+        for r, own in enumerate(self.speeds):
+            if self.drift and minutes:
+                walked = self._log_speed[r] + self._rng.gauss(0.0, self.drift * math.sqrt(minutes))
+                self._log_speed[r] = min(max(walked, math.log(own) - bound), math.log(own) + bound)
+                self.true[r] = scaled(self.cost.step_costs, math.exp(self._log_speed[r]))
+            noise = self._rng.uniform(1 - self.fit_noise, 1 + self.fit_noise) if self.fit_noise else 1.0
+            self.fits[r] = scaled(self.true[r], noise)
 
 
 def from_heartbeats(records: Sequence[ReplicaRecord], block_size: int, name: str = "heartbeats") -> CostModel:

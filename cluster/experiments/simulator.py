@@ -10,10 +10,16 @@ the index (fed by the ledgers' KV events, ``event_lag_s`` after the iteration th
 them) and the replicas' heartbeats (queue lengths seen every ``heartbeat_s``; 0: live).
 
 Routers: request i goes to router i mod ``routers``. Each router runs its own policy object
-and keeps its own counts of what it sent and its own recent-work tie-breaks. With
+and keeps its own counts of what it sent, its own recent-work tie-breaks and its own share
+alarm (``ShareAlarm``, judged every ``fit_every_s``). With
 ``shared_load`` every router sees the fleet's in-flight work and every router's speculative
 entries (what the index carries; the reservation's round trip, ~1 ms, is not modelled);
 without it, each sees only its own.
+
+Hardware: every replica runs the one cost model unless ``speeds``, ``fit_noise`` or ``drift``
+say otherwise (``FleetHardware``): then each replica's steps take its own (true) time, and the
+routers price it as the router's ``FleetPrices`` prices the fits it sees (noisy), updated every
+``fit_every_s`` (the same for every router: they read the same records).
 
 Speed and memory: the workload is read as an iterator in arrival order (generated or read
 as the clock reaches it), a request in flight keeps its tokens 4 bytes each, and a finished
@@ -22,16 +28,17 @@ the trace's length. An engine step touches only the requests at a boundary (a bl
 or needed, the last token), the one prefilling and the admissions (``LazyDecodeScheduler``),
 so what a step costs does not grow with the batch; steps that touch nobody run as one
 "window" (closed-form duration) up to the next boundary or arrival. A prefix-policy decision
-does not rank every replica: every simulated replica runs one cost model, so those holding
-nothing of the prompt differ only by load (their scores are the load part plus the same
-prefill); each router keeps them ordered by the load part (``LoadOrder``), and the policy
+does not rank every replica when every replica is priced alike (one cost model): those
+holding nothing of the prompt differ only by load (their scores are the load part plus the
+same prefill); each router keeps them ordered by the load part (``LoadOrder``), and the policy
 ranks the holders plus the cheapest tied non-holders; the choice is the one the full ranking
-makes (tested).
+makes (tested). Priced per replica, every decision ranks every replica.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import statistics
 from array import array
@@ -40,7 +47,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvmesh.cluster.experiments.cost_model import CostModel
+from kvmesh.cluster.experiments.cost_model import CostModel, FleetHardware
 from kvmesh.cluster.experiments.lazy_scheduler import LazyDecodeScheduler
 from kvmesh.cluster.measure.workloads import WorkloadRequest
 from kvmesh.cluster.stats import percentile
@@ -48,12 +55,16 @@ from kvmesh.kvcache import BlockManager, block_hashes, namespace_seed
 from kvmesh.kvcache.memory_index import MemoryPrefixIndex
 from kvmesh.replica.request import Request
 from kvmesh.replica.scheduler import Scheduler
-from kvmesh.router.policies import Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
+from kvmesh.router.config import BalanceConfig
+from kvmesh.router.policies import FleetTerms, Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
+from kvmesh.router.pricing import MeasuredReplica
 from kvmesh.router.replica_load import ReplicaLoad, RequestWork
+from kvmesh.router.share_alarm import ShareAlarm
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving.sampling_params import SamplingParams
+from kvmesh.serving.step_costs import StepCosts
 
-_NO_BLOCKS = RouteRequest((), ())  # a policy's score of it is the load part alone
+_NO_BLOCKS = RouteRequest((), ())  # a policy's score of it is the load part alone (at any fleet price)
 
 
 @dataclass
@@ -125,14 +136,46 @@ class LoadOrder:
 class RouterView:
     """What one router knows and runs: its policy object, its counts of what it sent each
     replica (and their recent-work tie-breaks), its speculative entries (the fleet's, with
-    shared load) and, for a prefix policy, its ``LoadOrder``."""
+    shared load), its share alarm and, for a prefix policy priced alike, its ``LoadOrder``."""
 
     index: int
     policy: Policy
     own: list[ReplicaLoad]
     overlay: SpeculativeOverlay
     order: LoadOrder | None
+    alarm: ShareAlarm
     inflight: int = 0  # requests it sent that have not finished
+
+
+class ColdShares:
+    """The prompts nobody held any of (cold prompts) each replica got, per window of arrivals:
+    a policy that piles them on one replica shows here before it shows in any mean. Only
+    windows with ``MIN_PROMPTS`` or more count (a few cold prompts are never fair)."""
+
+    MIN_PROMPTS = 8
+
+    def __init__(self, replicas: int, window_s: float):
+        if window_s <= 0:
+            raise ValueError(f"the cold-prompt window must be positive, got {window_s}")
+        self.window_s = window_s
+        self.counts = [0] * replicas
+        self._window = 0
+        self._worst = 0.0
+
+    def add(self, replica: int, now: float) -> None:
+        window = int(now // self.window_s)
+        if window != self._window:
+            self._worst = self.worst()
+            self.counts = [0] * len(self.counts)
+            self._window = window
+        self.counts[replica] += 1
+
+    def worst(self) -> float:
+        """The most cold prompts one replica got in a window, over its fair share of them."""
+        total = sum(self.counts)
+        if total < self.MIN_PROMPTS:
+            return self._worst
+        return max(self._worst, max(self.counts) * len(self.counts) / total)
 
 
 @dataclass
@@ -143,8 +186,10 @@ class _Window:
     steps: int
     batch: int
     context: int  # context tokens of the batch at the first step
+    cost: StepCosts  # its replica's, when it started
 
-    def duration(self, cost: CostModel, steps: int) -> float:
+    def duration(self, steps: int) -> float:
+        cost = self.cost
         per = cost.base_s + cost.decode_seq_s * self.batch
         return steps * per + cost.context_token_s * (
             steps * self.context + self.batch * steps * (steps - 1) / 2
@@ -156,12 +201,14 @@ class SimReplica:
     index: int
     bm: BlockManager
     scheduler: Scheduler  # a LazyDecodeScheduler unless the simulation runs every step in full
+    cost: StepCosts  # what its steps take
     busy: bool = False
     version: int = 0  # invalidates stale wake-ups
     scheduled: list = field(default_factory=list)
     window: _Window | None = None
     step_end: float = 0.0
     prefill_tokens: int = 0  # uncached prompt tokens computed here (load balance metric)
+    steps: int = 0  # steps it ran (how much its fit has seen)
 
 
 class Simulation:
@@ -182,16 +229,33 @@ class Simulation:
         event_lag_s: float = 0.0,
         heartbeat_s: float = 0.0,
         rank_all: bool = False,  # rank every replica at every decision (the reference for LoadOrder)
+        speeds: Sequence[float] | None = None,  # replica i's steps take speeds[i % len] x the model's
+        fit_noise: float = 0.0,  # the fits routers see are off by up to this fraction either way
+        drift: float = 0.0,  # replicas' speeds wander (log-speed std per square root of a minute)
+        fit_every_s: float = 1.0,  # how often fits are drawn, prices updated and shares judged
+        balance: BalanceConfig | None = None,  # the routers' pricing, saturation and share alarm
+        window_s: float = 10.0,  # the window of arrivals ``cold_share_max_over_fair`` judges
     ):
         if replicas <= 0 or routers <= 0:
             raise ValueError("replicas and routers must be positive")
         if event_lag_s < 0 or heartbeat_s < 0:
             raise ValueError("event lag and heartbeat interval must not be negative")
+        if fit_every_s <= 0:
+            raise ValueError(f"fit_every_s must be positive, got {fit_every_s}")
         # A list is sorted here; an iterator must already be in arrival order (checked as read).
         self.workload = (
             sorted(workload, key=lambda r: r.arrival_s) if isinstance(workload, list) else workload
         )
         self.cost = cost
+        balance = balance or BalanceConfig()
+        varied = speeds is not None or fit_noise or drift
+        self.hardware = (
+            FleetHardware(cost, replicas, speeds or (1.0,), fit_noise, drift, seed) if varied else None
+        )
+        self.prices = balance.prices()
+        self.priced = [cost.step_costs] * replicas  # what the routers price each replica at
+        self.fit_every_s = fit_every_s
+        self._next_tick = 0.0
         self.block_size = block_size
         self.seed_hash = namespace_seed("simulated-model", block_size)
         num_blocks = blocks_per_replica or max(1, cost.kv_tokens_per_replica // block_size)
@@ -201,7 +265,7 @@ class Simulation:
             limits = (bm, cost.max_num_seqs, cost.max_num_batched_tokens)
             lazy = lazy_decode and cost.max_num_seqs < cost.max_num_batched_tokens
             scheduler = LazyDecodeScheduler(*limits, self._sampled) if lazy else Scheduler(*limits)
-            self.replicas.append(SimReplica(i, bm, scheduler))
+            self.replicas.append(SimReplica(i, bm, scheduler, cost.step_costs))
         self._ids = [str(i) for i in range(replicas)]
         self._num_blocks = num_blocks
         self.index = MemoryPrefixIndex()  # fed by every replica's events, read by every router
@@ -211,13 +275,18 @@ class Simulation:
         self.routers = []
         for k in range(routers):
             p = (
-                make_policy(policy, block_size=block_size, seed=seed + k)
+                make_policy(policy, block_size, seed + k, balance.saturation_steps)
                 if isinstance(policy, str)
                 else policy
             )
             # Exactness of the load order: costs of power-of-two block sizes are exact binary
             # fractions, so adding the prefix term never merges two distinct loads into a tie.
-            fast = isinstance(p, PrefixAware) and not rank_all and block_size & (block_size - 1) == 0
+            fast = (
+                isinstance(p, PrefixAware)
+                and not rank_all
+                and self.hardware is None
+                and block_size & (block_size - 1) == 0
+            )
             self.routers.append(
                 RouterView(
                     k,
@@ -225,6 +294,7 @@ class Simulation:
                     [ReplicaLoad() for _ in range(replicas)],
                     shared_overlay if shared_load else SpeculativeOverlay(ttl_s=speculative_ttl_s),
                     LoadOrder(replicas) if fast else None,
+                    balance.alarm(),
                 )
             )
         self.event_lag_s = event_lag_s
@@ -238,6 +308,8 @@ class Simulation:
         self._queues = [(0, 0)] * replicas
         self.results = Results()
         self.rejected = 0
+        self.cold = ColdShares(replicas, window_s)
+        self.share_alarms = 0  # times a router's share alarm turned on for a replica
         self._events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, replica, version)
         self._tiebreak = 0
         self._active: dict[int, SimRequest] = {}  # id(Request) -> record
@@ -259,8 +331,11 @@ class Simulation:
             t_index = self._lagged[0][0] if self._lagged else math.inf
             if min(t_arrival, t_event, t_index) == math.inf:
                 break
-            self.events += 1
             t_beat = self._beats[0][0] if self._beats else math.inf
+            if self._next_tick <= min(t_arrival, t_event, t_index, t_beat):
+                self._tick(self._next_tick)
+                continue
+            self.events += 1
             if t_index <= min(t_event, t_arrival, t_beat):
                 _, r, events = self._lagged.popleft()
                 self.index.apply(r, events)
@@ -281,6 +356,27 @@ class Simulation:
                 self._arrivals += 1
                 upcoming = next(arrivals, None)
         return self.summary()
+
+    def _tick(self, now: float) -> None:
+        """Every ``fit_every_s``: new fits and prices (varied hardware), shares judged."""
+        self._next_tick = now + self.fit_every_s
+        if self.hardware is not None:
+            self._price(now)
+        for router in self.routers:
+            self.share_alarms += sum(change.on for change in router.alarm.update(self._ids, now))
+
+    def _price(self, now: float) -> None:
+        """The replicas' fits drawn anew, priced by the router's ``FleetPrices``."""
+        hardware = self.hardware
+        hardware.tick(now)
+        measured = [
+            MeasuredReplica(self._ids[r], hardware.hardware(r), hardware.fits[r], replica.steps)
+            for r, replica in enumerate(self.replicas)
+        ]
+        prices = self.prices.update(measured, now)
+        self.priced = [prices[rid] for rid in self._ids]
+        for r, replica in enumerate(self.replicas):
+            replica.cost = hardware.true[r]
 
     def _wake(self, replica: SimReplica, at: float) -> None:
         replica.version += 1
@@ -304,8 +400,9 @@ class Simulation:
             running,
             waiting,
             recent_blocks=router.own[r].recent.value(now),
-            costs=self.cost.step_costs,
+            costs=self.priced[r],
             step_tokens=self.cost.max_num_batched_tokens,
+            share_alarm=self._ids[r] in router.alarm.on,
         )
 
     def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
@@ -317,7 +414,8 @@ class Simulation:
             if router.order is not None:
                 seen = (id(self._seen(router, r)), type(router.policy))
                 if seen not in costs:
-                    costs[seen] = router.policy.score(_NO_BLOCKS, self._state(router, r, 0, 0.0))
+                    state = self._state(router, r, 0, 0.0)
+                    costs[seen] = router.policy.score(_NO_BLOCKS, state, state.costs.prefill_token_s)
                 router.order.update(r, costs[seen], router.own[r].recent.order_key())
 
     def _affected(self, router: RouterView) -> Sequence[RouterView]:
@@ -343,29 +441,41 @@ class Simulation:
             states = [self._state(router, r, matched.get(r, 0), now) for r in range(n)]
             return int(router.policy.rank(route, states)[0])
         total = self.fleet_inflight if self.fleet is not None else router.inflight
-        cap = router.policy.cap_of(total, n)
+        policy = router.policy
+        # every replica's costs are the one model's, so the fleet's medians are its own
+        fleet = FleetTerms(
+            policy.cap_of(total, n), self.cost.prefill_token_s, policy.tie_steps * self.cost.base_s
+        )
         candidates = [self._state(router, r, depth, now) for r, depth in matched.items()]
-        for r in self._cheapest_others(router, matched, cap, now):
+        for r in self._cheapest_others(router, route, matched, fleet, now):
             candidates.append(self._state(router, r, 0, now))
-        return int(router.policy.rank(route, candidates, cap=cap)[0])
+        return int(policy.rank(route, candidates, fleet=fleet)[0])
 
     def _cheapest_others(
-        self, router: RouterView, matched: dict[int, int], cap: float, now: float
+        self, router: RouterView, route: RouteRequest, matched: dict[int, int], fleet: FleetTerms, now: float
     ) -> list[int]:
         """The replicas holding none of the prompt that the full ranking could put first: the
-        cheapest under the guard's cap (all of them, when every one is over it), with every
-        replica tied with it on the policy's key before the rendezvous tie-break. The key's
-        parts are the policy's (``PrefixAware.sort_key``): the load order holds each replica's
-        score of a prompt it holds nothing of (its load part: on such prompts the simulated
-        replicas, sharing one cost model, differ by that alone), and the guard and the recent
-        work are asked of the policy from the counts, without building a replica's state."""
-        policy = router.policy
-        for guarded in (True, False):
+        cheapest of the first non-empty class of (over the guard's cap, held back by the share
+        alarm), with every replica in the same tick of score (the policy's rank then breaks
+        their ties). The key's parts are the policy's (``PrefixAware.sort_key``): the load order
+        holds each replica's score of a prompt it holds nothing of (its load part: on such
+        prompts replicas priced alike differ by that alone), a replica holding nothing is held
+        back exactly when its alarm is on, and the guard is asked of the policy from the counts,
+        without building a state. The score adds the prompt's prefill to the load part as the
+        policy adds it up (``PrefixAware.priced``)."""
+        policy, alarmed = router.policy, router.alarm.on
+        tokens = route.num_blocks * self.block_size  # all uncached, all billed, on these replicas
+        for guarded, held in itertools.product((True, False), repeat=2):
             tied, best = [], None
             for cost, _, r in router.order.sorted:
-                if r in matched or (guarded and policy.over_cap(self._seen(router, r).requests, cap)):
+                if (
+                    r in matched
+                    or (guarded and policy.over_cap(self._seen(router, r).requests, fleet.cap))
+                    or (held and self._ids[r] in alarmed)
+                ):
                     continue
-                key = (cost, policy.recent_rank(router.own[r].recent.value(now)))
+                score = policy.priced(cost, tokens, self.cost.prefill_token_s, tokens, fleet.prefill_s)
+                key = policy.ticks(score, fleet.tick_s)
                 if best is not None and key != best:
                     break
                 best = key
@@ -389,6 +499,8 @@ class Simulation:
                 matched[rid] = depth
         route = RouteRequest(tokens, hashes, spec.max_tokens, spec.session)
         chosen = self._decide(router, route, matched, now)
+        if not matched:
+            self.cold.add(chosen, now)
         replica = self.replicas[chosen]
         router.overlay.record(chosen, hashes, now)
         depth = matched.get(chosen, 0)
@@ -425,6 +537,7 @@ class Simulation:
 
     def _begin(self, router: RouterView, record: SimRequest, now: float) -> None:
         router.own[record.replica].begin(record.work, now)
+        router.alarm.record(self._ids[record.replica], record.work.prefill, now)
         router.inflight += 1
         if self.fleet is not None:
             self.fleet[record.replica].begin(record.fleet_work, now)
@@ -465,8 +578,8 @@ class Simulation:
         replica.busy = True
         replica.scheduled = scheduled
         if quiet:
-            replica.window = _Window(now, quiet, scheduler.parked, scheduler.parked_context())
-            replica.step_end = now + replica.window.duration(self.cost, quiet)
+            replica.window = _Window(now, quiet, scheduler.parked, scheduler.parked_context(), replica.cost)
+            replica.step_end = now + replica.window.duration(quiet)
         else:
             prefill = sum(
                 r.num_scheduled_tokens for r in scheduled if r.num_computed_tokens < r.num_prompt_tokens
@@ -475,26 +588,28 @@ class Simulation:
             context = sum(r.num_computed_tokens + r.num_scheduled_tokens for r in scheduled)
             if lazy:
                 decode, context = decode + scheduler.parked, context + scheduler.parked_context()
-            replica.step_end = now + self.cost.step_seconds(prefill, decode, context)
+            replica.step_end = now + replica.cost.step_seconds(prefill, decode, context)
         self._wake(replica, replica.step_end)
 
     def _split_window(self, replica: SimReplica, now: float) -> None:
         """An arrival for a replica mid-window: stop the window at the next step boundary."""
         w = replica.window
         done = 1
-        while done < w.steps and w.start + w.duration(self.cost, done) < now:
+        while done < w.steps and w.start + w.duration(done) < now:
             done += 1
         if done < w.steps:
             w.steps = done
-            replica.step_end = w.start + w.duration(self.cost, done)
+            replica.step_end = w.start + w.duration(done)
             self._wake(replica, replica.step_end)
 
     def _finish_iteration(self, replica: SimReplica, now: float) -> None:
         scheduled, replica.scheduled = replica.scheduled, []
         if replica.window is not None:  # quiet steps: only parked decoders ran
             replica.scheduler.skip(replica.window.steps)
+            replica.steps += replica.window.steps
             replica.window = None
         else:
+            replica.steps += 1
             for r in scheduled:
                 if r.num_computed_tokens < r.num_prompt_tokens:
                     replica.prefill_tokens += r.num_scheduled_tokens
@@ -538,6 +653,8 @@ class Simulation:
             "load_imbalance_max_over_mean": round(max(loads) / mean_load, 3) if mean_load else 0.0,
             "load_cv": round(statistics.pstdev(loads) / mean_load, 3) if mean_load else 0.0,
             "requests_max_over_mean": round(max(counts) / statistics.mean(counts), 3) if sum(counts) else 0.0,
+            "cold_share_max_over_fair": round(self.cold.worst(), 3),
+            "share_alarms": self.share_alarms,
             "preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
         }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import math
 import random
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -94,11 +95,62 @@ def iter_poisson_arrivals(
     requests: Iterable[WorkloadRequest], rate: float, seed: int = 0
 ) -> Iterator[WorkloadRequest]:
     """``poisson_arrivals`` as a stream: each request timed as it is read."""
-    rng = random.Random(seed)
-    t = 0.0
-    for r in requests:
-        t += rng.expovariate(rate)
+    return _timed(requests, _poisson_times(rate, random.Random(seed)))
+
+
+# A burst's requests follow each other this far apart on average (a few ms for a burst).
+BURST_GAP_S = 0.001
+
+
+def bursty_arrivals(
+    requests: list[WorkloadRequest], rate: float, seed: int = 0, mean_burst: float = 4.0
+) -> list[WorkloadRequest]:
+    """The same requests (in order) arriving in bursts, ``rate`` per second on average: what a
+    load generator's Poisson run looks like at a server when its workers send together."""
+    return list(iter_bursty_arrivals(requests, rate, seed, mean_burst))
+
+
+def iter_bursty_arrivals(
+    requests: Iterable[WorkloadRequest], rate: float, seed: int = 0, mean_burst: float = 4.0
+) -> Iterator[WorkloadRequest]:
+    """``bursty_arrivals`` as a stream. A compound Poisson process: bursts start at Poisson
+    rate ``rate / mean_burst``, each a geometric number of requests (mean ``mean_burst``)
+    ``BURST_GAP_S`` apart on average; a burst never overtakes the one before it."""
+    if mean_burst < 1:
+        raise ValueError(f"mean_burst must be at least 1, got {mean_burst}")
+    return _timed(requests, _burst_times(rate, random.Random(seed), mean_burst))
+
+
+ARRIVALS = {"poisson": iter_poisson_arrivals, "bursty": iter_bursty_arrivals}
+
+
+def _timed(requests: Iterable[WorkloadRequest], times: Iterator[float]) -> Iterator[WorkloadRequest]:
+    for r, t in zip(requests, times, strict=False):  # the times never end
         yield _with(r, arrival_s=t)
+
+
+def _poisson_times(rate: float, rng: random.Random) -> Iterator[float]:
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        yield t
+
+
+def _burst_times(rate: float, rng: random.Random, mean_burst: float) -> Iterator[float]:
+    last = 0.0
+    for start in _poisson_times(rate / mean_burst, rng):
+        offset = 0.0
+        for _ in range(_geometric(rng, mean_burst)):
+            last = max(last, start + offset)
+            yield last
+            offset += rng.expovariate(1 / BURST_GAP_S)
+
+
+def _geometric(rng: random.Random, mean: float) -> int:
+    """1, 2, ... with P(k) = (1 - p)^(k - 1) p, p = 1 / mean."""
+    if mean == 1:
+        return 1
+    return 1 + int(math.log(1.0 - rng.random()) / math.log(1 - 1 / mean))
 
 
 def _with(r: WorkloadRequest, **changes) -> WorkloadRequest:

@@ -229,9 +229,10 @@ def test_resuming_over_another_sweeps_runs_is_a_one_line_error(tmp_path):
 
 
 def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
-    """A real `kvmesh router` process per run over 2 replicas, two repeats of three workloads at
-    one rate, kvmesh's HTTP load generator: every run's hit rate comes from the replicas'
-    counters and agrees with what the clients were told; the summary has medians and min/max.
+    """A real `kvmesh router` process per run (resumed: one kept for two runs) over 2 replicas,
+    two repeats of three workloads at one rate, kvmesh's HTTP load generator: every run's hit
+    rate comes from the replicas' counters and agrees with what the clients were told; the
+    summary has medians and min/max.
     One contender: the others run the same code, each adding six runs (the comparison between
     contenders is ``cell_targets``', tested below on a summary)."""
     load = GuidellmLoad(128, 2, 16, 4, rate=20.0, requests=12, max_seconds=60)
@@ -273,6 +274,7 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
         branches = {k: v for k, v in r["router_account"].items() if k.startswith("branch ")}
         assert sum(branches.values()) == 12, r["router_account"]
         assert set(r["replica_prefill_us_per_token"]) == set(r["requests_per_replica"])
+    assert len({r["router_pid"] for r in rows}) == len(rows)  # a new router process a run
     for repeat in (0, 1):  # each repeat runs every cell once
         assert sorted((r["router"], r["workload"]) for r in rows if r["repeat"] == repeat) == sorted(
             (c.name, w) for c in ours for w in ("shared_prefix", "multi_turn", "mooncake")
@@ -289,9 +291,10 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     assert result["runs_discarded"] == 0 and all(r["runs_discarded"] == 0 for r in rows)
     router_logs = list(out.with_suffix("").glob("kvmesh-*.log"))  # what each router process printed
     assert router_logs and all("event loop uvloop" in log.read_text() for log in router_logs)
-    # cut short after 4 runs: a resumed sweep keeps them as they were and runs the other 2
+    # cut short after 4 runs: a resumed sweep keeps them as they were and runs the other 2, here
+    # with one router process kept through both (one contender: the same plan either way)
     kept.write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
-    resumed = dataclasses.replace(config, resume=True)
+    resumed = dataclasses.replace(config, resume=True, one_router=True)
     plan = peers.sweep_plan(resumed, rows[:4])
     assert [[(c.name, *cell, repeat) for c, *cell in cells] for repeat, cells in plan] == [
         [peers._run_key(r) for r in rows[4:]]
@@ -300,6 +303,10 @@ def test_kvmesh_contenders_sweep_end_to_end(ray_cluster, qwen3_dir, tmp_path):
     again = json.loads(out.read_text())["rows"]
     assert again[:4] == rows[:4] and len(again) == 6
     assert sorted(map(peers._run_key, again)) == sorted(map(peers._run_key, rows))
+    assert again[4]["router_pid"] == again[5]["router_pid"] != again[3]["router_pid"]
+    for r in again[4:]:  # the kept router's account, still per run
+        assert sum(v for k, v in r["router_account"].items() if k.startswith("branch ")) == 12, r
+    assert "Routers: one router process per contender" in out.with_suffix(".md").read_text()
     assert "| kvmesh prefix | 20 |" in out.with_suffix(".md").read_text()
     assert out.with_name("peers_multi_turn_kvmesh_loadgen.png").stat().st_size > 0
     docs = (tmp_path / "docs" / "e.md").read_text()
@@ -349,3 +356,115 @@ def test_cell_targets_compare_kvmesh_prefix_with_the_best_and_the_fastest_other_
     assert slow["value"] == pytest.approx(100 / 90, rel=1e-3) and not slow["met"]  # over 1.05x
     wins = targets["cells (of 2) where kvmesh prefix is strictly better on both"]
     assert wins["value"] == 1
+
+
+def _plan_order(one_router: bool) -> list[tuple]:
+    config = peers.PeersConfig("o.json", Path("."), Path("."), repeats=2, one_router=one_router)
+    return [(repeat, c.name, *cell) for repeat, cells in peers.sweep_plan(config, []) for c, *cell in cells]
+
+
+def test_one_router_runs_each_contenders_runs_back_to_back():
+    """A kept router goes from one of its runs into its next: each repeat runs one contender's
+    runs, shuffled, then the next's. The same runs as the default order, which stays as it was
+    (interleaved) so a resumed sweep goes on in the order it began."""
+    grouped, interleaved = _plan_order(True), _plan_order(False)
+    assert sorted(grouped) == sorted(interleaved)
+    for repeat in (0, 1):
+        routers = [name for r, name, *_ in grouped if r == repeat]
+        assert len(set(routers)) == len(peers.SWEEP_CONTENDERS) == 4
+        assert sum(a != b for a, b in itertools.pairwise(routers)) == 3  # one block per contender
+        shuffled = [(name, *cell) for r, name, *cell in interleaved if r == repeat]
+        for name in set(routers):  # within a contender, the shuffle's order
+            assert [cell for r, n, *cell in grouped if r == repeat and n == name] == [
+                cell for n, *cell in shuffled if n == name
+            ]
+    first = [name for r, name, *_ in interleaved if r == 0]
+    assert sum(a != b for a, b in itertools.pairwise(first)) > 3
+
+
+_FAKE_ROUTER = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers()\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+async def test_one_router_keeps_a_contenders_process_through_its_runs(tmp_path, capsys):
+    """With ``one_router`` two runs of a contender get the same process, another contender its
+    own, one that exited is started again (and said so), and all are stopped at the end;
+    without it every run gets a new process, stopped after it."""
+
+    def bench(one_router: bool) -> peers._Bench:
+        config = peers.PeersConfig(str(tmp_path / "o.json"), tmp_path, tmp_path, one_router=one_router)
+        b = peers._Bench(config, *[None] * 6)
+
+        def new_router(contender, stem):
+            port = free_port()
+            command = [sys.executable, "-c", _FAKE_ROUTER, str(port)]
+            return RouterProcess(contender, command, port, tmp_path / f"{stem}.log")
+
+        b.new_router = new_router
+        return b
+
+    kept = bench(True)
+    ours, theirs = CONTENDERS[0], CONTENDERS[3]
+    async with kept.router(ours, "a") as first:
+        pass
+    async with kept.router(ours, "b") as second, kept.router(theirs, "c") as other:
+        assert second is first and first.proc.poll() is None
+        assert other.proc.pid != first.proc.pid
+    first.stop()  # it died between runs
+    async with kept.router(ours, "d") as again:
+        assert again.proc.pid != first.proc.pid and again.proc.poll() is None
+    assert f"{ours.name}'s router exited" in capsys.readouterr().err
+    kept.stop_routers()
+    assert again.proc.poll() is not None and other.proc.poll() is not None
+
+    fresh = bench(False)
+    async with fresh.router(ours, "e") as one:
+        pass
+    async with fresh.router(ours, "f") as two:
+        assert two.proc.pid != one.proc.pid and one.proc.poll() is not None
+    assert two.proc.poll() is not None and not fresh.kept
+
+
+def test_lopsided_runs_are_counted_per_kvmesh_cell(tmp_path):
+    """The worst runs a median hides: per kvmesh cell, runs whose requests max/mean is above
+    1.6, in the tables beside the router mode; the summary keeps the worst run's spread too."""
+
+    def run(router: str, rate: float, spread: float, repeat: int) -> dict:
+        cell = {"router": router, "workload": "shared_prefix", "rate": rate, "generator": "guidellm"}
+        measured = {"hit_rate": 0.5, "ttft_p90_ms": 100.0, "requests_max_over_mean": spread}
+        return cell | measured | {"repeat": repeat, "errors": 0}
+
+    rows = [
+        run("kvmesh prefix", 5.0, 1.2, 0),
+        run("kvmesh prefix", 5.0, 1.61, 1),
+        run("kvmesh prefix", 5.0, 1.6, 2),  # at the bound: not above it
+        run("kvmesh prefix", 6.0, 1.1, 0),
+        run("sglang cache_aware", 5.0, 2.0, 0),  # a peer's cells get no line
+    ]
+    summary = peers.summarize_rows(rows)
+    assert summary[0]["requests_max_over_mean_max"] == 1.61
+    assert peers.lopsided_runs(rows, summary) == [
+        "- kvmesh prefix at 5/s: runs with requests max/mean above 1.6: 1 of 3",
+        "- kvmesh prefix at 6/s: runs with requests max/mean above 1.6: 0 of 1",
+    ]
+    result = {
+        "config": {"workloads": ["shared_prefix"], "one_router": True},
+        "rows": rows,
+        "summary": summary,
+    }
+    text = peers.write_tables(result, str(tmp_path / "peers.json"))
+    assert text.startswith("Routers: one router process per contender through all its runs")
+    assert "| kvmesh prefix | 5 |" in text and "above 1.6: 1 of 3" in text
+
+
+def test_guidellm_only_runs_the_shared_prefix_cell_through_guidellm_alone():
+    both = peers.PeersConfig("o.json", Path("."), Path("."))
+    alone = dataclasses.replace(both, guidellm_only=True)
+    assert both.generators("shared_prefix") == ("guidellm", "kvmesh_loadgen")
+    assert alone.generators("shared_prefix") == ("guidellm",)
+    assert alone.generators("mooncake") == ("kvmesh_loadgen",)

@@ -15,6 +15,7 @@ import pytest
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel, load_cost_model
 from kvmesh.cluster.experiments.simulator import Simulation
 from kvmesh.cluster.measure import workloads as wl
+from kvmesh.router.config import BalanceConfig
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
@@ -122,6 +123,18 @@ def test_shared_prefix_structure_and_determinism():
     )
     assert [r.tokens() for r in again] == [r.tokens() for r in reqs]
     assert all(3 <= t < 1000 for r in reqs for t in r.tokens())
+
+
+@pytest.mark.parametrize("arrivals", [wl.poisson_arrivals, wl.bursty_arrivals])
+def test_arrivals_keep_the_mean_rate_and_bursts_come_together(arrivals):
+    reqs = wl.shared_prefix(num_groups=8, prompts_per_group=500, system_prompt_len=8, question_len=8)
+    timed = arrivals(reqs, 5.0, seed=1)
+    times = [r.arrival_s for r in timed]
+    assert [r.segments for r in timed] == [r.segments for r in reqs] and times == sorted(times)
+    assert len(times) / times[-1] == pytest.approx(5.0, rel=0.05)
+    close = sum(b - a < 0.01 for a, b in itertools.pairwise(times)) / (len(times) - 1)
+    assert close > 0.6 if arrivals is wl.bursty_arrivals else close < 0.1  # 3 of 4 in a burst
+    assert arrivals(reqs, 5.0, seed=1) == timed and list(wl.ARRIVALS) == ["poisson", "bursty"]
 
 
 def test_zipf_skews_groups_and_keeps_the_total():
@@ -401,27 +414,63 @@ def _mixed_load(seed: int) -> list[wl.WorkloadRequest]:
 )
 def test_the_load_order_picks_what_ranking_every_replica_picks(routers, shared, lag_s, heartbeat_s):
     """Replicas holding nothing of a prompt come from a load-ordered list instead of a full
-    ranking: every request must land where the full ranking sends it."""
+    ranking: every request must land where the full ranking sends it (the chat's session keys
+    included: their ties go by the key, not recent work)."""
+    fast = _fast_and_full(
+        _mixed_load(seed=routers),
+        24,
+        routers=routers,
+        shared_load=shared,
+        event_lag_s=lag_s,
+        heartbeat_s=heartbeat_s,
+    )
+    assert fast["num_requests"] > 150
+
+
+def test_the_load_order_holds_back_what_the_share_alarm_holds_back():
+    """A share alarm quick to turn on (many new prefixes on 4 replicas): a replica whose alarm
+    is on gets no prompt it would compute from scratch, in the load order as in the full
+    ranking."""
+    many = wl.shared_prefix(
+        num_groups=40, prompts_per_group=4, system_prompt_len=512, question_len=64, output_len=48
+    )
+    chat = wl.multi_turn(
+        num_sessions=8,
+        turns=3,
+        system_prompt_len=256,
+        user_len=64,
+        answer_len=32,
+        think_s=0.3,
+        session_rate=20,
+    )
+    quick = BalanceConfig(share_alarm_factor=1.2, share_alarm_window_s=2, share_alarm_min_requests=5)
+    for routers, shared in ((1, True), (3, False)):
+        load = wl.poisson_arrivals(many, 100, seed=routers) + chat
+        fast = _fast_and_full(load, 4, routers=routers, shared_load=shared, balance=quick, fit_every_s=0.25)
+        assert fast["share_alarms"] > 0
+
+
+def _fast_and_full(workload: list[wl.WorkloadRequest], replicas: int, **fleet) -> dict:
+    """The summary of a prefix-policy simulation with the load order, asserted to place every
+    request where ranking every replica places it."""
     runs = {}
     for rank_all in (False, True):
         sim = Simulation(
-            _mixed_load(seed=routers),
-            24,
+            workload,
+            replicas,
             "prefix",
             H100_LLAMA3_8B,
             block_size=64,
             blocks_per_replica=160,
-            routers=routers,
-            shared_load=shared,
-            event_lag_s=lag_s,
-            heartbeat_s=heartbeat_s,
             rank_all=rank_all,
+            **fleet,
         )
         runs[rank_all] = (sim.run(), sim.results["replica"].tolist())
         assert (sim.routers[0].order is None) == rank_all
     (fast, fast_where), (full, full_where) = runs[False], runs[True]
     assert fast_where == full_where and fast == full
-    assert fast["num_requests"] == len(fast_where) > 150
+    assert fast["num_requests"] == len(fast_where)
+    return fast
 
 
 def test_several_routers_sharing_their_load_place_a_burst_as_one_router_does():
@@ -535,6 +584,41 @@ def test_simulate_cli_routers_lag_and_heartbeats(tmp_path):
             and message in failed.stderr
             and len(failed.stderr.strip().splitlines()) == 1
         )
+
+
+def test_simulate_cli_fleets_of_other_speeds_noisy_fits_and_bursts(tmp_path):
+    out = tmp_path / "sim.json"
+    fleet = [
+        "--workload",
+        "shared_prefix",
+        "--num-groups",
+        "4",
+        "--prompts-per-group",
+        "6",
+        "--replicas",
+        "3",
+    ]
+    flags = [*fleet, "--rate", "20"]
+    more = ("--speeds", "1,1.3,2", "--fit-noise", "0.3", "--drift", "0.1", "--arrivals", "bursty")
+    run, result = simulate_cli(out, " ".join(flags), *more)
+    config = {"speeds": [1, 1.3, 2], "fit_noise": 0.3, "drift": 0.1, "arrivals": "bursty"}
+    assert result["config"] | config == result["config"]
+    prefix = result["policies"]["prefix"]
+    assert prefix["num_requests"] == 24 and {"cold_share_max_over_fair", "share_alarms"} <= set(prefix)
+    assert "cold/fair" in run.stdout
+    for bad, message in (
+        ([*flags, "--speeds", "1,x"], "--speeds must be positive numbers"),
+        ([*flags, "--speeds", "0"], "--speeds must be positive numbers"),
+        ([*flags, "--fit-noise", "1"], "--fit-noise must be in [0, 1)"),
+        ([*flags, "--drift", "-1"], "--drift must not be negative"),
+        ([*flags, "--arrivals", "lumpy"], "invalid choice"),
+        ([*fleet, "--arrivals", "bursty"], "needs --rate"),
+    ):
+        failed = subprocess.run(
+            [KVMESH, "simulate", *bad, "-q", "--out", str(out)], capture_output=True, text=True, timeout=60
+        )
+        assert failed.returncode == 2 and message in failed.stderr, (bad, failed.stderr)
+        assert len(failed.stderr.strip().splitlines()) == 1
 
 
 def test_mooncake_shrunk_keeps_the_traces_sharing():

@@ -42,7 +42,7 @@ def rows(sim: Simulation) -> dict[str, list]:
         ("prefix", 40, SMALL, 2, 0.0, 0.0),  # KV so tight that requests are preempted
         ("prefix", 400, SMALL, 1, 0.01, 0.05),  # chunked prefill, a lagging index, heartbeats
         ("round_robin", 40, SMALL, 1, 0.0, 0.0),
-        ("session", None, H100_LLAMA3_8B, 3, 0.0, 0.0),  # roomy: long quiet windows
+        ("prefix", None, H100_LLAMA3_8B, 3, 0.0, 0.0),  # roomy: long quiet windows; session keys
         ("least_loaded", 60, SMALL, 2, 0.0, 0.02),
     ],
 )
