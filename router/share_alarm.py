@@ -3,7 +3,7 @@ prefill lately, made visible and kept from new prefixes until it is back under.
 
 A policy that tips (a noisy price, a burst the guards missed) shows up here whatever caused
 it: each router counts what it sent each replica over a sliding window, and a replica whose
-share of requests or of uncached prefill is over ``factor`` times its fair share (but never
+share of the requests that brought prefill, or of that prefill, is over ``factor`` times its fair share (but never
 a line above halfway between fair and everything, so two replicas can alarm too) turns the
 alarm on. While on, the prefix policy sends it no prompt it would compute from scratch
 (``PrefixAware.held_back``); a prefix it alone holds still goes there. It turns off once the
@@ -55,7 +55,12 @@ class ShareAlarm:
         self.on: set[str] = set()  # replicas whose alarm is on
 
     def record(self, replica_id: str, prefill_blocks: float, now: float) -> None:
-        """A request sent to ``replica_id`` with this much uncached prefill."""
+        """A request sent to ``replica_id`` with this much uncached prefill. One with none
+        (its whole prompt cached there) is not counted: it adds no prefill and went where its
+        prefix was, so it says nothing of balance (a burst of one cached prompt, as a health or
+        latency probe sends, would otherwise turn the alarm on)."""
+        if prefill_blocks <= 0:
+            return
         if not self._buckets or now >= self._buckets[-1].start + self._bucket_s:
             self._buckets.append(_Bucket(now))
         bucket = self._buckets[-1]

@@ -106,6 +106,14 @@ def test_a_share_of_prefill_alone_turns_it_on():
     assert change.on and change.request_share == 0.25 and change.prefill_share == 200 / 215
 
 
+def test_requests_whose_prompt_was_all_cached_are_not_counted():
+    """60 copies of one cached prompt on one replica (a latency probe) add no work anywhere."""
+    alarm = ShareAlarm(factor=2.0, min_requests=10)
+    sent(alarm, {"a": 60}, prefill=0.0)
+    sent(alarm, {rid: 3 for rid in FOUR})
+    assert alarm.update(FOUR, 1.0) == [] and not alarm.on
+
+
 def test_the_metrics_count_alarms_turned_on_and_show_the_gauge():
     metrics = RouterMetrics("m")
     rows = [ReplicaGauges("a", 0, 0, 0, 0, 0, 0, share_alarm=True), ReplicaGauges("b", 0, 0, 0, 0, 0, 0)]
@@ -163,11 +171,13 @@ async def send(stub, ids: list[int], policy: str = "") -> str:
 @pytest.mark.servers
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_forced_pile_up_fires_the_alarm_once_end_to_end(fleet, caplog):
-    """Every request names ``consistent_hash`` with one prompt: all land on one replica."""
+    """Every request names ``consistent_hash`` with one 4-block prefix and a question of its
+    own: all land on one replica, each with prefill to do there."""
     router, stub = fleet["router"], fleet["stub"]
-    shared = list(range(100, 100 + 3 * BS))
+    shared = list(range(100, 100 + 4 * BS))
+    prompts = [shared + list(range(300 + k * BS, 300 + (k + 1) * BS)) for k in range(PILE)]
     with caplog.at_level(logging.INFO, logger="kvmesh.router.registry"):
-        (piled,) = set(await asyncio.gather(*(send(stub, shared, "consistent_hash") for _ in range(PILE))))
+        (piled,) = set(await asyncio.gather(*(send(stub, p, "consistent_hash") for p in prompts)))
         assert await eventually(lambda: asyncio.sleep(0, result=piled in router.registry.alarm.on))
         await asyncio.sleep(3 * router.registry.refresh_s)  # a few more judgements: still one line
     warned = [r for r in caplog.records if WARNED in r.getMessage()]
