@@ -1,7 +1,6 @@
 """Workloads and the simulator: sharing structure, timing model, fidelity shortcuts."""
 
 import collections
-import dataclasses
 import gzip
 import itertools
 import json
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cpu_like_costs, peer_rounds
 
 from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel, load_cost_model
 from kvmesh.cluster.experiments.simulator import Simulation
@@ -240,26 +240,9 @@ def test_a_long_lived_router_spreads_each_round_of_new_prefixes():
     replica that served least owed the others their follow-ups, took the next round's
     prefixes in a row, and the unevenness moved on from round to round (here 17 of 20 rounds;
     over 10 seeds, 79 of 200 rounds against 22 now, the worst 4 of 8 against 3)."""
-    cost = CostModel(
-        "cpu-like", 0.007, 2.3e-4, 2.6e-3, 0.0, 2560, max_num_seqs=64, max_num_batched_tokens=2048
-    )
-    rounds, reqs, start = 20, [], 0.0
-    for k in range(rounds):
-        one = wl.poisson_arrivals(
-            wl.shared_prefix(
-                num_groups=8,
-                prompts_per_group=15,
-                system_prompt_len=512,
-                question_len=64,
-                output_len=16,
-                seed=100 + k,
-            ),
-            4.0,
-            seed=k,
-        )
-        reqs += [dataclasses.replace(r, arrival_s=r.arrival_s + start) for r in one]
-        start = reqs[-1].arrival_s + 5.0
-    sim = Simulation(reqs, 4, "prefix", cost, block_size=16, blocks_per_replica=160)
+    rounds = 20
+    reqs = peer_rounds(rounds, 4.0, lambda k: 100 + k, wl.poisson_arrivals)
+    sim = Simulation(reqs, 4, "prefix", cpu_like_costs(), block_size=16, blocks_per_replica=160)
     sim.run()
     by_arrival = sorted(zip(sim.results["arrival_s"], sim.results["replica"], strict=True))
     most = [
@@ -385,6 +368,19 @@ def test_experiment_suite_quick(tmp_path):
 # ---------------------------------------------------------------------- routers, lag, scale
 
 
+def _chat() -> list:
+    """8 three-turn conversations with session keys, starting within half a second."""
+    return wl.multi_turn(
+        num_sessions=8,
+        turns=3,
+        system_prompt_len=256,
+        user_len=64,
+        answer_len=32,
+        think_s=0.3,
+        session_rate=20,
+    )
+
+
 def _mixed_load(seed: int) -> list[wl.WorkloadRequest]:
     """Hot prefixes (the guard triggers), cold ones, and conversations, fast enough to queue."""
     hot = wl.shared_prefix(
@@ -396,15 +392,7 @@ def _mixed_load(seed: int) -> list[wl.WorkloadRequest]:
         zipf=1.3,
         seed=seed,
     )
-    chat = wl.multi_turn(
-        num_sessions=8,
-        turns=3,
-        system_prompt_len=256,
-        user_len=64,
-        answer_len=32,
-        think_s=0.3,
-        session_rate=20,
-    )
+    chat = _chat()
     return wl.poisson_arrivals(hot, 150, seed=seed) + chat
 
 
@@ -434,15 +422,7 @@ def test_the_load_order_holds_back_what_the_share_alarm_holds_back():
     many = wl.shared_prefix(
         num_groups=40, prompts_per_group=4, system_prompt_len=512, question_len=64, output_len=48
     )
-    chat = wl.multi_turn(
-        num_sessions=8,
-        turns=3,
-        system_prompt_len=256,
-        user_len=64,
-        answer_len=32,
-        think_s=0.3,
-        session_rate=20,
-    )
+    chat = _chat()
     quick = BalanceConfig(share_alarm_factor=1.2, share_alarm_window_s=2, share_alarm_min_requests=5)
     for routers, shared in ((1, True), (3, False)):
         load = wl.poisson_arrivals(many, 100, seed=routers) + chat

@@ -9,19 +9,19 @@ generator's Poisson run reaches a server.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 
 import pytest
+from helpers import cpu_like_costs, peer_rounds
 
-from kvmesh.cluster.experiments.cost_model import MAX_DRIFT, CostModel, FleetHardware
+from kvmesh.cluster.experiments.cost_model import MAX_DRIFT, FleetHardware
 from kvmesh.cluster.experiments.simulator import ColdShares, Simulation
 from kvmesh.cluster.measure import workloads as wl
 from kvmesh.router.config import BalanceConfig
 from kvmesh.router.policies import Policy, PrefixAware
 
-CPU = CostModel("cpu-like", 0.007, 2.3e-4, 2.6e-3, 0.0, 2560, max_num_seqs=64, max_num_batched_tokens=2048)
+CPU = cpu_like_costs()
 RATES = (5.0, 6.0)
 SEEDS = range(20)
 FLEETS = {"like": {}, "heterogeneous": {"speeds": (1, 1.3, 2)}, "noisy": {"fit_noise": 0.3}}
@@ -29,25 +29,9 @@ FLEETS = {"like": {}, "heterogeneous": {"speeds": (1, 1.3, 2)}, "noisy": {"fit_n
 BEFORE = BalanceConfig(saturation_steps=1e12, share_alarm_min_requests=10**9)
 
 
-def peer_rounds(rate: float, seed: int, rounds: int = 4) -> list[wl.WorkloadRequest]:
-    """``rounds`` rounds of 8 new prefixes x 15 requests at ``rate`` (bursty), 5 s apart."""
-    requests, start = [], 0.0
-    for k in range(rounds):
-        one = wl.bursty_arrivals(
-            wl.shared_prefix(
-                num_groups=8,
-                prompts_per_group=15,
-                system_prompt_len=512,
-                question_len=64,
-                output_len=16,
-                seed=1000 * seed + k,
-            ),
-            rate,
-            seed=1000 * seed + k,
-        )
-        requests += [dataclasses.replace(r, arrival_s=r.arrival_s + start) for r in one]
-        start = requests[-1].arrival_s + 5.0
-    return requests
+def rounds_at(rate: float, seed: int) -> list[wl.WorkloadRequest]:
+    """4 rounds of 8 new prefixes x 15 requests at ``rate`` (bursty), 5 s apart."""
+    return peer_rounds(4, rate, lambda k: 1000 * seed + k, wl.bursty_arrivals)
 
 
 def simulate(
@@ -74,7 +58,7 @@ def simulate(
 @functools.cache
 def sweep(fleet: str, rate: float, balance: BalanceConfig | None = None) -> tuple[dict, ...]:
     """Every seed's summary on ``fleet`` at ``rate`` (shared by the tests in one process)."""
-    return tuple(simulate(peer_rounds(rate, seed), fleet, balance=balance, seed=seed) for seed in SEEDS)
+    return tuple(simulate(rounds_at(rate, seed), fleet, balance=balance, seed=seed) for seed in SEEDS)
 
 
 FLEET_CASES = [pytest.param(fleet, rate, id=f"{fleet}-{rate:g}") for fleet in FLEETS for rate in RATES]
@@ -105,7 +89,7 @@ def test_the_cold_share_check_catches_a_pile_up(rate):
 
     loose = BalanceConfig(price_spread=20, price_half_life_s=0.001)
     worst = [
-        simulate(peer_rounds(rate, seed), "noisy", OwnPrice(block_size=16), loose, seed)[
+        simulate(rounds_at(rate, seed), "noisy", OwnPrice(block_size=16), loose, seed)[
             "cold_share_max_over_fair"
         ]
         for seed in SEEDS
@@ -170,7 +154,7 @@ def test_like_hardware_is_priced_exactly_alike(speeds):
 def priced_after_a_run(speeds: tuple[float, ...], fit_noise: float = 0.0) -> list[float]:
     """What the router prices a prompt token at on each of 4 replicas after 4 rounds."""
     sim = Simulation(
-        peer_rounds(5.0, 0),
+        rounds_at(5.0, 0),
         4,
         "prefix",
         CPU,
