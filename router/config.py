@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.index_trust.states import IndexHealthConfig
-from kvmesh.router.policies import POLICIES
+from kvmesh.router.policies import POLICIES, SATURATION_STEPS
 from kvmesh.router.pricing import FleetPrices
 from kvmesh.router.share_alarm import ShareAlarm
 from kvmesh.serving.api_config import APIConfig
@@ -68,18 +68,22 @@ class BalanceConfig:
         10.0, flag="price-half-life", help="seconds a replica's price takes to move halfway to a new fit"
     )
     saturation_steps: float = option(
-        2.0,
+        SATURATION_STEPS,
         help="a replica keeps a prefix it holds until its queued prefill exceeds this many full "
         "chunked-prefill steps; then the prefix spills to a second replica",
     )
     share_alarm_factor: float = option(
-        2.0, help="share alarm: a replica over this many times its fair share of requests or prefill"
+        2.0,
+        help="share alarm: a replica over this many times its fair share of new prefixes (prompts it "
+        "held none of) or of their prefill",
     )
     share_alarm_window_s: float = option(
         60.0, flag="share-alarm-window", help="seconds of routing the share alarm judges"
     )
-    share_alarm_min_requests: int = option(
-        20, help="requests in the window before the share alarm judges anything"
+    share_alarm_min_per_replica: int = option(
+        5,
+        help="new prefixes placed in the window, per live replica, before the share alarm judges "
+        "anything (fewer: one replica's share is chance)",
     )
 
     def __post_init__(self) -> None:
@@ -88,14 +92,20 @@ class BalanceConfig:
         if self.share_alarm_factor <= 1:
             raise ValueError(f"share_alarm_factor must be > 1, got {self.share_alarm_factor}")
         _check_positive(
-            self, "price_half_life_s", "saturation_steps", "share_alarm_window_s", "share_alarm_min_requests"
+            self,
+            "price_half_life_s",
+            "saturation_steps",
+            "share_alarm_window_s",
+            "share_alarm_min_per_replica",
         )
 
     def prices(self) -> FleetPrices:
         return FleetPrices(self.price_spread, self.price_half_life_s)
 
     def alarm(self) -> ShareAlarm:
-        return ShareAlarm(self.share_alarm_factor, self.share_alarm_window_s, self.share_alarm_min_requests)
+        return ShareAlarm(
+            self.share_alarm_factor, self.share_alarm_window_s, self.share_alarm_min_per_replica
+        )
 
 
 @dataclass(frozen=True)

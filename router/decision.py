@@ -17,7 +17,7 @@ from kvmesh.router.config import RouterLimits
 from kvmesh.router.index_trust.predictions import Prediction
 from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policies import POLICIES, Policy, RouteRequest, make_policy
+from kvmesh.router.policies import POLICIES, SATURATION_STEPS, Policy, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
@@ -93,7 +93,7 @@ class RoutingOptions:
     lookup_timeout_s: float = 0.25  # an index lookup slower than this routes by load alone
     speculative_ttl_s: float = 2.0  # how long this router's own speculative entries last
     index_health: IndexHealthConfig = field(default_factory=IndexHealthConfig)
-    saturation_steps: float = 2.0  # the prefix policy's (``PrefixAware``)
+    saturation_steps: float = SATURATION_STEPS  # the prefix policy's (``PrefixAware``)
 
 
 class Decider:

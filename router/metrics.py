@@ -138,7 +138,7 @@ class RouterMetrics(ServerMetrics):
         )
         self.share_alarms = self.counter(
             "kvmesh_router_share_alarms",
-            "Share alarms turned on: a replica took far over its fair share of requests or prefill",
+            "Share alarms turned on: a replica took far over its fair share of new prefixes",
         )
         self.set_overall_state(STATES[0])
 

@@ -12,7 +12,7 @@ import random
 import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import xxhash
@@ -155,6 +155,12 @@ class FleetTerms:
     tick_s: float  # scores closer than this may tie: ``tie_steps`` of the median base step
 
 
+# Full chunked-prefill steps of queued prefill past which a holder's cache stops earning it the
+# request: far out, because spilling sooner copied long prefixes the caches had no room for and
+# won no p90 TTFT (docs/design.md, "saturated").
+SATURATION_STEPS = 32.0
+
+
 @dataclass
 class PrefixAware(Policy):
     """Routes by predicted time to first token (TTFT) plus what a recomputed prefix costs the
@@ -190,10 +196,11 @@ class PrefixAware(Policy):
     Guards, before the score: a replica holding more than ``hot_spot_factor`` times its fair
     share of in-flight requests (+ ``hot_spot_slack``) is used only if all are; a replica
     whose share alarm is on (``router/share_alarm.py``) gets no prompt it would compute from
-    scratch while another can take it. Scores are compared in ticks of ``tie_steps`` base
-    steps (``ticks``), and equal ones (a prefix nobody holds, like replicas near idle) go by the request's session key (rendezvous: a conversation's first turn lands
-    where its key points, and its later turns break ties the same way) or, without one, to
-    the replica with the fewest new prefixes placed on it lately (``ReplicaLoad``), then by
+    scratch while another can take it. A prompt nobody holds is scored in ticks of
+    ``tie_steps`` base steps (``ticks``), so replicas near idle tie whatever their fits say;
+    equal scores go by the request's session key (rendezvous: a conversation's first turn
+    lands where its key points, and its later turns break ties the same way) or, without one,
+    to the replica with the fewest new prefixes placed on it lately (``ReplicaLoad``), then by
     rendezvous hashing of the first block.
     """
 
@@ -203,7 +210,7 @@ class PrefixAware(Policy):
     # 1.5 x + 3 raised every simulated hit rate without a worse tail (docs/experiments.md)
     hot_spot_factor: float = 1.5
     hot_spot_slack: float = 3.0
-    saturation_steps: float = 2.0
+    saturation_steps: float = SATURATION_STEPS
     tie_steps: float = 2.0  # scores are compared in ticks of this many base steps (``ticks``)
     name: ClassVar[str] = "prefix"
 
@@ -317,6 +324,8 @@ class PrefixAware(Policy):
         """``fleet``: the fleet's terms, when ``replicas`` is a subset of it (the simulator
         passes only the replicas that can come first); by default, from ``replicas``."""
         fleet = self.fleet(replicas) if fleet is None else fleet
+        if any(r.matched_blocks for r in replicas):
+            fleet = replace(fleet, tick_s=0.0)  # a holder's edge is exact; ticks spread cold prompts
         if request.affinity_key:
             key = request.affinity_key.encode()
         elif request.num_blocks:
@@ -353,7 +362,7 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(
-    name: str, block_size: int = 16, seed: int | None = None, saturation_steps: float = 2.0
+    name: str, block_size: int = 16, seed: int | None = None, saturation_steps: float = SATURATION_STEPS
 ) -> Policy:
     """A policy by name; ``ValueError`` naming the known ones otherwise."""
     if name not in POLICIES:

@@ -333,7 +333,7 @@ class ReplicaRegistry:
             self.fleet.add(entry.record.replica_id, 1, work.prefill, work.decode)
         now = time.monotonic()
         entry.load.begin(work, now)
-        self.alarm.record(entry.record.replica_id, work.prefill, now)
+        self.alarm.record(entry.record.replica_id, work, now)
 
     def prefill_done(self, entry: ReplicaEntry, work: RequestWork) -> None:
         if self.fleet is not None:

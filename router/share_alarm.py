@@ -1,11 +1,14 @@
-"""The share alarm: a replica that took far more than its fair share of one model's requests or
-prefill lately, made visible and kept from new prefixes until it is back under.
+"""The share alarm: a replica that took far more than its fair share of one model's new
+prefixes lately, made visible and kept from more of them until it is back under.
 
-A policy that tips (a noisy price, a burst the guards missed) shows up here whatever caused
-it: each router counts what it sent each replica over a sliding window, and a replica whose
-share of the requests that brought prefill, or of that prefill, is over ``factor`` times its fair share (but never
-a line above halfway between fair and everything, so two replicas can alarm too) turns the
-alarm on. While on, the prefix policy sends it no prompt it would compute from scratch
+A policy that tips (a noisy price, a burst the guards missed) piles prompts nobody held on
+one replica, whatever caused it: each router counts the new prefixes it placed on each
+replica over a sliding window (requests the replica held none of: it computes them from
+scratch), and a replica whose share of them, or of their prefill, is over ``factor`` times its
+fair share (but never a line above halfway between fair and everything, so two replicas can
+alarm too) turns the alarm on. Requests that found their prefix are not counted: a replica
+holding a hot prefix takes many by design (the hot-spot guard bounds those), and counting them
+turned the alarm on in skewed traces where nothing piled up (docs/design.md). While on, the prefix policy sends it no prompt it would compute from scratch
 (``PrefixAware.held_back``); a prefix it alone holds still goes there. It turns off once the
 share is under ``CLEAR_AT`` of the line (no flapping at the line). Memory: one count per
 live replica per bucket.
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from kvmesh.router.replica_load import RequestWork
 
 # The alarm clears below this share of its line.
 CLEAR_AT = 0.8
@@ -41,31 +46,28 @@ class Change:
 
 class ShareAlarm:
     def __init__(
-        self, factor: float = 2.0, window_s: float = 60.0, min_requests: int = 20, buckets: int = 12
+        self, factor: float = 2.0, window_s: float = 60.0, min_per_replica: int = 5, buckets: int = 12
     ):
         if factor <= 1:
             raise ValueError(f"share alarm factor must be > 1, got {factor}")
-        if window_s <= 0 or min_requests <= 0 or buckets <= 0:
+        if window_s <= 0 or min_per_replica <= 0 or buckets <= 0:
             raise ValueError("share alarm window, minimum and buckets must be positive")
         self.factor = factor
         self.window_s = window_s
-        self.min_requests = min_requests
+        self.min_per_replica = min_per_replica
         self._bucket_s = window_s / buckets
         self._buckets: deque[_Bucket] = deque()
         self.on: set[str] = set()  # replicas whose alarm is on
 
-    def record(self, replica_id: str, prefill_blocks: float, now: float) -> None:
-        """A request sent to ``replica_id`` with this much uncached prefill. One with none
-        (its whole prompt cached there) is not counted: it adds no prefill and went where its
-        prefix was, so it says nothing of balance (a burst of one cached prompt, as a health or
-        latency probe sends, would otherwise turn the alarm on)."""
-        if prefill_blocks <= 0:
+    def record(self, replica_id: str, work: RequestWork, now: float) -> None:
+        """A request sent to ``replica_id``: counted if it is a new prefix there (and not empty)."""
+        if not work.new_prefix or work.prefill <= 0:
             return
         if not self._buckets or now >= self._buckets[-1].start + self._bucket_s:
             self._buckets.append(_Bucket(now))
         bucket = self._buckets[-1]
         bucket.requests[replica_id] = bucket.requests.get(replica_id, 0) + 1
-        bucket.prefill[replica_id] = bucket.prefill.get(replica_id, 0.0) + prefill_blocks
+        bucket.prefill[replica_id] = bucket.prefill.get(replica_id, 0.0) + work.prefill
 
     def line(self, num_replicas: int) -> float:
         """The share over which a replica's alarm turns on."""
@@ -86,7 +88,7 @@ class ShareAlarm:
             request_share = requests[rid] / total_requests if total_requests else 0.0
             prefill_share = prefill[rid] / total_prefill if total_prefill else 0.0
             share = max(request_share, prefill_share)
-            counted = total_requests >= self.min_requests and len(live) > 1
+            counted = total_requests >= self.min_per_replica * len(live) and len(live) > 1
             if rid not in self.on and counted and share > line:
                 self.on.add(rid)
             elif rid in self.on and (not counted or share < CLEAR_AT * line):

@@ -4,6 +4,7 @@ the same run. One ``register`` per benchmark, listed in ``BENCHMARKS``."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.extras import require_extra
@@ -14,6 +15,17 @@ def _repeats(value: str) -> int:
     if repeats < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {repeats}")
     return repeats
+
+
+def _rates(value: str) -> tuple[float, ...]:
+    """``--rates``: comma-separated positive request rates per second."""
+    try:
+        rates = tuple(float(r) for r in value.split(","))
+    except ValueError:
+        raise UsageError(f"--rates: comma-separated numbers, got {value!r}") from None
+    if min(rates) <= 0 or not all(math.isfinite(r) for r in rates):
+        raise UsageError(f"--rates: positive numbers, got {value!r}")
+    return rates
 
 
 def _kvcache(benches) -> None:
@@ -154,6 +166,24 @@ def _simulator(benches) -> None:
         return main(out=args.out, quick=args.quick)
 
     sim.set_defaults(handler=run)
+
+
+def _pileup(benches) -> None:
+    pile = benches.add_parser(
+        "pileup",
+        help="simulated fleets of other speeds, noisy and drifting fits: does a policy pile cold "
+        "prompts on one replica?",
+    )
+    pile.add_argument("--out", default="results/bench_pileup.json", help="JSON result file")
+    pile.add_argument("--seeds", type=_repeats, default=20, help="runs per cell, one seed each")
+    pile.add_argument("--rates", default="5,6", help="comma-separated request rates per second")
+
+    def run(args):
+        from kvmesh.cluster.benchmarks.pileup_sim import main
+
+        return main(out=args.out, seeds=args.seeds, rates=_rates(args.rates))
+
+    pile.set_defaults(handler=run)
 
 
 def _dashboard(benches) -> None:
@@ -376,10 +406,7 @@ def _run_peers(args: argparse.Namespace) -> int:
     workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
     if not workloads or any(w not in ("shared_prefix", "multi_turn", "mooncake") for w in workloads):
         raise UsageError("--workloads: comma-separated shared_prefix, multi_turn, mooncake")
-    try:
-        rates = tuple(float(r) for r in args.rates.split(","))
-    except ValueError:
-        raise UsageError(f"--rates: comma-separated numbers, got {args.rates!r}") from None
+    rates = _rates(args.rates)
     sizes = (
         args.replicas,
         args.num_kv_blocks,
@@ -391,8 +418,8 @@ def _run_peers(args: argparse.Namespace) -> int:
     )
     if args.guidellm_only and args.no_guidellm:
         raise UsageError("--guidellm-only and --no-guidellm exclude each other")
-    if min(sizes) <= 0 or min(rates) <= 0 or args.max_seconds <= 0:
-        raise UsageError("sizes, --rates and --max-seconds must be positive")
+    if min(sizes) <= 0 or args.max_seconds <= 0:
+        raise UsageError("sizes and --max-seconds must be positive")
     contenders = tuple(known[n] for n in names)
     venv = Path(args.peers_venv).resolve()
     if not args.no_guidellm or any(c.router != "kvmesh" for c in contenders):
@@ -478,6 +505,7 @@ BENCHMARKS = (
     _peers,
     _serve,
     _simulator,
+    _pileup,
     _dashboard,
 )
 

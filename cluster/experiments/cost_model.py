@@ -55,7 +55,20 @@ H100_LLAMA3_8B = CostModel(
     max_num_batched_tokens=8192,
     source="public H100 / Llama-3-8B figures, see serving/step_costs.py",
 )
-PRESETS = {H100_LLAMA3_8B.name: H100_LLAMA3_8B}
+# One CPU replica of the demo's tiny Qwen3 on a 2-core machine, as the peers bench's replicas
+# fit it: small batches, a pool that holds a few shared prefixes.
+CPU_TINY_QWEN3 = CostModel(
+    name="cpu-tiny-qwen3",
+    base_s=0.007,
+    prefill_token_s=2.3e-4,
+    decode_seq_s=2.6e-3,
+    context_token_s=0.0,
+    kv_tokens_per_replica=2560,
+    max_num_seqs=64,
+    max_num_batched_tokens=2048,
+    source="step-cost fits of the demo model's CPU replicas (kvmesh bench peers)",
+)
+PRESETS = {model.name: model for model in (H100_LLAMA3_8B, CPU_TINY_QWEN3)}
 
 
 def scaled(costs: StepCosts, factor: float) -> StepCosts:

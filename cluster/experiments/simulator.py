@@ -442,10 +442,10 @@ class Simulation:
             return int(router.policy.rank(route, states)[0])
         total = self.fleet_inflight if self.fleet is not None else router.inflight
         policy = router.policy
-        # every replica's costs are the one model's, so the fleet's medians are its own
-        fleet = FleetTerms(
-            policy.cap_of(total, n), self.cost.prefill_token_s, policy.tie_steps * self.cost.base_s
-        )
+        # every replica's costs are the one model's, so the fleet's medians are its own; a
+        # prompt someone holds is scored exactly (``PrefixAware.rank``)
+        tick_s = 0.0 if matched else policy.tie_steps * self.cost.base_s
+        fleet = FleetTerms(policy.cap_of(total, n), self.cost.prefill_token_s, tick_s)
         candidates = [self._state(router, r, depth, now) for r, depth in matched.items()]
         for r in self._cheapest_others(router, route, matched, fleet, now):
             candidates.append(self._state(router, r, 0, now))
@@ -537,7 +537,7 @@ class Simulation:
 
     def _begin(self, router: RouterView, record: SimRequest, now: float) -> None:
         router.own[record.replica].begin(record.work, now)
-        router.alarm.record(self._ids[record.replica], record.work.prefill, now)
+        router.alarm.record(self._ids[record.replica], record.work, now)
         router.inflight += 1
         if self.fleet is not None:
             self.fleet[record.replica].begin(record.fleet_work, now)

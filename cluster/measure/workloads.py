@@ -15,7 +15,7 @@ import json
 import math
 import random
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,6 +200,32 @@ def iter_shared_prefix(
         question = (_key("q", seed, g, int(asked[g])), question_len)
         asked[g] += 1
         yield WorkloadRequest((system, question), output_len, group=f"g{g}", vocab=vocab)
+
+
+def new_prefix_rounds(
+    rounds: int,
+    rate: float,
+    seed_of: Callable[[int], int],
+    arrivals: Callable[..., list[WorkloadRequest]] = poisson_arrivals,
+    gap_s: float = 5.0,
+) -> list[WorkloadRequest]:
+    """The peers bench's shared-prefix cell (8 new prefixes of 512 tokens x 15 questions of 64,
+    16 tokens out) ``rounds`` times, ``gap_s`` apart, as a long-lived router meets it: round k's
+    prompts and arrival times seeded ``seed_of(k)``, timed by ``arrivals(requests, rate, seed)``."""
+    requests: list[WorkloadRequest] = []
+    start = 0.0
+    for k in range(rounds):
+        one = shared_prefix(
+            num_groups=8,
+            prompts_per_group=15,
+            system_prompt_len=512,
+            question_len=64,
+            output_len=16,
+            seed=seed_of(k),
+        )
+        requests += [_with(r, arrival_s=r.arrival_s + start) for r in arrivals(one, rate, seed=seed_of(k))]
+        start = requests[-1].arrival_s + gap_s
+    return requests
 
 
 def no_sharing(

@@ -37,6 +37,8 @@ def test_help_lists_commands():
         ("router", "--model", "/m", "--redis-url", "redis://r", "--api-key", "inline-secret"),
         ("valkey-acl", "--passwords-dir", "/nonexistent", "--out", "/tmp/x.acl"),
         ("drain-replicas", "--timeout", "0"),
+        ("bench", "pileup", "--rates", "5,0"),
+        ("bench", "pileup", "--rates", "5,x"),
     ],
     ids=[
         "unknown-command",
@@ -49,6 +51,8 @@ def test_help_lists_commands():
         "no-inline-api-key",
         "acl-without-passwords",
         "drain-zero-timeout",
+        "pileup-zero-rate",
+        "pileup-bad-rate",
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(args):

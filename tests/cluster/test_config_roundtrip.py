@@ -49,7 +49,7 @@ VALUES = {
     "saturation-steps": ("3.0", 3.0),
     "share-alarm-factor": ("2.5", 2.5),
     "share-alarm-window": ("30.0", 30.0),
-    "share-alarm-min-requests": ("40", 40),
+    "share-alarm-min-per-replica": ("8", 8),
     "index-resync-interval": ("20.0", 20.0),
     "max-inflight": ("77", 77),
     "max-prompt-tokens": ("1500", 1500),

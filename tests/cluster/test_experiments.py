@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cpu_like_costs, peer_rounds
 
-from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B, CostModel, load_cost_model
+from kvmesh.cluster.experiments.cost_model import CPU_TINY_QWEN3, H100_LLAMA3_8B, CostModel, load_cost_model
 from kvmesh.cluster.experiments.simulator import Simulation
 from kvmesh.cluster.measure import workloads as wl
 from kvmesh.router.config import BalanceConfig
@@ -241,8 +240,8 @@ def test_a_long_lived_router_spreads_each_round_of_new_prefixes():
     prefixes in a row, and the unevenness moved on from round to round (here 17 of 20 rounds;
     over 10 seeds, 79 of 200 rounds against 22 now, the worst 4 of 8 against 3)."""
     rounds = 20
-    reqs = peer_rounds(rounds, 4.0, lambda k: 100 + k, wl.poisson_arrivals)
-    sim = Simulation(reqs, 4, "prefix", cpu_like_costs(), block_size=16, blocks_per_replica=160)
+    reqs = wl.new_prefix_rounds(rounds, 4.0, lambda k: 100 + k)
+    sim = Simulation(reqs, 4, "prefix", CPU_TINY_QWEN3, block_size=16, blocks_per_replica=160)
     sim.run()
     by_arrival = sorted(zip(sim.results["arrival_s"], sim.results["replica"], strict=True))
     most = [
@@ -420,10 +419,10 @@ def test_the_load_order_holds_back_what_the_share_alarm_holds_back():
     is on gets no prompt it would compute from scratch, in the load order as in the full
     ranking."""
     many = wl.shared_prefix(
-        num_groups=40, prompts_per_group=4, system_prompt_len=512, question_len=64, output_len=48
+        num_groups=160, prompts_per_group=1, system_prompt_len=512, question_len=64, output_len=48
     )
     chat = _chat()
-    quick = BalanceConfig(share_alarm_factor=1.2, share_alarm_window_s=2, share_alarm_min_requests=5)
+    quick = BalanceConfig(share_alarm_factor=1.05, share_alarm_window_s=2, share_alarm_min_per_replica=1)
     for routers, shared in ((1, True), (3, False)):
         load = wl.poisson_arrivals(many, 100, seed=routers) + chat
         fast = _fast_and_full(load, 4, routers=routers, shared_load=shared, balance=quick, fit_every_s=0.25)

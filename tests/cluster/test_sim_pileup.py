@@ -1,58 +1,37 @@
 """Issue 49 in the simulator: routing that never piles cold prompts on one replica, on fleets
 of other speeds and with noisy fits, through the router's own pricing and share alarm.
 
-The load is the peers sweep's shared-prefix shape (8 prefixes of 512 tokens x 15 questions of
-64, 16 tokens out) on 4 CPU-like replicas whose pools hold a few prefixes each, in rounds of
-new prefixes (each round's 8 first requests are cold prompts), arriving in bursts as a load
-generator's Poisson run reaches a server.
+The load, ``kvmesh bench pileup``'s: the peers sweep's shared-prefix shape (8 prefixes of 512
+tokens x 15 questions of 64, 16 tokens out) on 4 CPU-like replicas whose pools hold a few
+prefixes each, in rounds of new prefixes (each round's 8 first requests are cold prompts),
+arriving in bursts as a load generator's Poisson run reaches a server.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import statistics
 
 import pytest
-from helpers import cpu_like_costs, peer_rounds
 
+from kvmesh.cluster.benchmarks import pileup_sim
+from kvmesh.cluster.benchmarks.pileup_sim import (
+    FLEETS,
+    RAW_FITS,
+    UNPROTECTED,
+    OwnFitPrice,
+    rounds_at,
+    simulate,
+)
+from kvmesh.cluster.experiments.cost_model import CPU_TINY_QWEN3 as CPU
 from kvmesh.cluster.experiments.cost_model import MAX_DRIFT, FleetHardware
 from kvmesh.cluster.experiments.simulator import ColdShares, Simulation
 from kvmesh.cluster.measure import workloads as wl
 from kvmesh.router.config import BalanceConfig
-from kvmesh.router.policies import Policy, PrefixAware
 
-CPU = cpu_like_costs()
 RATES = (5.0, 6.0)
 SEEDS = range(20)
-FLEETS = {"like": {}, "heterogeneous": {"speeds": (1, 1.3, 2)}, "noisy": {"fit_noise": 0.3}}
-# What the router did before issue 49 as far as one price goes: no spill, no share alarm.
-BEFORE = BalanceConfig(saturation_steps=1e12, share_alarm_min_requests=10**9)
-
-
-def rounds_at(rate: float, seed: int) -> list[wl.WorkloadRequest]:
-    """4 rounds of 8 new prefixes x 15 requests at ``rate`` (bursty), 5 s apart."""
-    return peer_rounds(4, rate, lambda k: 1000 * seed + k, wl.bursty_arrivals)
-
-
-def simulate(
-    requests: list[wl.WorkloadRequest],
-    fleet: str = "like",
-    policy: str | Policy = "prefix",
-    balance: BalanceConfig | None = None,
-    seed: int = 0,
-) -> dict:
-    sim = Simulation(
-        requests,
-        4,
-        policy,
-        CPU,
-        block_size=16,
-        blocks_per_replica=160,
-        seed=seed,
-        balance=balance,
-        **FLEETS[fleet],
-    )
-    return sim.run()
 
 
 @functools.cache
@@ -83,13 +62,8 @@ def test_the_cold_share_check_catches_a_pile_up(rate):
     fits unbounded and unsmoothed, piles cold prompts up in a quarter of the seeds at least.
     (A wide spread alone does not: smoothing and confidence keep noisy prices within a few %.)"""
 
-    class OwnPrice(PrefixAware):
-        def score(self, request, r, fleet_prefill_s):
-            return super().score(request, r, r.costs.prefill_token_s)
-
-    loose = BalanceConfig(price_spread=20, price_half_life_s=0.001)
     worst = [
-        simulate(rounds_at(rate, seed), "noisy", OwnPrice(block_size=16), loose, seed)[
+        simulate(rounds_at(rate, seed), "noisy", OwnFitPrice(block_size=16), RAW_FITS, seed)[
             "cold_share_max_over_fair"
         ]
         for seed in SEEDS
@@ -102,26 +76,22 @@ def test_the_share_alarm_stays_off_in_normal_runs(fleet, rate):
     assert [s["share_alarms"] for s in sweep(fleet, rate)] == [0] * len(SEEDS)
 
 
-def test_the_share_alarm_turns_on_for_a_pile_up():
-    """One shared prefix hashed to one replica takes every request: the alarm turns on (round
-    robin, the same load spread evenly: never)."""
-    one = wl.poisson_arrivals(
-        wl.shared_prefix(
-            num_groups=1, prompts_per_group=60, system_prompt_len=512, question_len=64, output_len=16
-        ),
-        5.0,
-        seed=1,
-    )
-    piled, even = simulate(one, policy="consistent_hash"), simulate(one, policy="round_robin")
-    assert piled["requests_max_over_mean"] == 4.0 and piled["share_alarms"] >= 1
-    assert even["share_alarms"] == 0
+def test_the_share_alarm_turns_on_for_the_pile_ups_of_issue_49s_pricing():
+    """Priced at their own fits, replicas of three speeds pile new prefixes on the fastest:
+    the alarm turns on in most seeds (round robin, the same load: never)."""
+    requests = [rounds_at(5.0, seed) for seed in range(10)]
+    own = [
+        simulate(r, "speeds", OwnFitPrice(block_size=16), RAW_FITS, seed) for seed, r in enumerate(requests)
+    ]
+    assert sum(s["share_alarms"] > 0 for s in own) >= 7, [s["share_alarms"] for s in own]
+    assert [simulate(r, "speeds", "round_robin")["share_alarms"] for r in requests] == [0] * 10
 
 
 @pytest.mark.parametrize("rate", RATES)
 def test_like_hardware_keeps_its_hit_rate(rate):
     """Priced alike, the protections change nothing where nothing piles up: every seed's hit
     rate is the one without spill or share alarm; noisy fits cost less than 0.01 of it."""
-    now, before = sweep("like", rate), sweep("like", rate, BEFORE)
+    now, before = sweep("like", rate), sweep("like", rate, UNPROTECTED)
     assert [s["hit_rate"] for s in now] == [s["hit_rate"] for s in before]
     like = statistics.mean(s["hit_rate"] for s in now)
     assert abs(statistics.mean(s["hit_rate"] for s in sweep("noisy", rate)) - like) < 0.01
@@ -201,3 +171,23 @@ def test_cold_shares_judge_windows_of_enough_cold_prompts():
         for r in range(4):
             cold.add(r, 25.0)
     assert cold.worst() == pytest.approx(3 / (9 / 4))
+
+
+def test_the_pileup_benchmark_writes_every_cell_and_judges_prefix(tmp_path, capsys):
+    """``kvmesh bench pileup``: every fleet x contender cell, a target per fleet for ``prefix``
+    judged on the worst of its runs, and the table."""
+    out = tmp_path / "pileup.json"
+    assert pileup_sim.main(str(out), seeds=2, rates=(6.0,), rounds=2) == 0
+    result = json.loads(out.read_text())
+    cells = {(s["fleet"], s["contender"]) for s in result["summary"]}
+    assert cells == {(f, c) for f in FLEETS for c in pileup_sim.CONTENDERS}
+    assert len(result["rows"]) == 2 * len(cells)
+    for s in result["summary"]:
+        runs = [r for r in result["rows"] if (r["fleet"], r["contender"]) == (s["fleet"], s["contender"])]
+        assert s["cold_share_max_over_fair_max"] == max(r["cold_share_max_over_fair"] for r in runs)
+    judged = {t["target"]: t for t in result["targets"]}
+    for fleet in FLEETS:
+        worst = next(s for s in result["summary"] if (s["fleet"], s["contender"]) == (fleet, "prefix"))
+        one = judged[f"{fleet} at 6/s: worst cold share / fair share, prefix"]
+        assert one["value"] == worst["cold_share_max_over_fair_max"] and one["met"] == (one["value"] <= 2.0)
+    assert "prefix at own fit (before)" in capsys.readouterr().out

@@ -309,6 +309,20 @@ def test_prefix_a_saturated_holder_spills_its_prefix_to_a_second_holder():
     assert p.rank(request(shared), [holder, idle, busy])[0] == "idle"
 
 
+def test_prefix_ticks_tie_cold_scores_but_a_holders_edge_is_exact():
+    """A prompt nobody holds: replicas a step apart tie (ticks of two base steps) and the one
+    with fewer new prefixes placed lately takes it; a prompt both hold: the exact score."""
+    costs = StepCosts(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002, context_token_s=0.0)
+    p = PrefixAware(block_size=BS, hot_spot_factor=1e9)
+    a = ReplicaState("a", costs=costs, inflight_requests=1)  # its step 2 ms longer
+    b = ReplicaState("b", costs=costs, recent_blocks=50)
+    cold = request(prompt(11))
+    assert p.rank(cold, [a, b])[0] == "a"
+    assert PrefixAware(block_size=BS, hot_spot_factor=1e9, tie_steps=0).rank(cold, [a, b])[0] == "b"
+    a.matched_blocks = b.matched_blocks = 10
+    assert p.rank(cold, [a, b])[0] == "b"
+
+
 def test_prefix_share_alarm_keeps_cold_prompts_away_but_not_a_prefix_it_holds():
     p = PrefixAware(block_size=BS)
     alarmed = ReplicaState("alarmed", share_alarm=True, costs=SIMPLE)

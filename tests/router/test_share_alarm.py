@@ -1,11 +1,12 @@
 """The share alarm (issue 49): a replica that took far more than its fair share of one model's
-requests or prefill lately turns it on, once; it clears below its line, forgets replicas that
-left and judges only the window. End to end, a pile-up forced on one replica of a real router
-is logged once, counted, shown by the gauge and ``kvmesh status``, and the prefix policy sends
-that replica no cold prompt meanwhile."""
+new prefixes (or their prefill) lately turns it on, once; it clears below its line, forgets
+replicas that left and judges only the window. End to end, new prefixes forced on one replica
+of a real router are logged once, counted, shown by the gauge and ``kvmesh status``, and the
+prefix policy sends that replica no cold prompt meanwhile."""
 
 import asyncio
 import logging
+import random
 
 import grpc
 import pytest
@@ -19,25 +20,30 @@ from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import BalanceConfig
 from kvmesh.router.metrics import ReplicaGauges, RouterMetrics
+from kvmesh.router.policies import ConsistentHash, ReplicaState, RouteRequest
 from kvmesh.router.process import RouterServer
+from kvmesh.router.replica_load import RequestWork
 from kvmesh.router.share_alarm import CLEAR_AT, Change, ShareAlarm
 from kvmesh.serving.metrics import read_samples
 
 FOUR = ("a", "b", "c", "d")  # fair share 1/4, line 1/2 at factor 2
 
 
-def sent(alarm: ShareAlarm, counts: dict[str, int], now: float = 0.0, prefill: float = 1.0) -> None:
-    """Record ``counts[rid]`` requests to each replica, each with ``prefill`` uncached blocks."""
+def sent(
+    alarm: ShareAlarm, counts: dict[str, int], now: float = 0.0, prefill: float = 1.0, new: bool = True
+) -> None:
+    """Record ``counts[rid]`` requests to each replica, each with ``prefill`` uncached blocks,
+    new prefixes there unless ``new`` is false."""
     for rid, n in counts.items():
         for _ in range(n):
-            alarm.record(rid, prefill, now)
+            alarm.record(rid, RequestWork(prefill, 1.0, new), now)
 
 
 # ---------------------------------------------------------------------- ShareAlarm alone
 
 
 def test_a_replica_over_its_line_turns_the_alarm_on_once():
-    alarm = ShareAlarm(factor=2.0, min_requests=10)
+    alarm = ShareAlarm(factor=2.0, min_per_replica=2)
     sent(alarm, {"a": 12, "b": 2, "c": 2, "d": 2})
     (change,) = alarm.update(FOUR, 1.0)
     assert change == Change("a", True, 12 / 18, 12 / 18, 0.25)
@@ -46,20 +52,20 @@ def test_a_replica_over_its_line_turns_the_alarm_on_once():
 
 
 def test_nothing_is_judged_below_the_minimum_of_requests():
-    alarm = ShareAlarm(factor=2.0, min_requests=20)
+    alarm = ShareAlarm(factor=2.0, min_per_replica=5)
     sent(alarm, {"a": 16, "b": 1, "c": 1, "d": 1})
     assert alarm.update(FOUR, 1.0) == [] and not alarm.on
 
 
 def test_a_lone_replica_never_alarms():
-    alarm = ShareAlarm(min_requests=5)
+    alarm = ShareAlarm(min_per_replica=2)
     sent(alarm, {"a": 10})
     assert alarm.update(["a"], 1.0) == [] and not alarm.on
 
 
 def test_two_replicas_can_alarm_halfway_between_fair_and_all():
     """Twice a fair half is everything, which no share exceeds: the line is capped at 3/4."""
-    alarm = ShareAlarm(factor=2.0, min_requests=10)
+    alarm = ShareAlarm(factor=2.0, min_per_replica=2)
     assert alarm.line(2) == 0.75
     sent(alarm, {"a": 7, "b": 3})  # 0.7: under the line
     assert alarm.update(["a", "b"], 1.0) == []
@@ -68,7 +74,7 @@ def test_two_replicas_can_alarm_halfway_between_fair_and_all():
 
 
 def test_it_clears_only_under_clear_at_of_its_line():
-    alarm = ShareAlarm(factor=2.0, min_requests=10)
+    alarm = ShareAlarm(factor=2.0, min_per_replica=2)
     sent(alarm, {"a": 12, "b": 2, "c": 2, "d": 2})
     alarm.update(FOUR, 1.0)
     sent(alarm, {"b": 2, "c": 2, "d": 2})  # 12 of 24: at the line, above CLEAR_AT of it
@@ -80,7 +86,7 @@ def test_it_clears_only_under_clear_at_of_its_line():
 
 
 def test_a_replica_that_left_is_forgotten():
-    alarm = ShareAlarm(factor=2.0, min_requests=10)
+    alarm = ShareAlarm(factor=2.0, min_per_replica=2)
     sent(alarm, {"a": 12, "b": 2, "c": 2, "d": 2})
     alarm.update(FOUR, 1.0)
     changes = alarm.update(["b", "c", "d"], 1.5)
@@ -88,7 +94,7 @@ def test_a_replica_that_left_is_forgotten():
 
 
 def test_the_window_slides_old_requests_out():
-    alarm = ShareAlarm(factor=2.0, window_s=10.0, min_requests=10, buckets=5)
+    alarm = ShareAlarm(factor=2.0, window_s=10.0, min_per_replica=2, buckets=5)
     sent(alarm, {"a": 30}, now=0.0)  # a pile-up long ago
     sent(alarm, {rid: 3 for rid in FOUR}, now=12.5)  # an even spread lately
     assert alarm.update(FOUR, 13.0) == [] and not alarm.on  # the pile's bucket has left
@@ -99,17 +105,19 @@ def test_the_window_slides_old_requests_out():
 
 
 def test_a_share_of_prefill_alone_turns_it_on():
-    alarm = ShareAlarm(factor=2.0, min_requests=10)
+    alarm = ShareAlarm(factor=2.0, min_per_replica=2)
     sent(alarm, {"a": 5}, prefill=40.0)
     sent(alarm, {"b": 5, "c": 5, "d": 5}, prefill=1.0)
     (change,) = alarm.update(FOUR, 1.0)
     assert change.on and change.request_share == 0.25 and change.prefill_share == 200 / 215
 
 
-def test_requests_whose_prompt_was_all_cached_are_not_counted():
-    """60 copies of one cached prompt on one replica (a latency probe) add no work anywhere."""
-    alarm = ShareAlarm(factor=2.0, min_requests=10)
-    sent(alarm, {"a": 60}, prefill=0.0)
+def test_requests_that_found_their_prefix_are_not_counted():
+    """60 requests of a hot prefix on its holder (each with a question of its own to compute)
+    and 60 copies of one cached prompt (a latency probe): neither places a new prefix."""
+    alarm = ShareAlarm(factor=2.0, min_per_replica=2)
+    sent(alarm, {"a": 60}, prefill=2.0, new=False)
+    sent(alarm, {"b": 60}, prefill=0.0)
     sent(alarm, {rid: 3 for rid in FOUR})
     assert alarm.update(FOUR, 1.0) == [] and not alarm.on
 
@@ -130,7 +138,7 @@ def test_the_metrics_count_alarms_turned_on_and_show_the_gauge():
 
 BS = 16
 PILE = 12  # requests forced on one replica: over the minimum below
-ALARM = BalanceConfig(share_alarm_min_requests=10, share_alarm_window_s=30.0)
+ALARM = BalanceConfig(share_alarm_min_per_replica=5, share_alarm_window_s=30.0)
 WARNED = "replica took far over its fair share"
 
 
@@ -157,6 +165,12 @@ async def fleet(qwen3_dir):
     redis.close()
 
 
+def random_prompt(seed: int) -> list[int]:
+    """3 blocks of token ids of the tiny model's vocabulary, its own for each seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(3 * BS)]
+
+
 async def send(stub, ids: list[int], policy: str = "") -> str:
     """One request; the replica that answered it."""
     request = pb.GenerateRequest(
@@ -171,11 +185,19 @@ async def send(stub, ids: list[int], policy: str = "") -> str:
 @pytest.mark.servers
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_forced_pile_up_fires_the_alarm_once_end_to_end(fleet, caplog):
-    """Every request names ``consistent_hash`` with one 4-block prefix and a question of its
-    own: all land on one replica, each with prefill to do there."""
+    """Every request names ``consistent_hash`` with a 3-block prompt of its own, picked so that
+    the policy's hash puts all on one replica: new prefixes, all there."""
     router, stub = fleet["router"], fleet["stub"]
-    shared = list(range(100, 100 + 4 * BS))
-    prompts = [shared + list(range(300 + k * BS, 300 + (k + 1) * BS)) for k in range(PILE)]
+    states = [ReplicaState(e.record.replica_id) for e in router.registry.live()]
+    hashed = ConsistentHash(block_size=BS)
+
+    def first_choice(ids: list[int]) -> str:
+        return hashed.rank(RouteRequest(ids, (), 1), states)[0]
+
+    candidates = [random_prompt(seed) for seed in range(4 * PILE)]
+    target = first_choice(candidates[0])
+    prompts = [ids for ids in candidates if first_choice(ids) == target][:PILE]
+    assert len(prompts) == PILE
     with caplog.at_level(logging.INFO, logger="kvmesh.router.registry"):
         (piled,) = set(await asyncio.gather(*(send(stub, p, "consistent_hash") for p in prompts)))
         assert await eventually(lambda: asyncio.sleep(0, result=piled in router.registry.alarm.on))
@@ -199,5 +221,5 @@ async def test_a_forced_pile_up_fires_the_alarm_once_end_to_end(fleet, caplog):
     ]
     assert line.split()[0] == piled
 
-    cold = list(range(500, 500 + 3 * BS))  # a prompt nobody holds: not to the piled replica
+    cold = random_prompt(10**6)  # a prompt nobody holds: not to the piled replica
     assert await send(stub, cold) != piled

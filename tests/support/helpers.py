@@ -53,36 +53,3 @@ async def started_router(router):
             break
         await router.registry.refresh()
     return router
-
-
-def peer_rounds(rounds: int, rate: float, seed_of, arrivals) -> list:
-    """``rounds`` rounds of the peers bench's shared-prefix cell (8 new prefixes of 512 tokens
-    x 15 questions of 64, 16 out) at ``rate``, 5 s apart: round k's prompts and arrival times
-    seeded ``seed_of(k)``, timed by ``arrivals(requests, rate, seed=...)``."""
-    import dataclasses
-
-    from kvmesh.cluster.measure import workloads as wl
-
-    requests, start = [], 0.0
-    for k in range(rounds):
-        one = wl.shared_prefix(
-            num_groups=8,
-            prompts_per_group=15,
-            system_prompt_len=512,
-            question_len=64,
-            output_len=16,
-            seed=seed_of(k),
-        )
-        timed = arrivals(one, rate, seed=seed_of(k))
-        requests += [dataclasses.replace(r, arrival_s=r.arrival_s + start) for r in timed]
-        start = requests[-1].arrival_s + 5.0
-    return requests
-
-
-def cpu_like_costs():
-    """Step costs like the tiny model's on these CPU replicas (base 7 ms, 0.23 ms a prompt token)."""
-    from kvmesh.cluster.experiments.cost_model import CostModel
-
-    return CostModel(
-        "cpu-like", 0.007, 2.3e-4, 2.6e-3, 0.0, 2560, max_num_seqs=64, max_num_batched_tokens=2048
-    )
