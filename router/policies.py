@@ -196,9 +196,9 @@ class PrefixAware(Policy):
     Guards, before the score: a replica holding more than ``hot_spot_factor`` times its fair
     share of in-flight requests (+ ``hot_spot_slack``) is used only if all are; a replica
     whose share alarm is on (``router/share_alarm.py``) gets no prompt it would compute from
-    scratch while another can take it. A prompt nobody holds is scored in ticks of
-    ``tie_steps`` base steps (``ticks``), so replicas near idle tie whatever their fits say;
-    equal scores go by the request's session key (rendezvous: a conversation's first turn
+    scratch while another can take it. On replicas priced apart, a prompt nobody holds is
+    scored in ticks of ``tie_steps`` base steps (``ticks``), so replicas near idle tie; equal
+    scores go by the request's session key (rendezvous: a conversation's first turn
     lands where its key points, and its later turns break ties the same way) or, without one,
     to the replica with the fewest new prefixes placed on it lately (``ReplicaLoad``), then by
     rendezvous hashing of the first block.
@@ -269,11 +269,14 @@ class PrefixAware(Policy):
         return load_s + uncached * prefill_s + self.recompute_weight * billed * fleet_prefill_s
 
     def fleet(self, replicas: Sequence[ReplicaState]) -> FleetTerms:
-        """What a decision compares every replica against, from ``replicas`` (the fleet)."""
+        """What a decision compares every replica against, from ``replicas`` (the fleet): ticks
+        only where the replicas are priced apart (``ticks``)."""
+        prices = [r.costs.prefill_token_s for r in replicas]
+        apart = max(prices) > min(prices)
         return FleetTerms(
             self.cap(replicas),
-            statistics.median(r.costs.prefill_token_s for r in replicas),
-            self.tie_steps * statistics.median(r.costs.base_s for r in replicas),
+            statistics.median(prices),
+            self.tie_steps * statistics.median(r.costs.base_s for r in replicas) if apart else 0.0,
         )
 
     def cap(self, replicas: Sequence[ReplicaState]) -> float:
@@ -301,8 +304,10 @@ class PrefixAware(Policy):
     @staticmethod
     def ticks(score: float, tick_s: float) -> float:
         """A score as the order compares it: in whole ticks, so that scores a few ms apart tie
-        (a prediction is no finer than a step: a request waits out the step in progress, and
-        the counts it reads are a round trip old), and the tie-breaks spread them."""
+        and the tie-breaks spread them. Used for prompts nobody holds on replicas priced apart,
+        where part of what tells two scores apart is a fitted price no finer than a step; on
+        replicas priced alike the scores differ by the router's own counts of queued work, and
+        ticks there only moved cold prompts off the least-loaded replica (docs/design.md)."""
         return math.floor(score / tick_s) if tick_s > 0 else score
 
     def held_back(self, request: RouteRequest, r: ReplicaState) -> bool:

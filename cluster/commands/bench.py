@@ -24,7 +24,7 @@ def _rates(value: str) -> tuple[float, ...]:
     except ValueError:
         raise UsageError(f"--rates: comma-separated numbers, got {value!r}") from None
     if min(rates) <= 0 or not all(math.isfinite(r) for r in rates):
-        raise UsageError(f"--rates: positive numbers, got {value!r}")
+        raise UsageError(f"--rates: every rate must be positive, got {value!r}")
     return rates
 
 

@@ -442,10 +442,9 @@ class Simulation:
             return int(router.policy.rank(route, states)[0])
         total = self.fleet_inflight if self.fleet is not None else router.inflight
         policy = router.policy
-        # every replica's costs are the one model's, so the fleet's medians are its own; a
-        # prompt someone holds is scored exactly (``PrefixAware.rank``)
-        tick_s = 0.0 if matched else policy.tie_steps * self.cost.base_s
-        fleet = FleetTerms(policy.cap_of(total, n), self.cost.prefill_token_s, tick_s)
+        # every replica's costs are the one model's: the fleet's medians are its own, and
+        # replicas priced alike are scored exactly (``PrefixAware.fleet``)
+        fleet = FleetTerms(policy.cap_of(total, n), self.cost.prefill_token_s, 0.0)
         candidates = [self._state(router, r, depth, now) for r, depth in matched.items()]
         for r in self._cheapest_others(router, route, matched, fleet, now):
             candidates.append(self._state(router, r, 0, now))

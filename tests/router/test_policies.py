@@ -309,17 +309,22 @@ def test_prefix_a_saturated_holder_spills_its_prefix_to_a_second_holder():
     assert p.rank(request(shared), [holder, idle, busy])[0] == "idle"
 
 
-def test_prefix_ticks_tie_cold_scores_but_a_holders_edge_is_exact():
-    """A prompt nobody holds: replicas a step apart tie (ticks of two base steps) and the one
-    with fewer new prefixes placed lately takes it; a prompt both hold: the exact score."""
+def test_prefix_ticks_tie_cold_scores_on_replicas_priced_apart_only():
+    """Priced apart, a prompt nobody holds: replicas a step apart tie (ticks of two base steps)
+    and the one with fewer new prefixes placed lately takes it; a prompt both hold, or
+    replicas priced alike: the exact score."""
     costs = StepCosts(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002, context_token_s=0.0)
+    dearer = StepCosts(base_s=0.010, prefill_token_s=0.00101, decode_seq_s=0.002, context_token_s=0.0)
     p = PrefixAware(block_size=BS, hot_spot_factor=1e9)
     a = ReplicaState("a", costs=costs, inflight_requests=1)  # its step 2 ms longer
-    b = ReplicaState("b", costs=costs, recent_blocks=50)
+    b = ReplicaState("b", costs=dearer, recent_blocks=50)  # 1.6 ms dearer on this prompt
     cold = request(prompt(11))
     assert p.rank(cold, [a, b])[0] == "a"
     assert PrefixAware(block_size=BS, hot_spot_factor=1e9, tie_steps=0).rank(cold, [a, b])[0] == "b"
     a.matched_blocks = b.matched_blocks = 10
+    assert p.rank(cold, [a, b])[0] == "b"
+    a.matched_blocks = b.matched_blocks = 0
+    b.costs = costs
     assert p.rank(cold, [a, b])[0] == "b"
 
 
