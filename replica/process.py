@@ -91,20 +91,10 @@ class ReplicaServer:
             import torch
 
             torch.set_num_threads(c.torch_threads)
-        options = dataclasses.asdict(c.engine)
-        tokenizer_dir = c.api.tokenizer_dir(c.model_dir)
-        engine = await asyncio.to_thread(
-            LLMEngine, c.model_dir, model_id=c.model_id, tokenizer_dir=tokenizer_dir, **options
-        )
-        self.engine = AsyncLLMEngine(engine, stall_s=c.engine_stall_s)
-        model = ModelInfo(
-            engine.model_id,
-            engine.block_size,
-            engine.max_model_len,
-            engine.vocab_size,
-            engine.hash_seed,
-            c.api.served_model_name,
-        )
+        if c.engine_kind == "vllm":
+            model, info = await self._start_vllm(token)
+        else:
+            model, info = await self._start_kvmesh_engine()
         backend = EngineBackend(
             self.engine,
             c.replica_id,
@@ -129,15 +119,7 @@ class ReplicaServer:
         )
         host = advertised_host(c)
         self.address = f"{host}:{self.grpc.port}"
-        info = {
-            "model_id": engine.model_id,
-            "block_size": engine.block_size,
-            "hash_seed": engine.hash_seed,
-            "process_started_at": self.started_at,  # unlike the incarnation, a resync keeps it
-            "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the router prices steps by it
-            "max_num_seqs": engine.config.max_num_seqs,
-            "hardware": hardware_name(engine.runner.device),  # like hardware is priced alike
-        }
+        info = {**info, "process_started_at": self.started_at}  # unlike the incarnation, a resync keeps it
         if c.serves_http:
             app = build_app(
                 OneModel(backend),
@@ -154,7 +136,7 @@ class ReplicaServer:
         if self.index_user is not None:
             own = dataclasses.replace(own, username=self.index_user[0], password=self.index_user[1])
         index = connect_index(
-            c.redis_url, engine.model_id, engine.block_size, engine.hash_seed, c.deployment, own
+            c.redis_url, model.model_id, model.block_size, model.hash_seed, c.deployment, own
         )
         self.publisher = IndexPublisher(
             index, self.engine, c.replica_id, self.address, info, heartbeat_s=c.heartbeat_s, ttl_s=c.ttl_s
@@ -168,6 +150,41 @@ class ReplicaServer:
         self._loops.start(self._follow_engine, "kvmesh-engine-health")
         log.info("replica serving", extra={"replica_id": c.replica_id, "address": self.address})
         return self.address
+
+    async def _start_kvmesh_engine(self) -> tuple[ModelInfo, dict]:
+        """kvmesh's own engine, loaded here: the model and what the index record says of it."""
+        c = self.config
+        options = dataclasses.asdict(c.engine)
+        tokenizer_dir = c.api.tokenizer_dir(c.model_dir)
+        engine = await asyncio.to_thread(
+            LLMEngine, c.model_dir, model_id=c.model_id, tokenizer_dir=tokenizer_dir, **options
+        )
+        self.engine = AsyncLLMEngine(engine, stall_s=c.engine_stall_s)
+        model = ModelInfo(
+            engine.model_id,
+            engine.block_size,
+            engine.max_model_len,
+            engine.vocab_size,
+            engine.hash_seed,
+            c.api.served_model_name,
+        )
+        info = {
+            "model_id": engine.model_id,
+            "block_size": engine.block_size,
+            "hash_seed": engine.hash_seed,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the router prices steps by it
+            "max_num_seqs": engine.config.max_num_seqs,
+            "hardware": hardware_name(engine.runner.device),  # like hardware is priced alike
+            "engine": "kvmesh",
+        }
+        return model, info
+
+    async def _start_vllm(self, token: str | None) -> tuple[ModelInfo, dict]:
+        """A vLLM server for this replica's model, started and waited for."""
+        from kvmesh.replica.vllm.launch import start_vllm_engine
+
+        self.engine, model, info = await start_vllm_engine(self.config, token)
+        return model, info
 
     @property
     def draining(self) -> bool:
@@ -218,6 +235,7 @@ class ReplicaServer:
     async def resync(self, reason: str) -> int:
         if self.publisher is None:
             raise TimeoutError("not publishing yet")
+        await self.engine.recount_cache()
         return await self.publisher.resync(reason)
 
     def index_state(self) -> tuple[int, bool]:
@@ -252,4 +270,4 @@ class ReplicaServer:
         servers = [s.stop(max(0.0, deadline - loop.time())) for s in (self.grpc, self.http) if s is not None]
         await asyncio.gather(*servers)
         if self.engine:
-            await asyncio.to_thread(self.engine.shutdown)
+            await self.engine.stop()

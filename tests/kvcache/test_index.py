@@ -421,7 +421,10 @@ async def test_the_functions_refuse_records_and_reservations_that_would_break_de
     index = redis_index
     with pytest.raises(redis.exceptions.ResponseError, match="address is not host:port"):
         await index.register("r0", "not an address", ttl_s=30)
-    inc = await index.register("r0", "a:1", ttl_s=30)
+    for text in ("hardware", "engine"):
+        with pytest.raises(redis.exceptions.ResponseError, match=f"{text} is longer than 64 bytes"):
+            await index.register("r0", "a:1", ttl_s=30, info={text: "x" * 65})
+    inc = await index.register("r0", "a:1", ttl_s=30, info={"engine": "vllm", "hardware": "cpu/vllm"})
     for bad in ("nan", "inf", "-inf", "many"):
         with pytest.raises(redis.exceptions.ResponseError, match="num_running is not a finite number"):
             await index.heartbeat("r0", inc, ttl_s=30, load={"num_running": bad})

