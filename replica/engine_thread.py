@@ -175,6 +175,10 @@ class AsyncLLMEngine:
         """The hashes a new request could hit now (for checks against the index)."""
         return await self.call(lambda e: e.block_manager.cached_hashes())
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (experiments start cold); ``KVCacheError`` while requests hold blocks."""
+        await self.call(lambda engine: engine.reset_prefix_cache())
+
     async def recount_cache(self) -> None:
         """Nothing to do before a resync: the block ledger is the cache (a vLLM engine's view
         of its cache, ``replica/vllm``, may have to be rebuilt)."""

@@ -56,7 +56,7 @@ class ReplicaService(pb_grpc.ReplicaServicer):
         self, request, context: grpc.aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
         try:
-            await self.engine.call(lambda engine: engine.reset_prefix_cache())
+            await self.engine.reset_prefix_cache()
         except KVCacheError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.ResetPrefixCacheResponse()

@@ -232,6 +232,8 @@ class PeersConfig:
     resume: bool = False  # keep the runs rows.jsonl already has (a sweep cut short) and run the rest
     one_router: bool = False  # one router process per contender through all its runs, as in production
     guidellm_only: bool = False  # the shared-prefix cell through guidellm alone (no kvmesh-generator runs)
+    engine: str = "kvmesh"  # what the replicas run: kvmesh's engine or real vLLM servers
+    vllm_python: str | None = None  # engine "vllm": the Python that has vLLM
 
     @property
     def main_generator(self) -> str:
@@ -416,10 +418,20 @@ class _Bench:
 
 async def run(config: PeersConfig) -> dict:
     model = (config.model_dir or demo_model(config.cache_dir)).resolve()  # guidellm runs elsewhere
+    replica, engine = {}, {"num_kv_blocks": config.num_kv_blocks}
+    if config.engine == "vllm":
+        replica = {"engine_kind": "vllm", "vllm_python": config.vllm_python}
+        engine["max_model_len"] = 2048  # vLLM refuses a pool smaller than one longest request
     cluster_config = ClusterConfig.for_model(
-        str(model), config.replicas, engine={"num_kv_blocks": config.num_kv_blocks}, with_router=False
+        str(model),
+        config.replicas,
+        engine=engine,
+        replica=replica,
+        with_router=False,
     )
-    progress(f"starting {config.replicas} replicas ({config.num_kv_blocks} KV blocks each) ...")
+    progress(
+        f"starting {config.replicas} {config.engine} replicas ({config.num_kv_blocks} KV blocks each) ..."
+    )
     rows: list[dict] = []
     # open replicas (loopback): the bench reads their own counters and calls them directly
     async with (
@@ -583,6 +595,7 @@ def _report(config: PeersConfig, rows: list[dict], unloaded_ms: float) -> dict:
         "benchmark": "peers",
         "config": {
             "replicas": config.replicas,
+            "engine": config.engine,
             "num_kv_blocks": config.num_kv_blocks,
             "load": asdict(config.load),
             "rates": list(config.rates),

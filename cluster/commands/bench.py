@@ -339,7 +339,19 @@ def _peers(benches) -> None:
     peers.add_argument("--peers-venv", default=".venv-peers", help="where `make peers` installed the peers")
     peers.add_argument("--replicas", type=int, default=4)
     peers.add_argument(
-        "--num-kv-blocks", type=int, default=160, help="per replica: holds some prefixes, not all"
+        "--num-kv-blocks",
+        type=int,
+        help="per replica: holds some prefixes, not all (default: 2,560 tokens' worth, 160 blocks of "
+        "kvmesh's engine or 80 of vLLM's)",
+    )
+    peers.add_argument(
+        "--engine",
+        choices=("kvmesh", "vllm"),
+        default="kvmesh",
+        help="what the replicas run: kvmesh's engine, or real vLLM servers (make vllm)",
+    )
+    peers.add_argument(
+        "--vllm-python", default=".venv-vllm/bin/python", help="with --engine vllm: the Python that has vLLM"
     )
     peers.add_argument("--prefix-tokens", type=int, default=512)
     peers.add_argument("--prefix-count", type=int, default=8, help="distinct shared prefixes")
@@ -407,6 +419,10 @@ def _run_peers(args: argparse.Namespace) -> int:
     if not workloads or any(w not in ("shared_prefix", "multi_turn", "mooncake") for w in workloads):
         raise UsageError("--workloads: comma-separated shared_prefix, multi_turn, mooncake")
     rates = _rates(args.rates)
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = 80 if args.engine == "vllm" else 160
+    if args.engine == "vllm" and not Path(args.vllm_python).is_file():
+        raise UsageError(f"--engine vllm: no Python at {args.vllm_python} (make vllm, or give --vllm-python)")
     sizes = (
         args.replicas,
         args.num_kv_blocks,
@@ -456,6 +472,10 @@ def _run_peers(args: argparse.Namespace) -> int:
         resume=args.resume,
         one_router=args.one_router,
         guidellm_only=args.guidellm_only,
+        engine=args.engine,
+        vllm_python=str(Path(args.vllm_python).absolute())
+        if args.engine == "vllm"
+        else None,  # a venv's python is a link: not resolved
     )
     try:
         resumed_rows(config)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.kvcache import AllBlocksCleared, KVCacheStats, KVEvent, block_hashes
+from kvmesh.kvcache import AllBlocksCleared, KVCacheError, KVCacheStats, KVEvent, block_hashes
 from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine import EngineStats
 from kvmesh.replica.engine_thread import EngineDeadError, EngineOverloadedError, RequestFailedError
@@ -231,6 +231,16 @@ class VllmEngine:
     async def wait_kv_events(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._events_ready.wait(), timeout)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (experiments start cold); ``KVCacheError`` while requests
+        hold blocks. vLLM sends its AllBlocksCleared only at its next step: the view and the
+        index are cleared now, as vLLM said it did."""
+        response = await self._client.post("/reset_prefix_cache")
+        if response.status_code != 200 or not response.json().get("success"):
+            raise KVCacheError("vLLM did not reset its prefix cache: requests still hold blocks")
+        self.view.clear()
+        self._add_events([AllBlocksCleared()])
 
     async def recount_cache(self) -> None:
         """Make the view vLLM's cache again before a resync: replay every batch vLLM holds,

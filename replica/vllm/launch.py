@@ -38,9 +38,10 @@ def vllm_options(config: ReplicaConfig, model_id: str) -> VllmOptions:
         seed=e.seed,
         device=device,
         max_model_len=e.max_model_len,
-        dtype=e.dtype,
+        dtype=e.dtype or ("float32" if device == "cpu" else None),  # kvmesh's engine's default too
         num_kv_blocks=e.num_kv_blocks,
         tokenizer_dir=config.api.tokenizer,
+        threads=config.torch_threads,
         **({"python": config.vllm_python} if config.vllm_python else {}),
         extra_args=config.vllm_args,
     )

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from kvmesh.serving.child_process import dying_with_parent, free_port
 log = logging.getLogger(__name__)
 GiB = 1 << 30
 # What vLLM's --dtype takes for each name kvmesh's engine option accepts.
+_ERROR = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")  # a Python exception's line
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -54,6 +56,7 @@ class VllmOptions:
     dtype: str | None = None
     num_kv_blocks: int | None = None
     tokenizer_dir: str | None = None
+    threads: int | None = None  # CPU threads for its forward (None: vLLM's choice)
     python: str = field(default_factory=lambda: sys.executable)
     extra_args: str = ""  # more ``vllm serve`` arguments, shell-quoted
 
@@ -84,7 +87,7 @@ class VllmServer:
         self.events_endpoint = f"ipc://{self._dir}/events"
         self.replay_endpoint = f"ipc://{self._dir}/replay"
         self._proc: subprocess.Popen | None = None
-        self._tail: collections.deque[str] = collections.deque(maxlen=40)  # its last lines, for errors
+        self._tail: collections.deque[str] = collections.deque(maxlen=200)  # its last lines, for errors
 
     @property
     def url(self) -> str:
@@ -135,7 +138,9 @@ class VllmServer:
         if o.num_kv_blocks:
             args += ["--num-gpu-blocks-override", str(o.num_kv_blocks)]
         if o.device == "cpu":
-            args += ["--enforce-eager"]  # compiling costs start-up time a CPU replica never wins back
+            # compiling costs start-up time a CPU replica never wins back; a worker process of
+            # its own spin-waits on shared memory, which starves replicas that share cores
+            args += ["--enforce-eager", "--distributed-executor-backend", "uni"]
         return args + shlex.split(o.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -149,6 +154,11 @@ class VllmServer:
                 "VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(self.options.kv_cache_memory / GiB)))
             )
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # replicas share the cores
+            env.setdefault(
+                "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+            )  # the engine in the server's process: no IPC to spin on
+        if self.options.threads:
+            env["OMP_NUM_THREADS"] = str(self.options.threads)
         return env
 
     def start(self) -> None:
@@ -176,7 +186,16 @@ class VllmServer:
         """Why vLLM is gone (None while it runs)."""
         if self._proc is None or self._proc.poll() is None:
             return None
-        return f"vLLM exited with code {self._proc.returncode}: {self.last_lines(3)}"
+        return f"vLLM exited with code {self._proc.returncode}: {self.cause()}"
+
+    def cause(self) -> str:
+        """The first error vLLM printed last (its root cause comes before the wrappers that
+        re-raise it), else its last lines."""
+        for line in self._tail:
+            found = _ERROR.search(line)
+            if found and "core initialization failed" not in line:
+                return line[found.start() :][:400]
+        return self.last_lines(3)
 
     def last_lines(self, n: int) -> str:
         return " | ".join(list(self._tail)[-n:]) or "no output"
