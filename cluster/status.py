@@ -31,6 +31,7 @@ COLUMNS = (
     "index_state",
     "index_state_cause",
     "share_alarm",
+    "engine",
 )
 SHARE_ALARM = "SHARE ALARM: over its fair share, no new prefixes"
 
@@ -93,6 +94,7 @@ async def from_index(redis_url: str) -> list[dict]:
                     "replica_id": r.replica_id,
                     "address": r.address,
                     "http_address": r.fields.get("http_address", ""),
+                    "engine": r.fields.get("engine", "kvmesh")[:16],
                     "incarnation": r.incarnation,
                     "num_running": int(r.load("num_running")),
                     "num_waiting": int(r.load("num_waiting")),
@@ -132,14 +134,14 @@ def render(models: list[dict]) -> str:
             f"replicas live: {len(m['replicas'])}{trust}"
         )
         lines.append(
-            f"  {'replica':<14}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
+            f"  {'replica':<14}{'engine':<8}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
             f"{'tok/s':>8}{'hb age':>8}"
             + ("  step cost: base ms, us/prompt tok, us/decode seq" if _costs(m) else "")
         )
         for r in m["replicas"]:
             blocks = f"{r['num_free_blocks']}/{r['num_blocks']}"
             lines.append(
-                f"  {r['replica_id']:<14}{r['address']:<22}{r.get('http_address') or '-':<30}{r['incarnation']:>5}"
+                f"  {r['replica_id']:<14}{r.get('engine') or 'kvmesh':<8}{r['address']:<22}{r.get('http_address') or '-':<30}{r['incarnation']:>5}"
                 f"{r['num_running']:>5}{r['num_waiting']:>5}{blocks:>19}{r['tokens_per_s']:>8.1f}{r['heartbeat_age_s']:>7.1f}s"
                 + (f"  index {_state(r)}" if r.get("index_state") else "")
                 + (_cost_columns(r["step_costs"]) if r.get("step_costs") else "")

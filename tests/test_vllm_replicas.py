@@ -21,6 +21,7 @@ from conftest import tiny_model_dir
 from helpers import eventually, local_router_config
 from reference import hf_greedy
 
+from kvmesh.cluster import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb, pb_grpc
@@ -263,6 +264,10 @@ async def test_two_models_one_on_each_engine_behind_one_router(fleet):
         tokens, done = await send(fleet, ids, max_tokens=4, model=name)
         assert tokens == hf_greedy(model_dir, ids, 4)
         assert done.replica_id.startswith("kvmesh" if model_dir == fleet["kvmesh_model"] else "vllm")
+    models = await status.from_router(fleet["router"].address, None)
+    engines = {r["replica_id"]: r["engine"] for m in models for r in m["replicas"]}
+    assert engines == {"vllm-0": "vllm", "vllm-1": "vllm", "kvmesh-0": "kvmesh"}
+    assert any(line.split()[:2] == ["vllm-0", "vllm"] for line in status.render(models).splitlines())
 
 
 async def test_a_killed_vllm_leaves_the_index_and_its_restart_reenters_exactly(fleet):

@@ -98,15 +98,15 @@ def ttft(engine: LLMEngine, prompt: list[int]) -> float:
                 return elapsed
 
 
-def bench_ttft(engine: LLMEngine, rng: random.Random, repeats: int) -> dict:
-    vocab = engine.vocab_size
+def ttft_prompts(rng: random.Random, vocab: int, repeats: int) -> list[tuple[list[int], list[int]]]:
+    """(cold, warm) prompt pairs of 2048 tokens sharing their first 1792: each contender times
+    the same ones."""
     shared = [rng.randrange(3, vocab) for _ in range(1792)]
-    warm, cold = [], []
-    for _ in range(repeats):
-        tail = lambda: [rng.randrange(3, vocab) for _ in range(256)]  # noqa: E731
-        engine.reset_prefix_cache()
-        cold.append(ttft(engine, shared + tail()))  # cold: nothing cached
-        warm.append(ttft(engine, shared + tail()))  # the 1792 shared tokens are cached now
+    tail = lambda: [rng.randrange(3, vocab) for _ in range(256)]  # noqa: E731
+    return [(shared + tail(), shared + tail()) for _ in range(repeats)]
+
+
+def ttft_summary(cold: list[float], warm: list[float]) -> dict:
     return {
         "prompt_tokens": 2048,
         "cached_tokens": 1792,
@@ -114,6 +114,15 @@ def bench_ttft(engine: LLMEngine, rng: random.Random, repeats: int) -> dict:
         "cached_ttft_ms": round(statistics.median(warm) * 1e3, 1),
         "speedup": round(statistics.median(cold) / statistics.median(warm), 2),
     }
+
+
+def bench_ttft(engine: LLMEngine, rng: random.Random, repeats: int) -> dict:
+    warm, cold = [], []
+    for cold_prompt, warm_prompt in ttft_prompts(rng, engine.vocab_size, repeats):
+        engine.reset_prefix_cache()
+        cold.append(ttft(engine, cold_prompt))  # cold: nothing cached
+        warm.append(ttft(engine, warm_prompt))  # the 1792 shared tokens are cached now
+    return ttft_summary(cold, warm)
 
 
 def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -> tuple[float, float]:
@@ -184,7 +193,7 @@ def throughput_vs_transformers(
     }
 
 
-def run_cpu(repeats: int, quick: bool, model_dir: Path) -> dict:
+def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None = None) -> dict:
     torch.manual_seed(0)
     n = 16 if quick else 64
     rng = random.Random(0)
@@ -199,7 +208,16 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path) -> dict:
     progress(
         f"cost model: {cost_model['prefill_token_s'] * 1e6:.1f} us per prefill token, base {cost_model['base_s'] * 1e3:.2f} ms"
     )
+    contenders = {}
+    if vllm_python:
+        from kvmesh.cluster.benchmarks.vllm_contender import vllm_contender
+
+        prompts = ttft_prompts(random.Random(1), engine.vocab_size, repeats)  # bench_ttft's very prompts
+        del engine  # its pool goes before vLLM takes its own
+        gc.collect()
+        contenders["vllm"] = vllm_contender(model_dir, vllm_python, reqs, prompts, repeats)
     return {
+        **contenders,
         "cost_model": cost_model,
         "dtype": "float32",
         "device": "cpu",
@@ -275,7 +293,15 @@ def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> d
     }
 
 
-def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str, model: str | None = None) -> int:
+def main(
+    out: str,
+    repeats: int,
+    quick: bool,
+    device: str,
+    cache_dir: str,
+    model: str | None = None,
+    vllm_python: str | None = None,
+) -> int:
     model_dir = Path(model) if model else bench_model_dir(Path(cache_dir))
     result = {
         "benchmark": "engine",
@@ -289,7 +315,7 @@ def main(out: str, repeats: int, quick: bool, device: str, cache_dir: str, model
         result["cuda"] = run_cuda(repeats, quick, bench_model_dir(Path(cache_dir)), model_dir)
         result["targets"] = result["cuda"].pop("targets")
     else:
-        result.update(run_cpu(repeats, quick, model_dir))
+        result.update(run_cpu(repeats, quick, model_dir, vllm_python))
     _print(result)
     write_result(out, result)
     return 0
@@ -306,3 +332,11 @@ def _print(result: dict) -> None:
     print(f"time to first token, {f['prompt_tokens']}-token prompt")
     print(f"  cold          {f['cold_ttft_ms']:>9.1f} ms")
     print(f"  1792 cached   {f['cached_ttft_ms']:>9.1f} ms   ratio {f['speedup']}x")
+    if v := result.get("vllm"):
+        print(f"vLLM {v['version']} (its OpenAI server on loopback, block size {v['block_size']})")
+        print(
+            f"  throughput    {v['tokens_per_s']:>9.1f} tok/s   kvmesh / vLLM {t['kvmesh_tokens_per_s'] / v['tokens_per_s']:.2f}x"
+        )
+        print(
+            f"  TTFT cold     {v['ttft']['cold_ttft_ms']:>9.1f} ms   cached {v['ttft']['cached_ttft_ms']} ms"
+        )

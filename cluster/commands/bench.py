@@ -60,8 +60,15 @@ def _engine(benches) -> None:
         help="time this local model folder instead of the bench model (CUDA: in bfloat16; CPU: in "
         "float32 with a 65k-token KV pool, GiBs for a large model)",
     )
+    eng.add_argument(
+        "--vllm-python",
+        help="also time vLLM (this Python's, e.g. .venv-vllm/bin/python from make vllm) on the same "
+        "requests, model and CPU",
+    )
 
     def run(args):
+        from pathlib import Path
+
         import torch
 
         from kvmesh.cluster.benchmarks.engine_bench import main
@@ -71,6 +78,8 @@ def _engine(benches) -> None:
             raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
         if args.model:
             check_model_folder(args.model)
+        if args.vllm_python and (args.device == "cuda" or not Path(args.vllm_python).is_file()):
+            raise UsageError("--vllm-python: a Python that exists, on --device cpu")
         return main(
             out=args.out,
             repeats=args.repeats,
@@ -78,6 +87,7 @@ def _engine(benches) -> None:
             device=args.device,
             cache_dir=args.cache_dir,
             model=args.model,
+            vllm_python=str(Path(args.vllm_python).absolute()) if args.vllm_python else None,
         )
 
     eng.set_defaults(handler=run)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.extras import require_extra
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.router.config import RouterConfig
 
 
@@ -24,3 +26,18 @@ def check_files(router: RouterConfig) -> None:
         raise UsageError(str(exc)) from None
     if router.otlp_endpoint:
         require_extra("otel", "opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc")
+
+
+def check_engine(replica: ReplicaConfig, local: bool) -> None:
+    """engine=vllm: kvmesh's side of it installed, and (``local``: replicas on this machine)
+    vLLM where ``--vllm-python`` says; one line, exit 2, naming the extra, if not."""
+    if replica.engine_kind != "vllm":
+        return
+    require_extra("vllm", "zmq", "httpx", "msgpack")
+    if local:
+        from kvmesh.replica.vllm.server import VllmMissing, check_vllm
+
+        try:
+            check_vllm(replica.vllm_python or sys.executable)
+        except VllmMissing as exc:
+            raise UsageError(str(exc)) from None

@@ -21,7 +21,7 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.commands.checks import check_files, check_model_folder
+    from kvmesh.cluster.commands.checks import check_engine, check_files, check_model_folder
     from kvmesh.cluster.errors import UsageError
     from kvmesh.cluster.logs import setup_logging
     from kvmesh.serving.grpc_server import ListenError
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         if config.ray_address is None:  # with a Ray cluster, the model folders are on its workers
             check_model_folder(config.router.model_dir)
         check_files(config.router)
+        check_engine(config.replica, local=config.ray_address is None)
     # Ray and torch only once the flags are known good: a usage error is answered at once.
     from kvmesh.cluster.launcher import serve_cluster
     from kvmesh.cluster.supervisor import ReplicaStartError

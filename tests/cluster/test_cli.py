@@ -66,6 +66,14 @@ def test_usage_errors_are_one_line_and_exit_2(args):
         assert "deployment must be 1 to 128 characters" in lines[0]
 
 
+def test_up_with_vllm_where_there_is_no_vllm_is_one_line_naming_the_extra(qwen3_dir):
+    out = run("up", "--model", f"{qwen3_dir},engine=vllm")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "engine=vllm needs vLLM in" in out.stderr and "kvmesh[vllm]" in out.stderr
+    wrong = run("up", "--model", f"{qwen3_dir},engine=vllm", "--vllm-python", "/nonexistent/python")
+    assert wrong.returncode == 2 and "/nonexistent/python" in wrong.stderr, wrong.stderr
+
+
 @pytest.mark.slow  # a subprocess that imports torch and Ray: make test-fast leaves it out
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where there is no CUDA")
 def test_bench_engine_cuda_without_cuda_is_a_usage_error():
@@ -83,7 +91,7 @@ def test_bench_engine_times_the_model_folder_given(tmp_path, qwen3_dir, monkeypa
 
     timed = []
     monkeypatch.setattr(
-        engine_bench, "run_cpu", lambda repeats, quick, model_dir: timed.append(model_dir) or {}
+        engine_bench, "run_cpu", lambda repeats, quick, model_dir, vllm: timed.append(model_dir) or {}
     )
     monkeypatch.setattr(engine_bench, "_print", lambda result: None)
     out_file, cache = tmp_path / "engine.json", tmp_path / "unused"

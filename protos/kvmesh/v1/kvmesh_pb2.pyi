@@ -232,7 +232,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause", "model", "share_alarm")
+    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause", "model", "share_alarm", "engine")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ReplicaInfo(_message.Message):
     INDEX_STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARE_ALARM_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     incarnation: int
@@ -259,7 +260,8 @@ class ReplicaInfo(_message.Message):
     index_state_cause: str
     model: str
     share_alarm: bool
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., model: _Optional[str] = ..., share_alarm: _Optional[bool] = ...) -> None: ...
+    engine: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., model: _Optional[str] = ..., share_alarm: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas", "controller_state", "index_state", "index_state_cause", "failing_loops")
