@@ -25,7 +25,10 @@ from kvmesh.cluster.measure.workloads import shared_prefix
 POLICIES = ("round_robin", "prefix")
 
 
-async def run(out_dir: Path, replicas: int, cache_dir: Path, verbose: bool) -> dict:
+async def run(
+    out_dir: Path, replicas: int, cache_dir: Path, verbose: bool, vllm_python: str | None = None
+) -> dict:
+    """``vllm_python``: the replicas run vLLM from that Python (engine=vllm), else kvmesh's engine."""
     started = time.monotonic()
     model = demo_model(cache_dir)
     workload = shared_prefix(
@@ -34,11 +37,14 @@ async def run(out_dir: Path, replicas: int, cache_dir: Path, verbose: bool) -> d
     config = ClusterConfig.for_model(
         str(model),
         replicas,
-        engine={"num_kv_blocks": 1024},
+        engine={
+            "num_kv_blocks": 1024 if vllm_python is None else 512
+        },  # the same tokens: vLLM's blocks are 32
         router={"port": 0, "http_port": -1},
+        replica={"engine_kind": "vllm", "vllm_python": vllm_python} if vllm_python else {},
         verbose=verbose,
     )
-    print(f"starting {replicas} replicas + router ...", flush=True)
+    print(f"starting {replicas} {'vLLM' if vllm_python else 'kvmesh'} replicas + router ...", flush=True)
     results = {}
     async with LocalCluster(config) as cluster:
         print(f"router on {cluster.router_address}; {len(workload)} requests per policy", flush=True)
@@ -107,6 +113,6 @@ def plot(path: Path, rows: list[tuple[str, dict]], replicas: int) -> None:
     plt.close(fig)
 
 
-def main(out_dir: str, replicas: int, cache_dir: str, verbose: bool) -> int:
-    asyncio.run(run(Path(out_dir), replicas, Path(cache_dir), verbose))
+def main(out_dir: str, replicas: int, cache_dir: str, verbose: bool, vllm_python: str | None = None) -> int:
+    asyncio.run(run(Path(out_dir), replicas, Path(cache_dir), verbose, vllm_python))
     return 0

@@ -31,6 +31,7 @@ from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexHe
 from kvmesh.router.policies import ReplicaState, RouteRequest, make_policy
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples
+from kvmesh.serving.step_costs import PRIOR
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers, pytest.mark.slow]
 
@@ -209,6 +210,29 @@ async def test_the_index_holds_exactly_vllms_blocks_rehashed(fleet):
         view = await fleet["replicas"][rid].engine.cached_hashes()
         assert await index_of(fleet, rid) == view
     assert set(block_hashes(ids, BS, seed)) <= await index_of(fleet, "vllm-1")
+    stats = fleet["replicas"]["vllm-1"].engine.stats()  # its step costs, fitted from vLLM's timings
+    assert stats.step_cost_samples >= 2 and stats.step_costs != PRIOR
+
+
+async def test_bench_engines_vllm_measures_throughput_and_cached_ttft(fleet):
+    """``kvmesh bench engine --vllm-python``'s measurements, on a running vLLM (its own
+    start-up is the replicas')."""
+    from kvmesh.cluster.benchmarks.vllm_contender import throughput, time_to_first_token
+
+    engine = fleet["replicas"]["vllm-0"].engine
+    reqs = [(prompt(2), 6), (prompt(3), 9), (prompt(1), 4)]
+    assert await throughput(engine, reqs) > 0  # it checks every requested token came
+    shared = prompt(12)
+    await engine.reset_prefix_cache()
+    assert await engine.cached_hashes() == set()
+
+    async def index_cleared() -> bool:
+        return await index_of(fleet, "vllm-0") == set()
+
+    assert await eventually(index_cleared)
+    cold = await time_to_first_token(engine, shared + [1])
+    cached = await time_to_first_token(engine, shared + [2])
+    assert 0 < cached < cold
 
 
 async def test_a_sequence_gap_is_filled_from_vllms_replay(fleet):

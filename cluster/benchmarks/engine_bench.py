@@ -11,6 +11,8 @@ dtype), the pool sized by profiling, and the same throughput comparison with tra
 the same GPU in bfloat16 (flash-attn where it runs). ``--model DIR`` times a model folder of
 your own (real weights, or a ``make-tiny-model`` of a real model's shape) instead of the bench
 model; the CUDA correctness check stays on the small model, which the CPU can run.
+``--vllm-python`` adds vLLM (that Python's) on the same CPU, requests and prompts
+(``vllm_contender.py``).
 """
 
 from __future__ import annotations

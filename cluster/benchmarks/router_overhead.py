@@ -133,10 +133,11 @@ async def added_latency(model_dir: str, samples: int) -> dict:
                         "http_router": lambda: _one_http(http, router_process.url, body),
                     }
                     times: dict[str, list[float]] = {name: [] for name in paths}
-                    for i in range(samples + 20):  # the first 20 rounds warm up
+                    warmup = min(20, samples // 4)  # rounds that warm up (a smoke run: fewer)
+                    for i in range(samples + warmup):
                         for name, path in paths.items():
                             took = await path()
-                            if i >= 20:
+                            if i >= warmup:
                                 times[name].append(took[0] if isinstance(took, tuple) else took)
             finally:
                 proxy.terminate()
@@ -147,7 +148,7 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             cluster.redis_url,
             cluster.router_environment(),
             long_text(PromptTokenizer(model_dir), 4000),
-            max(40, samples // 5),  # the kernel counts CPU in 10 ms ticks: a window worth several
+            max(20, samples // 5),  # the kernel counts CPU in 10 ms ticks: a window worth several
             scratch,
         )
     result = {

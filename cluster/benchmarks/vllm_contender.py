@@ -64,13 +64,13 @@ async def _measure(model_dir: Path, python: str, reqs, prompts, repeats: int) ->
         rates = []
         for i in range(repeats):
             await engine.reset_prefix_cache()
-            rates.append(await _throughput(engine, reqs))
+            rates.append(await throughput(engine, reqs))
             progress(f"vLLM throughput repeat {i + 1}/{repeats}: {rates[-1]:.0f} tok/s")
         cold, warm = [], []
         for cold_prompt, warm_prompt in prompts:
             await engine.reset_prefix_cache()
-            cold.append(await _ttft(engine, cold_prompt))
-            warm.append(await _ttft(engine, warm_prompt))
+            cold.append(await time_to_first_token(engine, cold_prompt))
+            warm.append(await time_to_first_token(engine, warm_prompt))
     finally:
         await engine.stop()
     return {
@@ -86,7 +86,7 @@ async def _measure(model_dir: Path, python: str, reqs, prompts, repeats: int) ->
     }
 
 
-async def _throughput(engine: VllmEngine, reqs: list[tuple[list[int], int]]) -> float:
+async def throughput(engine: VllmEngine, reqs: list[tuple[list[int], int]]) -> float:
     async def one(i: int, prompt: list[int], n: int) -> int:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         return sum([len(o.new_token_ids) async for o in engine.generate(prompt, params, f"t{i}")])
@@ -99,7 +99,7 @@ async def _throughput(engine: VllmEngine, reqs: list[tuple[list[int], int]]) -> 
     return sum(made) / elapsed
 
 
-async def _ttft(engine: VllmEngine, prompt: list[int]) -> float:
+async def time_to_first_token(engine: VllmEngine, prompt: list[int]) -> float:
     start = time.perf_counter()
     first = None
     async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=1), f"ttft{start}"):

@@ -110,6 +110,9 @@ NOT_VARIED = {
     "keep-replicas": "the launcher's own setting: test_supervisor restarts a controller that keeps them",
     "verbose": "logging only",
     "otlp-endpoint": "needs an OpenTelemetry collector; test_tracing checks the traces in-process",
+    "engine": "engine=vllm starts real vLLM servers: tests/test_vllm_replicas.py, and bench peers --engine vllm",
+    "vllm-python": "engine=vllm only (tests/test_vllm_replicas.py, test_cli's missing-vLLM line)",
+    "vllm-args": "engine=vllm only: passed to vllm serve as given",
 }
 
 

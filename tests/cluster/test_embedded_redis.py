@@ -9,8 +9,8 @@ import time
 import pytest
 import redis
 
-from kvmesh.cluster import embedded_redis
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
+from kvmesh.serving import child_process
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
@@ -81,6 +81,6 @@ def test_free_ports_picked_before_binding_are_never_the_same(monkeypatch):
         def getsockname(self):
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(embedded_redis, "_GIVEN_PORTS", collections.deque(maxlen=8))
-    monkeypatch.setattr(embedded_redis.socket, "socket", Kernel)
+    monkeypatch.setattr(child_process, "_GIVEN_PORTS", collections.deque(maxlen=8))
+    monkeypatch.setattr(child_process.socket, "socket", Kernel)
     assert [free_port(), free_port()] == [41000, 41001]
