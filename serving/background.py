@@ -122,6 +122,14 @@ class BackgroundLoops:
 _ALL: weakref.WeakSet[BackgroundLoops] = weakref.WeakSet()
 
 
+async def cancel(task: asyncio.Task | None) -> None:
+    """Cancel ``task`` (if any) and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def failing_loops() -> dict[str, str]:
     """Every loop of this process that failed lately (``BackgroundLoops.failing``)."""
     out: dict[str, str] = {}

@@ -33,8 +33,8 @@ from kvmesh.replica.request import PrefixFacts, RequestOutput, RequestTimes
 from kvmesh.replica.step_costs import StepCostFit
 from kvmesh.replica.vllm.cache_view import CacheView
 from kvmesh.replica.vllm.server import VllmServer
-from kvmesh.replica.vllm.subscriber import EventSubscriber, cancel
-from kvmesh.serving.background import BackgroundLoops
+from kvmesh.replica.vllm.subscriber import EventSubscriber
+from kvmesh.serving.background import BackgroundLoops, cancel
 from kvmesh.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

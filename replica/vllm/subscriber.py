@@ -15,7 +15,6 @@ prefix cache, so that an empty view is exact again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -152,10 +151,3 @@ class EventSubscriber:
             dealer.close(linger=0)
         if until is not None and self.next_seq < until:
             raise ViewLost(f"vLLM's replay ended at {self.next_seq}, short of {until}")
-
-
-async def cancel(task: asyncio.Task | None) -> None:
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
