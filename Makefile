@@ -35,7 +35,8 @@ workers = $(if $(filter 0,$(1)),,-n $(1) $(2))
 test: venv vllm lint
 	$(PY) -m pytest -q -m "not image" $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=25; $(PYTEST_OK_IF_EMPTY)
 
-# helm/Dockerfile's CPU variant, with podman (or docker): see helm/build-image.sh.
+# helm/Dockerfile's CPU variant and its vLLM twin (TAG-vllm), with podman (or docker): see
+# helm/build-image.sh.
 IMAGE_TAG ?= kvmesh:cpu
 image:
 	helm/build-image.sh $(IMAGE_TAG)
@@ -43,7 +44,7 @@ image:
 # The image run as the chart runs it (tests/deploy/test_image.py), and the chart's own pods played
 # as containers from its rendering (tests/deploy/test_chart_containers.py), after building it.
 image-check: venv image
-	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
+	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_VLLM_IMAGE=$(IMAGE_TAG)-vllm KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
 		$(PY) -m pytest -q -m image tests/deploy/test_image.py tests/deploy/test_chart_containers.py
 
 # The tests that start nothing (no Ray, no Redis, no servers) and take no seconds of their own

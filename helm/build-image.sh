@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# `make image`: helm/Dockerfile's CPU variant as an image, TAG (default kvmesh:cpu).
+# `make image`: helm/Dockerfile's CPU variant as images, TAG (default kvmesh:cpu) and TAG-vllm.
 # Where the registry's base image cannot be pulled, a stand-in is made once from Debian's own
 # mirror with debootstrap (bookworm, Python 3.11: what the registry's image is) and cached.
 # Where this machine's pip has a wheel folder or a certificate of its own (a proxy's), they
 # are mounted into the build (podman) and passed as PIP_OPTIONS, and torch comes from pip's
-# own sources; elsewhere the Dockerfile's defaults apply. Prints the image's size and build
-# time and writes them to results/image.json.
+# own sources; elsewhere the Dockerfile's defaults apply. Prints the images' sizes and build
+# times and writes them to results/image.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENGINE=$(helm/container-engine.sh)
@@ -13,7 +13,6 @@ TAG=${1:-kvmesh:cpu}
 REGISTRY_BASE=python:3.11-slim-bookworm
 STANDIN=localhost/kvmesh-base:bookworm
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/kvmesh
-started=$(date +%s)
 
 has_image() { $ENGINE image inspect "$1" >/dev/null 2>&1; }
 
@@ -68,12 +67,22 @@ if [ "${ENGINE%% *}" = podman ]; then
   fi
 fi
 [ -z "$pip_options" ] || args+=(--build-arg "PIP_OPTIONS=${pip_options# }")
-echo "building $TAG with ${ENGINE%% *} on $BASE" >&2
-$ENGINE build --network host "${mounts[@]}" "${args[@]}" \
-  -f helm/Dockerfile -t "$TAG" . >&2
-seconds=$(($(date +%s) - started))
-size=$($ENGINE image inspect "$TAG" --format '{{.Size}}')
+# Both variants from one build: TAG (kvmesh's engine) and TAG-vllm (vLLM beside it, for models
+# on engine kind vllm: the chart's image.vllm); the second reuses the first's layers.
+build() {  # tag, more build flags
+  local tag=$1 started
+  shift
+  started=$(date +%s)
+  echo "building $tag with ${ENGINE%% *} on $BASE" >&2
+  $ENGINE build --network host "${mounts[@]}" "${args[@]}" "$@" -f helm/Dockerfile -t "$tag" . >&2
+  local seconds=$(($(date +%s) - started)) size
+  size=$($ENGINE image inspect "$tag" --format '{{.Size}}')
+  echo "$tag: $((size / 1000000)) MB, built in ${seconds} s on $BASE" >&2
+  printf '{"tag": "%s", "engine": "%s", "base": "%s", "size_bytes": %s, "build_seconds": %s}' \
+    "$tag" "${ENGINE%% *}" "$BASE" "$size" "$seconds"
+}
 mkdir -p results
-printf '{"tag": "%s", "engine": "%s", "base": "%s", "size_bytes": %s, "build_seconds": %s}\n' \
-  "$TAG" "${ENGINE%% *}" "$BASE" "$size" "$seconds" > results/image.json
-echo "$TAG: $((size / 1000000)) MB, built in ${seconds} s on $BASE (results/image.json)"
+kvmesh=$(build "$TAG")
+vllm=$(build "$TAG-vllm" --target vllm)
+printf '{"images": [%s, %s]}\n' "$kvmesh" "$vllm" > results/image.json
+echo "results/image.json"

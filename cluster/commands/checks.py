@@ -29,15 +29,15 @@ def check_files(router: RouterConfig) -> None:
 
 
 def check_engine(replica: ReplicaConfig, local: bool) -> None:
-    """engine=vllm: kvmesh's side of it installed, and (``local``: replicas on this machine)
-    vLLM where ``--vllm-python`` says; one line, exit 2, naming the extra, if not."""
-    if replica.engine_kind != "vllm":
+    """engine=vllm with replicas on this machine (``local``): kvmesh's side of it installed,
+    and vLLM where ``--vllm-python`` says; one line, exit 2, naming the extra, if not. On a
+    Ray cluster the workers' image holds vLLM, not the controller's: each replica checks."""
+    if replica.engine_kind != "vllm" or not local:
         return
     require_extra("vllm", "zmq", "httpx", "msgpack")
-    if local:
-        from kvmesh.replica.vllm.server import VllmMissing, check_vllm
+    from kvmesh.replica.vllm.server import VllmMissing, check_vllm
 
-        try:
-            check_vllm(replica.vllm_python or sys.executable)
-        except VllmMissing as exc:
-            raise UsageError(str(exc)) from None
+    try:
+        check_vllm(replica.vllm_python or sys.executable)
+    except VllmMissing as exc:
+        raise UsageError(str(exc)) from None

