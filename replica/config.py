@@ -16,11 +16,11 @@ from kvmesh.serving.auth import read_token_file
 from kvmesh.serving.connections import ConnectionLimits
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment
 from kvmesh.serving.limits import InputLimits
+from kvmesh.serving.model_info import ENGINE_KINDS
 from kvmesh.serving.options import option
 from kvmesh.serving.tls import TLSConfig
 
 GiB = 1 << 30
-ENGINE_KINDS = ("kvmesh", "vllm")
 # What ``dtype`` may name (the loader maps each to a torch dtype; "auto": the checkpoint's).
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
 

@@ -26,6 +26,7 @@ from kvmesh.serving.metrics import (
     MetricsRegistry,
     ServerMetrics,
 )
+from kvmesh.serving.model_info import ENGINE_KINDS
 
 # Predicted minus reused blocks: 0 is exact, > 0 the index promised more than was there.
 PREDICTION_ERROR_BUCKETS = (-64, -16, -4, -2, -1, -0.5, 0, 0.5, 1, 2, 4, 16, 64)
@@ -43,6 +44,8 @@ class ReplicaGauges:
     heartbeat_age_s: float
     inflight: int
     share_alarm: bool = False  # over its fair share lately (``router/share_alarm.py``)
+    engine: str = "kvmesh"  # what computes its model (its record's, set by the deployment)
+    hardware: str = ""
 
 
 class RouterMetrics(ServerMetrics):
@@ -225,16 +228,30 @@ class _ReplicaCollector:
         up = GaugeMetricFamily(
             "kvmesh_router_index_up", "1 while the prefix index is reachable and whole", labels=["model_name"]
         )
+        info = GaugeMetricFamily(
+            "kvmesh_router_replica_info",
+            "1 for each live replica, labelled by its engine and hardware (its index record's)",
+            labels=["model_name", "replica", "engine", "hardware"],
+        )
         for model_name, gauges, index_up in self.models:
             rows = list(gauges())
             for row in rows:
                 for attr, family in families.items():
                     if attr != "live":
                         family.add_metric([model_name, row.replica_id], getattr(row, attr))
+                info.add_metric([model_name, row.replica_id, row.engine, row.hardware], 1)
             families["live"].add_metric([model_name], len(rows))
             up.add_metric([model_name], 1 if index_up() else 0)
         yield from families.values()
         yield up
+        yield info
+
+
+def engine_label(engine: str | None) -> str:
+    """A replica's engine as a label: one of the known kinds, "other" for anything else a
+    record may hold (no unbounded label values from the index)."""
+    engine = engine or "kvmesh"
+    return engine if engine in ENGINE_KINDS else "other"
 
 
 def heartbeat_age(heartbeat_at: float) -> float:

@@ -22,7 +22,7 @@ from grpc_health.v1.health_pb2_grpc import HealthStub
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, ReplicaRecord
 from kvmesh.protos import pb_grpc
-from kvmesh.router.metrics import ReplicaGauges, heartbeat_age
+from kvmesh.router.metrics import ReplicaGauges, engine_label, heartbeat_age
 from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState
 from kvmesh.router.pricing import FleetPrices, MeasuredReplica
 from kvmesh.router.replica_http import CLOSED, ReplicaHttp
@@ -323,6 +323,8 @@ class ReplicaRegistry:
                     age,
                     e.load.requests,
                     share_alarm=r.replica_id in self.alarm.on,
+                    engine=engine_label(r.fields.get("engine")),
+                    hardware=r.fields.get("hardware", ""),
                 )
             )
         return rows

@@ -9,6 +9,9 @@ from pathlib import Path
 from kvmesh.kvcache import namespace_seed
 from kvmesh.serving.errors import NotFound, shown
 
+# What may compute a replica's model: kvmesh's own engine, or a vLLM server the replica runs.
+ENGINE_KINDS = ("kvmesh", "vllm")
+
 
 def model_id_of(model_dir: str | Path, model_id: str | None = None) -> str:
     """A model's name in the index and the API: its given id, else its folder's name (what the
