@@ -31,7 +31,7 @@ from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexHe
 from kvmesh.router.policies import ReplicaState, RouteRequest, make_policy
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples
-from kvmesh.serving.step_costs import PRIOR
+from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers, pytest.mark.slow]
 
@@ -235,6 +235,36 @@ async def test_bench_engines_vllm_measures_throughput_and_cached_ttft(fleet):
     assert 0 < cached < cold
 
 
+async def test_the_simulators_cost_model_is_fitted_from_vllm_replicas(fleet):
+    """What ``kvmesh bench serve --engine vllm`` writes into its run for ``kvmesh simulate
+    --cost-model RUN``: step costs each vLLM replica fitted from vLLM's own per-request
+    timings (sent in its heartbeat), its pool from vLLM's cache config; and the fit prices a
+    cold prefill near what vLLM takes for it."""
+    from kvmesh.cluster.experiments.cost_model import from_heartbeats
+
+    for rid in VLLM_IDS:  # enough requests (two samples each) for every replica's fit to count
+        for _ in range(MEASURED_AFTER_STEPS // 2 // 4 + 1):
+            await asyncio.gather(*(send(fleet, prompt(4, fleet, rid), rid, max_tokens=4) for _ in range(4)))
+    records = []
+
+    async def both_measured() -> bool:
+        await core(fleet).registry.refresh()
+        records[:] = [e.record for e in core(fleet).registry.live() if e.record.replica_id in VLLM_IDS]
+        return len(records) == 2 and all(r.load("cost_steps") >= MEASURED_AFTER_STEPS for r in records)
+
+    assert await eventually(both_measured), [(r.replica_id, r.load("cost_steps")) for r in records]
+    model = from_heartbeats(records, BS)
+    engine = fleet["replicas"]["vllm-0"].engine
+    assert model.kv_tokens_per_replica == engine.stats().kv.num_blocks * BS > 0
+    assert model.max_num_seqs == 8 and model.prefill_token_s > 0
+    await send(fleet, prompt(8, fleet, "vllm-0"), "vllm-0")  # warm the path, not the prefix
+    started = time.monotonic()
+    await send(fleet, prompt(8, fleet, "vllm-0"), "vllm-0")
+    took = time.monotonic() - started
+    priced = model.step_seconds(8 * BS, 0, 0)
+    assert took / 4 < priced < took * 4, (priced, took)
+
+
 async def test_a_sequence_gap_is_filled_from_vllms_replay(fleet):
     engine = fleet["replicas"]["vllm-0"].engine
     gaps = engine.subscriber.gaps
@@ -292,6 +322,14 @@ async def test_two_models_one_on_each_engine_behind_one_router(fleet):
     engines = {r["replica_id"]: r["engine"] for m in models for r in m["replicas"]}
     assert engines == {"vllm-0": "vllm", "vllm-1": "vllm", "kvmesh-0": "kvmesh"}
     assert any(line.split()[:2] == ["vllm-0", "vllm"] for line in status.render(models).splitlines())
+    # the dashboard's "Replicas by engine": one info series per live replica, by its engine
+    page = read_samples(fleet["router"].models.routes[0].core.render_metrics().decode())
+    info = {
+        dict(ls)["replica"]: dict(ls)["engine"]
+        for (n, ls), _ in page.items()
+        if n == "kvmesh_router_replica_info"
+    }
+    assert info == engines
 
 
 async def test_a_killed_vllm_leaves_the_index_and_its_restart_reenters_exactly(fleet):

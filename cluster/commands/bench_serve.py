@@ -10,7 +10,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+from kvmesh.cluster.commands.checks import check_model_folder
 from kvmesh.cluster.commands.workload_flags import build_workload, model_stream
+from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.measure import workloads as wl
 from kvmesh.cluster.measure.model_mix import ModelLoad, merge_by_arrival, parse_models
 from kvmesh.serving.model_info import model_id_of
@@ -27,6 +29,9 @@ def bench_serve(args: argparse.Namespace) -> int:
         )
     if not args.address and not args.model:
         raise ValueError("give --address of a running router, or --model DIR to start a local cluster")
+    if not args.address:
+        for folder in [m.name for m in models] or args.model[:1]:
+            check_model_folder(folder)
     return asyncio.run(_bench_serve(args, name, requests, models))
 
 
@@ -58,14 +63,21 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list, mode
     from kvmesh.cluster.launcher import LocalCluster
     from kvmesh.cluster.measure.loadgen import run_load
     from kvmesh.cluster.measure.report import summarize, write_run
+    from kvmesh.cluster.supervisor import ReplicaStartError
 
     cluster, measured = None, {}
     address = args.address
     if not address:
         router = {"port": 0, "http_port": -1, "block_size": args.block_size}
         folders = [(m.name, m.replicas) for m in models] or [(args.model[0], None)]
-        configs = [ClusterConfig.for_model(d, n or args.replicas, router=router) for d, n in folders]
-        cluster = await LocalCluster(configs).start()
+        replica = {"engine_kind": "vllm", "vllm_python": args.vllm_python} if args.vllm_python else {}
+        configs = [
+            ClusterConfig.for_model(d, n or args.replicas, router=router, replica=replica) for d, n in folders
+        ]
+        try:
+            cluster = await LocalCluster(configs).start()
+        except ReplicaStartError as exc:
+            raise UsageError(str(exc)) from None
         address = cluster.router_address
     try:
         block_sizes = {m: await _router_block_size(address, m) for m in {r.model for r in requests}}

