@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.servers, pytest.mark.slow]  # benchmarks' smoke runs: make test-fast leaves them out
+pytestmark = [
+    pytest.mark.servers,
+    pytest.mark.slow,
+    pytest.mark.bench,
+]  # benchmarks' smoke runs: make test-bench
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 

@@ -36,6 +36,7 @@ def test_only_a_stream_from_a_replica_killed_while_it_ran_is_the_kills():
 
 @pytest.mark.servers
 @pytest.mark.slow
+@pytest.mark.bench  # a benchmark command end to end: make test-bench
 def test_a_short_hostile_soak_fails_no_ordinary_request(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run(

@@ -130,7 +130,8 @@ def test_bench_kvcache_writes_json_with_targets(tmp_path):
     assert "rehit_16384" in out.stdout  # the printed table
 
 
-@pytest.mark.slow  # a benchmark's smoke run: make test-fast leaves it out
+@pytest.mark.slow
+@pytest.mark.bench  # a benchmark command end to end: make test-bench
 def test_bench_engine_quick_writes_json(tmp_path):
     out_file = tmp_path / "engine.json"
     cache = tmp_path / "models"

@@ -229,6 +229,7 @@ async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
+@pytest.mark.bench  # a benchmark command end to end: make test-bench
 def test_bench_serve_then_report(qwen3_dir, tmp_path):
     run_file = tmp_path / "run.jsonl"
     flags = (
@@ -251,6 +252,7 @@ def test_bench_serve_then_report(qwen3_dir, tmp_path):
     assert missing.returncode == 2 and "no such run file" in missing.stderr
 
 
+@pytest.mark.bench  # a benchmark command end to end: make test-bench
 def test_bench_serve_runs_a_mix_of_models_and_reports_each(qwen3_dir, llama_dir, tmp_path):
     """Two models on one local cluster, 3:1 of the arrivals, each its own workload: every
     request names its model and lands on that model's replica; the summary is per model too."""

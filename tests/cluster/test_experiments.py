@@ -87,6 +87,7 @@ def test_per_seed_ratios_pair_runs_of_the_same_seed():
 
 
 @pytest.mark.servers
+@pytest.mark.bench  # a benchmark command end to end: make test-bench
 async def test_real_cluster_runs_every_policy_and_reports_medians(ray_cluster, qwen3_dir, tmp_path):
     """The suite's real-cluster part, quick scale, on real replicas: every policy runs once per
     seed, the hit rates are the replicas' own, and a policy that follows prefixes beats
@@ -349,7 +350,8 @@ def test_simulate_cli_writes_every_policy(tmp_path):
     )
 
 
-@pytest.mark.slow  # a benchmark's smoke run: make test-fast leaves it out
+@pytest.mark.slow
+@pytest.mark.bench  # a benchmark command end to end: make test-bench
 def test_experiment_suite_quick(tmp_path):
     run = subprocess.run(
         [KVMESH, "experiments", "--quick", "--no-real", "--out-dir", str(tmp_path)],
