@@ -7,6 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
+from kvmesh.cluster.commands.engine_flags import add_engine_flags, vllm_python
 from kvmesh.cluster.errors import UsageError
 from kvmesh.cluster.extras import require_extra
 
@@ -353,7 +354,7 @@ def _peers(benches) -> None:
         help="per replica: holds some prefixes, not all (default: 2,560 tokens' worth, 160 blocks of "
         "kvmesh's engine or 80 of vLLM's)",
     )
-    _add_engine_flags(peers)
+    add_engine_flags(peers)
     peers.add_argument("--prefix-tokens", type=int, default=512)
     peers.add_argument("--prefix-count", type=int, default=8, help="distinct shared prefixes")
     peers.add_argument("--prompt-tokens", type=int, default=64, help="unique tokens after the prefix")
@@ -421,7 +422,7 @@ def _run_peers(args: argparse.Namespace) -> int:
     rates = _rates(args.rates)
     if args.num_kv_blocks is None:
         args.num_kv_blocks = 80 if args.engine == "vllm" else 160
-    vllm_python = _vllm_python(args)
+    replica_python = vllm_python(args)
     sizes = (
         args.replicas,
         args.num_kv_blocks,
@@ -472,36 +473,13 @@ def _run_peers(args: argparse.Namespace) -> int:
         one_router=args.one_router,
         guidellm_only=args.guidellm_only,
         engine=args.engine,
-        vllm_python=vllm_python,
+        vllm_python=replica_python,
     )
     try:
         resumed_rows(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return main(config)
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """What the replicas a benchmark starts run (``_vllm_python`` reads them)."""
-    parser.add_argument(
-        "--engine",
-        choices=("kvmesh", "vllm"),
-        default="kvmesh",
-        help="what the replicas run: kvmesh's engine, or real vLLM servers (make vllm)",
-    )
-    parser.add_argument(
-        "--vllm-python", default=".venv-vllm/bin/python", help="with --engine vllm: the Python that has vLLM"
-    )
-
-
-def _vllm_python(args: argparse.Namespace) -> str | None:
-    """``--engine vllm``: its Python, absolute (a venv's python is a link: not resolved); one
-    line, exit 2, where there is none."""
-    if args.engine != "vllm":
-        return None
-    if not Path(args.vllm_python).is_file():
-        raise UsageError(f"--engine vllm: no Python at {args.vllm_python} (make vllm, or give --vllm-python)")
-    return str(Path(args.vllm_python).absolute())
 
 
 def _serve(benches) -> None:
@@ -525,14 +503,14 @@ def _serve(benches) -> None:
     serve.add_argument(
         "--block-size", type=int, help="of the local cluster (default: 16; --engine vllm: 32, vLLM's on CPUs)"
     )
-    _add_engine_flags(serve)
+    add_engine_flags(serve)
     serve.add_argument("--out", default="results/serve.jsonl")
     serve.add_argument("-q", "--quiet", action="store_true")
 
     def run(args):
         from kvmesh.cluster.commands.bench_serve import bench_serve
 
-        args.vllm_python = _vllm_python(args) if not args.address else None
+        args.vllm_python = vllm_python(args) if not args.address else None
         args.block_size = args.block_size or (32 if args.vllm_python else 16)
         return bench_serve(args)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvmesh.cluster.commands.engine_flags import add_engine_flags, vllm_python
 from kvmesh.cluster.extras import require_extra
 
 
@@ -14,13 +15,7 @@ def register(commands) -> None:
     demo.add_argument("--out-dir", default="results/demo")
     demo.add_argument("--replicas", type=int, default=4)
     demo.add_argument("--cache-dir", default=".cache/tiny-models", help="where the tiny model is built once")
-    demo.add_argument(
-        "--engine",
-        choices=("kvmesh", "vllm"),
-        default="kvmesh",
-        help="what the replicas run (vllm: make vllm)",
-    )
-    demo.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="with --engine vllm: its Python")
+    add_engine_flags(demo)
     demo.add_argument("-v", "--verbose", action="store_true")
     demo.set_defaults(handler=run)
 
@@ -31,17 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas <= 0:
         raise UsageError("--replicas must be positive")
-    vllm_python = None
-    if args.engine == "vllm":
-        from pathlib import Path
-
-        if not Path(args.vllm_python).is_file():
-            raise UsageError(
-                f"--engine vllm: no Python at {args.vllm_python} (make vllm, or give --vllm-python)"
-            )
-        vllm_python = str(Path(args.vllm_python).absolute())  # a venv's python is a link: not resolved
     require_extra("experiments", "matplotlib")
     from kvmesh.cluster.demo import main as demo_main  # Ray and torch: only now
 
     setup_logging(args.verbose)
-    return demo_main(args.out_dir, args.replicas, args.cache_dir, args.verbose, vllm_python)
+    return demo_main(args.out_dir, args.replicas, args.cache_dir, args.verbose, vllm_python(args))

@@ -40,6 +40,8 @@ def test_help_lists_commands():
         ("bench", "pileup", "--rates", "5,0"),
         ("bench", "pileup", "--rates", "5,x"),
         ("bench", "serve", "--model", "/nonexistent", "--workload", "shared_prefix"),
+        ("demo", "--engine", "vllm", "--vllm-python", "/nonexistent/python"),
+        ("bench", "peers", "--engine", "vllm", "--vllm-python", "/nonexistent/python"),
     ],
     ids=[
         "unknown-command",
@@ -55,6 +57,8 @@ def test_help_lists_commands():
         "pileup-zero-rate",
         "pileup-bad-rate",
         "serve-not-a-model-folder",
+        "demo-vllm-without-its-python",
+        "peers-vllm-without-its-python",
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(args):
