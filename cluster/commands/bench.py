@@ -69,7 +69,6 @@ def _engine(benches) -> None:
     )
 
     def run(args):
-
         import torch
 
         from kvmesh.cluster.benchmarks.engine_bench import main
@@ -134,7 +133,6 @@ def _routers(benches) -> None:
     rt.add_argument("--cache-dir", default=".cache/tiny-models")
 
     def run(args):
-
         require_extra("experiments", "httpx", "matplotlib")
         from kvmesh.cluster.benchmarks.many_routers import RoutersConfig, main
         from kvmesh.cluster.logs import setup_logging
@@ -400,7 +398,6 @@ def _peers(benches) -> None:
 
 
 def _run_peers(args: argparse.Namespace) -> int:
-
     require_extra("experiments", "httpx", "matplotlib")
 
     from kvmesh.cluster.benchmarks.peer_processes import (
@@ -511,7 +508,7 @@ def _serve(benches) -> None:
         from kvmesh.cluster.commands.bench_serve import bench_serve
 
         args.vllm_python = vllm_python(args) if not args.address else None
-        args.block_size = args.block_size or (32 if args.vllm_python else 16)
+        args.block_size = args.block_size or (32 if args.engine == "vllm" else 16)
         return bench_serve(args)
 
     serve.set_defaults(handler=usage_errors(run))

@@ -70,7 +70,7 @@ async def _bench_serve(args: argparse.Namespace, name: str, requests: list, mode
     if not address:
         router = {"port": 0, "http_port": -1, "block_size": args.block_size}
         folders = [(m.name, m.replicas) for m in models] or [(args.model[0], None)]
-        replica = {"engine_kind": "vllm", "vllm_python": args.vllm_python} if args.vllm_python else {}
+        replica = {"engine_kind": args.engine, "vllm_python": args.vllm_python}
         configs = [
             ClusterConfig.for_model(d, n or args.replicas, router=router, replica=replica) for d, n in folders
         ]
