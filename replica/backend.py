@@ -33,11 +33,14 @@ from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 
-def usage(out: RequestOutput) -> pb.Usage:
+def usage(out: RequestOutput, sent: int = 0) -> pb.Usage:
+    """``sent``: the continued tokens at the prompt's end, counted as output (a migrated
+    stream's usage counts each token once, as the uninterrupted stream's would)."""
+    prompt = out.prompt_tokens - sent
     return pb.Usage(
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
+        prompt_tokens=prompt,
+        completion_tokens=out.completion_tokens + sent,
+        cached_tokens=min(out.cached_tokens, prompt),
     )
 
 
@@ -109,7 +112,17 @@ class EngineBackend:
         try:
             self.model.check_named(request.model)
             ids = await self.prompt_ids(request)
-            _, params = admit(request, len(ids), self.model, self.defaults)
+            sent = request.continued_tokens
+            if sent >= len(ids):
+                raise InvalidRequest(
+                    "continued_tokens must be below the prompt's length", param="continued_tokens"
+                )
+            _, params = admit(request, len(ids) - sent, self.model, self.defaults)
+            if sent:
+                try:
+                    params = params.continued(sent)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), param="continued_tokens") from None
             with _engine_errors():
                 async for response in self._choices(ids, params, request, own_id, span):
                     if first:
@@ -173,7 +186,7 @@ class EngineBackend:
                     last_token_at = now
                 if out.new_token_ids or out.new_text:
                     chunk = pb.Chunk(
-                        prompt_tokens=len(ids) if first else 0,
+                        prompt_tokens=len(ids) - params.continued_tokens if first else 0,
                         token_ids=out.new_token_ids,
                         text=out.new_text,
                         index=index,
@@ -186,7 +199,7 @@ class EngineBackend:
                     self.metrics.finished(out)
                     complete = pb.Complete(
                         finish_reason=out.finish_reason or "",
-                        usage=usage(out),
+                        usage=usage(out, params.continued_tokens),
                         replica_id=self.replica_id,
                         index=index,
                         incarnation=self.incarnation(),

@@ -167,9 +167,14 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
-        )
+        detok = None
+        if self.tokenizer is not None:
+            # A continued stream's detokenizer replays the output already sent, so the text it
+            # releases next is what the first attempt's would have (held-back text included).
+            sent = params.continued_tokens
+            detok = IncrementalDetokenizer(self.tokenizer, ids[: len(ids) - sent], params.stop)
+            for token in ids[len(ids) - sent :]:
+                detok.push(token)
         if params.stop and detok is None:
             raise ValueError("stop strings need a tokenizer")
         return Request(request_id, ids, self.block_size, params, generator, stop_ids, detok)

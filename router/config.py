@@ -35,6 +35,7 @@ def _check_positive(owner: object, *names: str) -> None:
 # Speculative entries live up to two TTLs in the index (two buckets of one TTL); the
 # index frees a dead replica's slot 60 s after its death (index.lua QUARANTINE_MS).
 MAX_SPECULATIVE_TTL_S = 10.0
+MAX_MIGRATION_LIMIT = 8  # each move re-reads the whole prompt on a new replica
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,18 @@ class RouterLimits:
         None, flag="max-tokens-limit", help="ceiling on max_tokens (default: max model length - 1)"
     )
     inputs: InputLimits = option(factory=InputLimits, help="bounds on what one request may ask for")
+    migration_limit: int = option(
+        1,
+        help="times a stream whose replica fails midway moves to another replica, the tokens it "
+        "sent as its prompt's end (0: it fails, as a failed stream did before)",
+    )
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_inflight", "max_prompt_tokens", "max_tokens")
+        if not 0 <= self.migration_limit <= MAX_MIGRATION_LIMIT:
+            raise ValueError(
+                f"migration_limit must be in [0, {MAX_MIGRATION_LIMIT}], got {self.migration_limit}"
+            )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 admit (``admit``, by the front ends, before anything is built for a request): refuse while
 draining or beyond the in-flight limit, a batch counted as its number of prompts; decide (``decision.py``):
 tokenize, hash, ONE index lookup, rank; relay (``relay.py``): stream from the first choice,
-fail over once, account for the work and the prediction.
+fail over once, move a stream cut midway, account for the work and the prediction.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvmesh.router.decision import Decider, Decision, RoutingOptions
 from kvmesh.router.index_trust.watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.registry import ReplicaRegistry
-from kvmesh.router.relay import FailedInBand, Relay
+from kvmesh.router.relay import FailedInBand, Relay, why_not_migratable
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket
@@ -58,7 +58,9 @@ class RouterCore:
         self.decider = Decider(
             model, tokenizer, (index, registry, self.overlay), self.metrics, options, self.watch.untrusted
         )
-        self.relay = Relay(registry, self.overlay, self.metrics, model.block_size, self.watch)
+        self.relay = Relay(
+            registry, self.overlay, self.metrics, model.block_size, self.watch, self.limits.migration_limit
+        )
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
         self.inflight = InflightLimit(self.limits.max_inflight, "router")
         self.owned = OwnedRequests()  # the router's request ids, by client connection and client id
@@ -136,7 +138,12 @@ class RouterCore:
         the client's connection once its response began, where ``direct`` gives it."""
         async with _Routed(self, request, trace, "") as routed:
             decision = routed.decision
-            sse = SseRequest.of(chat, body, self.model.api_name, decision.request_id, decision.token_ids)
+            migratable = (
+                bool(self.limits.migration_limit) and why_not_migratable(decision.sampling, chat) is None
+            )
+            sse = SseRequest.of(
+                chat, body, self.model.api_name, decision.request_id, decision.token_ids, migratable
+            )
             stream = self.relay.stream_sse(decision, sse, routed.started, routed.root, direct)
             async with contextlib.aclosing(stream):
                 async for block in stream:

@@ -73,6 +73,11 @@ class RouterMetrics(ServerMetrics):
             ("policy", "branch"),
         )
         self.retries = self.counter("kvmesh_router_failovers", "Requests retried on another replica")
+        self.migrations = self.counter(
+            "kvmesh_router_migrations",
+            "Streams cut midway by their replica: moved to another, or refused (the limit, n > 1, none left)",
+            ("outcome",),
+        )
         self.index_skipped = self.counter(
             "kvmesh_router_index_skipped_entries",
             "Index entries read and skipped as malformed, by kind (record, load)",

@@ -1,4 +1,5 @@
-"""Relay a decided request to its replica and stream the answer back, failing over once.
+"""Relay a decided request to its replica and stream the answer back, failing over once,
+and moving a stream whose replica failed midway to another (a migration).
 
 Each attempt is accounted for where it happens: the chosen replica's load and the prompt's
 speculative entries at the start, the prefill paid off at the first response, the
@@ -28,7 +29,7 @@ from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
 from kvmesh.serving.http_server import DirectBody
-from kvmesh.serving.openai.relay import SseRequest, http_failure, take_trailer, whole_events
+from kvmesh.serving.openai.relay import SseRequest, http_failure, take_token_lines, take_trailer, whole_events
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +53,19 @@ def failover_targets(ranked: list[str]) -> list[str]:
     return ranked[:2]
 
 
+def why_not_migratable(sampling: pb.SamplingParams, chat: bool = True) -> str | None:
+    """Why a stream cannot continue on another replica (None: it can). Its choices would
+    have to move together, its prompt's log-probabilities would be sent again, and an
+    OpenAI completion's log-probabilities count text offsets from the stream's start."""
+    if sampling.HasField("n") and sampling.n > 1:
+        return "n > 1"
+    if sampling.HasField("prompt_logprobs"):
+        return "prompt_logprobs"
+    if not chat and sampling.HasField("logprobs"):
+        return "logprobs of a completion"
+    return None
+
+
 class FailedInBand(Exception):
     """A relayed stream the replica ended with an error event (its client has it already):
     the request failed, though nothing is left to send."""
@@ -63,6 +77,25 @@ class _AttemptFailed(Exception):
         self.code, self.details, self.streamed = code, details, streamed
 
 
+class _StreamCut(Exception):
+    """A replica failed a stream after it had sent tokens: it may move (``_moved``)."""
+
+    def __init__(self, failed: _AttemptFailed, replica_id: str):
+        super().__init__(failed.details)
+        self.failed, self.replica_id = failed, replica_id
+
+
+class _Moves:
+    """One stream's migrations: the tokens that reached its client, the replicas it tried."""
+
+    def __init__(self, why_not: str | None, lines: bool = False):
+        self.why_not = why_not  # None: it may move
+        self.lines = lines  # its SSE events start with their token ids (``take_token_lines``)
+        self.sent: list[int] = []  # this attempt's tokens the client has (moved ones are in the prompt)
+        self.tried: set[str] = set()
+        self.count = 0
+
+
 class Relay:
     def __init__(
         self,
@@ -71,8 +104,10 @@ class Relay:
         metrics: RouterMetrics,
         block_size: int,
         watch: IndexWatch | None = None,
+        migration_limit: int = 1,
     ):
         self.watch = watch  # checks each prediction against the replica's answer
+        self.migration_limit = migration_limit  # moves a stream may make (0: a cut stream fails)
         self.registry = registry
         self.overlay = overlay
         self.metrics = metrics
@@ -82,19 +117,35 @@ class Relay:
     async def stream(
         self, decision: Decision, started: float, timeout: float | None, trace: object = None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The replica's responses, the prediction added to ``Complete``. Raises ServingError."""
+        """The replica's responses, the prediction added to ``Complete``; a stream cut midway
+        goes on on another replica (``_moved``). Raises ServingError."""
         upstream = pb.GenerateRequest(
             request_id=decision.request_id,
             token_ids=pb.TokenIds(ids=decision.token_ids),
             sampling=decision.sampling,
         )
+        moves = _Moves(why_not_migratable(decision.sampling))
 
         def attempt(entry: ReplicaEntry, number: int) -> AsyncIterator[pb.GenerateResponse]:
+            moves.tried.add(entry.record.replica_id)
             return self._grpc_attempt(upstream, decision, entry, started, timeout, trace, number)
 
-        async with contextlib.aclosing(self._failover(decision, attempt)) as responses:
-            async for response in responses:
-                yield response
+        while True:
+            try:
+                failover = self._failover(decision, attempt, moves.tried if moves.count else ())
+                async with contextlib.aclosing(failover) as responses:
+                    async for response in responses:
+                        if response.WhichOneof("kind") == "chunk" and moves.why_not is None:
+                            moves.sent.extend(response.chunk.token_ids)
+                            if moves.count:
+                                response.chunk.prompt_tokens = 0  # the client has the prompt's length
+                        yield response
+                return
+            except _StreamCut as cut:
+                self._moved(decision, moves, cut)
+            upstream.token_ids.ids.extend(moves.sent)
+            upstream.continued_tokens += len(moves.sent)
+            moves.sent = []
 
     async def stream_sse(
         self,
@@ -108,19 +159,47 @@ class Relay:
         replica's trailer for the router taken out). Raises ServingError. Once a block went
         out (the client's response has begun), the events go straight from the replica's
         connection to the client's where ``direct`` gives it (``_Connection.splice``), and
-        this wakes only for the trailer, the end, or a client that must drain first."""
-        for number, entry, last in self._candidates(decision):
+        this wakes only for the trailer, the end, or a client that must drain first. A
+        migratable request's events carry their token ids, so it is read here to its end and
+        moves when its replica fails midway (``_moved``)."""
+        moves = _Moves(None if request.migratable else "its events carry no token ids", request.migratable)
+        if request.migratable:
+            direct = None
+        began = False  # a block went out
+        while True:
+            opened = await self._open_sse(decision, request, started, trace, moves)
             try:
-                conn, work, prediction, span = await self._open_http(
-                    request, decision, entry, started, trace, number
-                )
-                break
+                async for block in self._read_sse(decision, opened, moves, began, direct):
+                    yield block
+                    began = True
+                return
+            except _StreamCut as cut:
+                self._moved(decision, moves, cut)
+            request, moves.sent = request.continued(moves.sent), []
+
+    async def _open_sse(
+        self, decision: Decision, request: SseRequest, started: float, trace: object, moves: _Moves
+    ) -> tuple[ReplicaEntry, object, RequestWork, Prediction, object]:
+        """The first candidate that takes the request (failing over once), its answer begun."""
+        for number, entry, last in self._candidates(decision, moves.tried if moves.count else ()):
+            moves.tried.add(entry.record.replica_id)
+            try:
+                return (entry, *await self._open_http(request, decision, entry, started, trace, number))
             except _AttemptFailed as failed:
                 self._after_failure(decision, entry.record.replica_id, failed, last)
-        else:
-            raise Unavailable("no replica could take the request")
+        raise Unavailable("no replica could take the request")
+
+    async def _read_sse(
+        self,
+        decision: Decision,
+        opened: tuple[ReplicaEntry, object, RequestWork, Prediction, object],
+        moves: _Moves,
+        began: bool,
+        direct: Callable[[], DirectBody | None] | None,
+    ) -> AsyncIterator[bytes]:
+        entry, conn, work, prediction, span = opened
         outcome, carry, completed = "error", b"", False
-        client, began = None, False  # the client's DirectBody, once spliced into; a block went out
+        client = None  # the client's DirectBody, once spliced into
         try:
             while (data := await conn.read()) is not None:
                 if not data:  # CLIENT_FULL: reading from the replica stopped until the client drains
@@ -132,7 +211,13 @@ class Relay:
                     block, complete = take_trailer(block)
                     if complete is not None:
                         completed = True
-                        self._complete(decision, prediction, complete, span)
+                        self._complete(decision, prediction, complete, span, observe=not moves.count)
+                    if moves.lines:
+                        block, ids = take_token_lines(block)
+                        if ids is None:
+                            moves.why_not = "the replica did not say which tokens its events held"
+                        else:
+                            moves.sent.extend(ids)
                     if block:
                         yield block
                         began = True
@@ -151,9 +236,12 @@ class Relay:
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the client did not read the stream in time"
                 ) from None
             self.registry.mark_failed(entry.record.replica_id)  # the replica went away
-            raise upstream_error(
-                grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}"
-            ) from None
+            failed = _AttemptFailed(
+                grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}", True
+            )
+            if began:
+                raise _StreamCut(failed, entry.record.replica_id) from None
+            raise upstream_error(failed.code, failed.details) from None
         finally:
             entry.http.release(conn)  # kept only when read to its end
             self._end(entry, work, decision.request_id, span, outcome)
@@ -189,9 +277,12 @@ class Relay:
         return conn, work, prediction, span
 
     async def _failover(
-        self, decision: Decision, attempt: Callable[[ReplicaEntry, int], AsyncIterator[T]]
+        self,
+        decision: Decision,
+        attempt: Callable[[ReplicaEntry, int], AsyncIterator[T]],
+        tried: set[str] | tuple = (),
     ) -> AsyncIterator[T]:
-        for number, entry, last in self._candidates(decision):
+        for number, entry, last in self._candidates(decision, tried):
             try:
                 # aclosing: when our caller stops reading (an HTTP client went away), the
                 # attempt's cleanup (cancel the upstream call, release the load) runs now.
@@ -203,9 +294,12 @@ class Relay:
                 self._after_failure(decision, entry.record.replica_id, failed, last)
         raise Unavailable("no replica could take the request")
 
-    def _candidates(self, decision: Decision) -> Iterator[tuple[int, ReplicaEntry, bool]]:
-        """The retry rule's targets still known: (attempt number, replica, whether it is the last)."""
-        targets = failover_targets(decision.ranked)
+    def _candidates(
+        self, decision: Decision, tried: set[str] | tuple = ()
+    ) -> Iterator[tuple[int, ReplicaEntry, bool]]:
+        """The retry rule's targets still known, past those ``tried`` already (a migration's):
+        (attempt number, replica, whether it is the last)."""
+        targets = failover_targets([r for r in decision.ranked if r not in tried])
         for number, replica_id in enumerate(targets):
             entry = self.registry.entries.get(replica_id)
             if entry is not None:  # else gone from the index since the decision
@@ -216,11 +310,33 @@ class Relay:
         move (nothing streamed, a retryable code, a next choice left)."""
         if failed.code in REPLICA_FAILURE_CODES:
             self.registry.mark_failed(replica_id)
+            if failed.streamed:
+                raise _StreamCut(failed, replica_id)
         if failed.streamed or failed.code not in RETRYABLE_CODES or last:
             raise upstream_error(failed.code, failed.details) from None
         self.metrics.retries.inc()
         self.metrics.branches.labels(decision.policy, "failover").inc()
         log.warning("replica failed before streaming, retrying elsewhere", extra={"replica_id": replica_id})
+
+    def _moved(self, decision: Decision, moves: _Moves, cut: _StreamCut) -> None:
+        """A cut stream about to continue elsewhere, counted and logged; the client's error
+        raised instead where it may not move (the limit, its kind, or no replica left)."""
+        if not self.migration_limit:
+            raise upstream_error(cut.failed.code, cut.failed.details) from None
+        why_not = moves.why_not
+        if why_not is None and moves.count >= self.migration_limit:
+            why_not = f"it moved {moves.count} time(s), the limit"
+        if why_not is None and not [r for r in decision.ranked if r not in moves.tried]:
+            why_not = "no other replica"
+        if why_not is not None:
+            self.metrics.migrations.labels("refused").inc()
+            raise upstream_error(cut.failed.code, f"{cut.failed.details} (not moved: {why_not})") from None
+        moves.count += 1
+        self.metrics.migrations.labels("moved").inc()
+        log.warning(
+            "stream cut midway, moving it to another replica",
+            extra={"replica_id": cut.replica_id, "tokens_sent": len(moves.sent), "move": moves.count},
+        )
 
     async def _grpc_attempt(
         self,
@@ -243,7 +359,9 @@ class Relay:
                     streamed = True
                     self._first_response(entry, work, started, span, sent_at)
                 if response.WhichOneof("kind") == "complete" and response.complete.index == 0:
-                    self._complete(decision, prediction, response.complete, span)
+                    self._complete(
+                        decision, prediction, response.complete, span, not upstream.continued_tokens
+                    )
                 yield response
             outcome = "ok"
         except asyncio.CancelledError:
@@ -301,12 +419,13 @@ class Relay:
         tracing.record_phases(span, [("kvmesh.router.first_token", sent_at, time.monotonic())])
 
     def _complete(
-        self, decision: Decision, prediction: Prediction, complete: pb.Complete, span: object
+        self, decision: Decision, prediction: Prediction, complete: pb.Complete, span: object, observe: bool
     ) -> None:
         """Predicted next to actual reuse: index accuracy, per request and in the metrics
-        (the first choice's: the others of an n > 1 request reuse its prefill)."""
+        (the first choice's: the others of an n > 1 request reuse its prefill). ``observe``:
+        whether the index watch learns from it (not from a moved stream's longer prompt)."""
         cause = None
-        if self.watch is not None and decision.checks_index:
+        if self.watch is not None and decision.checks_index and observe:
             cause = self.watch.observe(prediction, complete)
         predicted = prediction.predicted * self.block_size
         complete.predicted_cached_tokens = predicted

@@ -47,8 +47,14 @@ class Unavailable(ServingError):
 
 
 class Overloaded(ServingError):
+    """``retry_after_s``: when the client may try again (HTTP's Retry-After), if known."""
+
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
+
+    def __init__(self, message: str, param: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message, param)
+        self.retry_after_s = retry_after_s
 
 
 class RequestFailed(ServingError):

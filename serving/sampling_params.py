@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ class SamplingParams:
     many alternatives, computed from the raw logits (before temperature, penalties and
     filters, vLLM V1's default); ``prompt_logprobs`` the same for the prompt's tokens (such a
     request computes its whole prompt: no prefix-cache hit). ``n`` choices per request.
+    ``continued_tokens``: set by ``continued`` only (a migrated stream).
     """
 
     temperature: float = 1.0
@@ -49,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    continued_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +74,24 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+        )
+
+    def continued(self, sent: int) -> SamplingParams:
+        """These parameters for the rest of a migrated stream whose last ``sent`` prompt
+        tokens are its own output: what is left of max_tokens and min_tokens, and the seed
+        advanced (a sampled continuation does not draw the first attempt's numbers again).
+        ``ValueError`` where there is nothing to continue or more than one choice."""
+        if self.n != 1 or self.prompt_logprobs is not None:
+            raise ValueError("continued_tokens: a continued stream is one choice without prompt_logprobs")
+        if not 0 < sent < self.max_tokens:
+            raise ValueError(f"continued_tokens must be in [1, max_tokens={self.max_tokens}), got {sent}")
+        seed = None if self.seed is None else (self.seed + sent) % 2**64
+        return dataclasses.replace(
+            self,
+            max_tokens=self.max_tokens - sent,
+            min_tokens=max(0, self.min_tokens - sent),
+            seed=seed,
+            continued_tokens=sent,
         )
 
     def validate(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import version
@@ -48,7 +49,14 @@ from kvmesh.serving.openai.protocol import (
     StreamOptions,
     TokenizeRequest,
 )
-from kvmesh.serving.openai.relay import RELAY_PATHS, ChatEnvelope, CompletionEnvelope, trailer
+from kvmesh.serving.openai.relay import (
+    RELAY_PATHS,
+    ChatEnvelope,
+    CompletionEnvelope,
+    RelayEnvelope,
+    token_line,
+    trailer,
+)
 from kvmesh.serving.openai.requests import Plan, chat_plan, completion_plan, session_key_of, tokenize_request
 from kvmesh.serving.openai.responses import Echo, ResponseBuilder, TokenNames
 from kvmesh.serving.streams import merge
@@ -155,7 +163,10 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def _serving_error_response(exc: ServingError) -> JSONResponse:
-    return _error(exc.http_status, str(exc), _param_of(exc))
+    response = _error(exc.http_status, str(exc), _param_of(exc))
+    if getattr(exc, "retry_after_s", None):
+        response.headers["retry-after"] = str(math.ceil(exc.retry_after_s))
+    return response
 
 
 def _param_of(exc: ServingError) -> str | None:
@@ -393,8 +404,9 @@ def build_app(
             else:
                 plan = await sized(size, completion_plan, body, backend.tokenizer)
             envelope.upstream(plan.requests[0])
-            echoes = await _echoes(backend, body, plan, size) if plan.echo_prompt else None
-            return await _serve(backend, raw, body, plan, chat, echoes, ticket, envelope.model)
+            echoed = plan.echo_prompt and not envelope.continued_tokens  # a continuation echoes nothing
+            echoes = await _echoes(backend, body, plan, size) if echoed else None
+            return await _serve(backend, raw, body, plan, chat, echoes, ticket, envelope)
 
     async def _echoes(backend: OpenAIBackend, body: CompletionRequest, plan: Plan, size: int) -> list[Echo]:
         """Each prompt's text (and, for logprobs, its token ids) to show before its choices."""
@@ -417,10 +429,10 @@ def build_app(
         chat: bool,
         echoes,
         ticket,
-        relayed_as: str | None = None,
+        relayed: RelayEnvelope | None = None,
     ):
-        """``relayed_as``: the model name a router's client sees (its stream ends with the
-        router's trailer)."""
+        """``relayed``: a router's envelope (its client sees the router's model name and
+        request id; its stream ends with the router's trailer)."""
         trace = tracing.extract(raw.headers)
         streams = [backend.generate(r, trace) for r in plan.requests]
         responses = merge(streams) if len(streams) > 1 else _tagged(streams[0])
@@ -428,14 +440,15 @@ def build_app(
 
         def builder_for(first) -> ResponseBuilder:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{first[1].request_id}"
-            shown = relayed_as or backend.model.api_name
-            return ResponseBuilder(plan, chat, shown, token_names, rid, int(time.time()), echoes)
+            shown = relayed.model if relayed else backend.model.api_name
+            created = relayed.created if relayed and relayed.created else int(time.time())
+            return ResponseBuilder(plan, chat, shown, token_names, rid, created, echoes)
 
         if body.stream:
             # routing errors surface here, before any header is sent
             first = await _unless_client_leaves(raw, anext(responses))
             options = body.stream_options or StreamOptions()
-            events = _sse(builder_for(first), first, responses, options, relayed_as is not None)
+            events = _sse(builder_for(first), first, responses, options, relayed)
             return _EventStream(events, ticket)
 
         async def whole() -> dict:
@@ -663,28 +676,46 @@ async def _chain(first, rest: AsyncIterator):
 
 
 async def _sse(
-    builder: ResponseBuilder, first, rest: AsyncIterator, options: StreamOptions, for_router: bool = False
+    builder: ResponseBuilder,
+    first,
+    rest: AsyncIterator,
+    options: StreamOptions,
+    relayed: RelayEnvelope | None = None,
 ):
-    """``for_router``: the stream ends with the trailer a relaying router reads."""
-    complete = None
+    """``relayed``: a router's stream, which ends with the trailer the router reads; where it
+    asks, every data event starts with the token ids it shows (``token_line``, empty for most
+    but the chunks'), and a continuation does not open its choice again."""
+    lines = relayed is not None and relayed.stream_token_ids
+
+    def marked(event: str, ids: list[int] | tuple = ()) -> str:
+        return token_line(ids) + event if lines else event
+
+    complete, unshown = None, []  # the token ids of chunks no event has shown yet
     try:
-        for event in builder.opening_events():
-            yield event
+        if relayed is None or not relayed.continuation:
+            for event in builder.opening_events():
+                yield marked(event)
         async for prompt, response in _chain(first, rest):
-            if for_router and response.WhichOneof("kind") == "complete" and response.complete.index == 0:
+            if relayed and response.WhichOneof("kind") == "complete" and response.complete.index == 0:
                 complete = response.complete
+            elif lines and response.chunk.index == 0:
+                unshown.extend(response.chunk.token_ids)
             delta = builder.add(prompt, response)
             text = delta["text"] if "text" in delta else delta["delta"].get("content")
             shows = text or delta["logprobs"] or delta["finish_reason"]
             if shows:
                 usage = builder.running_usage(delta["index"]) if options.continuous_usage_stats else None
-                yield builder.event([delta], usage)
+                if delta["index"] == 0:
+                    yield marked(builder.event([delta], usage), unshown)
+                    unshown = []
+                else:
+                    yield marked(builder.event([delta], usage))
         if options.include_usage:
-            yield builder.event([], builder.openai_usage())
+            yield marked(builder.event([], builder.openai_usage()))
         if complete is not None:
             yield trailer(complete)
     except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
-        yield _error_event(exc)
+        yield marked(_error_event(exc))
     finally:
         await rest.aclose()
-    yield "data: [DONE]\n\n"
+    yield marked("data: [DONE]\n\n")

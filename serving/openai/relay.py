@@ -8,7 +8,9 @@ the client sees, and the prediction the replica checks (``predicted_cached_block
 ``first_block_hash``). The replica streams exactly what a direct client would get, plus,
 before ``data: [DONE]``, an SSE comment ``: kvmesh-complete <base64 Complete>`` carrying
 the index-truth fields and usage the router accounts for (an SSE comment: a client that
-somehow saw it would ignore it; the router takes it out).
+somehow saw it would ignore it; the router takes it out). A router that may move the stream
+(a migration, ``SseRequest.continued``) asks for each event's token ids as one more comment
+line in that event.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import base64
 import binascii
 import json
 import sys
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +33,9 @@ from kvmesh.serving.openai.protocol import ChatRequest, CompletionRequest
 RELAY_PATHS = {"chat": "/kvmesh/relay/chat", "completions": "/kvmesh/relay/completions"}
 _TRAILER = b": kvmesh-complete "
 _TRAILER_TEXT = _TRAILER.decode()
+_TOKENS = b": kvmesh-tokens "
+_TOKENS_TEXT = _TOKENS.decode()
+_JSON = {True: b"true", False: b"false"}
 _ERRORS = (ServingError, InvalidRequest, Overloaded, Unavailable, DeadlineExceeded)
 # A replica's HTTP error status as the gRPC code the router's errors are made of: the
 # serving errors' own pairs, and the statuses only the HTTP front end answers with.
@@ -68,10 +74,20 @@ def unpacked_token_ids(text: str) -> list[int]:
     return ids.tolist()
 
 
-class _Envelope(BaseModel):
+class RelayEnvelope(BaseModel):
+    """``stream_token_ids``: start each data event with the token ids it shows
+    (``token_line``), so the router can continue the stream elsewhere. ``continuation``: the
+    rest of a stream whose replica failed (its choice was opened already); its prompt's last
+    ``continued_tokens`` ids are its output, sent before (``GenerateRequest``'s field).
+    ``created``: the response's timestamp, the same on every replica it runs on."""
+
     model: str = Field(max_length=256)
     request_id: str = Field(max_length=128)
     prompt_token_ids: str  # packed_token_ids's
+    created: int = Field(0, ge=0, lt=1 << 40)
+    stream_token_ids: bool = False
+    continuation: bool = False
+    continued_tokens: int = Field(0, ge=0)
     predicted_cached_blocks: int = Field(0, ge=0)
     first_block_hash: int = Field(0, ge=0, lt=1 << 64)
 
@@ -79,29 +95,50 @@ class _Envelope(BaseModel):
         """``request`` (planned from the client's body) as the router decided it."""
         request.request_id = self.request_id
         request.token_ids.CopyFrom(pb.TokenIds(ids=unpacked_token_ids(self.prompt_token_ids)))
+        request.continued_tokens = self.continued_tokens
         request.predicted_cached_blocks = self.predicted_cached_blocks
         request.first_block_hash = self.first_block_hash
 
 
-class ChatEnvelope(_Envelope):
+class ChatEnvelope(RelayEnvelope):
     request: ChatRequest
 
 
-class CompletionEnvelope(_Envelope):
+class CompletionEnvelope(RelayEnvelope):
     request: CompletionRequest
 
 
 @dataclass
 class SseRequest:
     """A client's streamed request as the router relays it: the envelope, all but the
-    per-replica prediction built once."""
+    per-replica prediction built once. ``migratable``: its events come with their token ids,
+    so that ``continued`` can move it."""
 
     path: str
     head: bytes  # the envelope up to the prediction
     body: bytes  # the client's JSON body, verbatim
+    model: str
+    request_id: str
+    token_ids: list[int]
+    created: int
+    migratable: bool
+    continuation: bool = False
+    continued_tokens: int = 0
 
     @classmethod
-    def of(cls, chat: bool, body: bytes, model: str, request_id: str, token_ids: list[int]) -> SseRequest:
+    def of(
+        cls,
+        chat: bool,
+        body: bytes,
+        model: str,
+        request_id: str,
+        token_ids: list[int],
+        migratable: bool = False,
+        created: int | None = None,
+        continuation: bool = False,
+        continued_tokens: int = 0,
+    ) -> SseRequest:
+        created = int(time.time()) if created is None else created
         head = b"".join(
             (
                 b'{"model":',
@@ -110,10 +147,38 @@ class SseRequest:
                 json.dumps(request_id).encode(),
                 b',"prompt_token_ids":"',
                 packed_token_ids(token_ids),
-                b'",',
+                b'","created":%d,"stream_token_ids":%s,"continuation":%s,"continued_tokens":%d,'
+                % (created, _JSON[migratable], _JSON[continuation], continued_tokens),
             )
         )
-        return cls(RELAY_PATHS["chat" if chat else "completions"], head, body)
+        path = RELAY_PATHS["chat" if chat else "completions"]
+        return cls(
+            path,
+            head,
+            body,
+            model,
+            request_id,
+            token_ids,
+            created,
+            migratable,
+            continuation,
+            continued_tokens,
+        )
+
+    def continued(self, sent: list[int]) -> SseRequest:
+        """This request as it goes on elsewhere after ``sent`` (this attempt's tokens that
+        reached the client): those tokens at the prompt's end, counted as output."""
+        return SseRequest.of(
+            self.path == RELAY_PATHS["chat"],
+            self.body,
+            self.model,
+            self.request_id,
+            self.token_ids + sent,
+            self.migratable,
+            self.created,
+            True,
+            self.continued_tokens + len(sent),
+        )
 
     def envelope(self, predicted_cached_blocks: int, first_block_hash: int) -> bytes:
         prediction = b'"predicted_cached_blocks":%d,"first_block_hash":%d,"request":' % (
@@ -121,6 +186,31 @@ class SseRequest:
             first_block_hash,
         )
         return b"".join((self.head, prediction, self.body, b"}"))
+
+
+def token_line(token_ids: list[int]) -> str:
+    """An SSE comment line for the router, put at the start of the event that shows these
+    tokens: one event, so the router counts tokens exactly as their event reaches the client."""
+    return f"{_TOKENS_TEXT}{packed_token_ids(token_ids).decode()}\n"
+
+
+def take_token_lines(block: bytes) -> tuple[bytes, list[int] | None]:
+    """``block`` (whole SSE events) without its token lines, and the ids they held; None for
+    the ids where a data event came without its line (a replica that does not write them:
+    what its client saw is unknown)."""
+    ids: list[int] | None = []
+    kept, marked = [], False
+    for line in block.split(b"\n"):
+        if line.startswith(_TOKENS):
+            if ids is not None:
+                ids.extend(unpacked_token_ids(line[len(_TOKENS) :].decode()))
+            marked = True
+            continue
+        if line.startswith(b"data: ") and not marked:
+            ids = None
+        marked = False
+        kept.append(line)
+    return b"\n".join(kept), ids
 
 
 def trailer(complete: pb.Complete) -> str:

@@ -262,3 +262,31 @@ def test_a_vanishing_temperature_is_greedy_not_a_failed_batch(engine):
         ],
     )
     assert both[0].token_ids == greedy.token_ids and len(both[1].token_ids) == 8
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11])
+def test_a_continued_stream_releases_exactly_the_text_the_first_attempt_had_left(engine, cut):
+    """A migrated stream: the prompt plus the first ``cut`` tokens, continued. Its tokens and
+    text follow the uninterrupted run's exactly, text held back for a stop string included."""
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, stop=["\x00never"])
+    engine.add_request(PROMPT, params)
+    steps = []  # (token ids, text) as each step released them
+    while engine.has_unfinished_requests():
+        steps += [(out.new_token_ids, out.new_text) for out in engine.step()]
+    ids = [t for new, _ in steps for t in new]
+    had = "".join(text for _, text in steps[:cut])  # what the client had when the replica died
+    assert len(steps) == 25 and "".join(text for _, text in steps) != had
+    rest = engine.generate([PROMPT + ids[:cut]], params.continued(cut))[0]
+    assert rest.token_ids == ids[cut:]
+    assert had + rest.text == "".join(text for _, text in steps)
+
+
+def test_a_continuation_has_what_is_left_of_its_limits_and_a_new_seed():
+    params = SamplingParams(temperature=0.7, max_tokens=20, min_tokens=8, seed=5)
+    rest = params.continued(6)
+    assert (rest.max_tokens, rest.min_tokens, rest.seed, rest.continued_tokens) == (14, 2, 11, 6)
+    assert params.continued(10).min_tokens == 0
+    with pytest.raises(ValueError, match="continued_tokens"):
+        params.continued(20)  # nothing left
+    with pytest.raises(ValueError, match="one choice"):
+        SamplingParams(n=2).continued(1)

@@ -9,6 +9,7 @@ inject the faults a real replica does not make on purpose."""
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 
 import httpx
@@ -28,7 +29,9 @@ from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.openai.relay import (
     RELAY_PATHS,
     packed_token_ids,
+    take_token_lines,
     take_trailer,
+    token_line,
     trailer,
     unpacked_token_ids,
     whole_events,
@@ -72,6 +75,14 @@ async def test_token_ids_travel_packed_and_come_back_exactly():
     for bad in ("not base64!", "AAA=", packed.decode()[:-4] + "AQ=="):  # not base64, 2 bytes, 21 bytes
         with pytest.raises(InvalidRequest, match="prompt_token_ids"):
             unpacked_token_ids(bad)
+
+
+async def test_token_lines_are_taken_out_and_an_event_without_one_makes_the_ids_unknown():
+    marked = (token_line([5, 6]) + 'data: {"a": 1}\n\n' + token_line([]) + "data: [DONE]\n\n").encode()
+    block, ids = take_token_lines(marked)
+    assert block == b'data: {"a": 1}\n\ndata: [DONE]\n\n' and ids == [5, 6]
+    assert take_token_lines(b'data: {"b": 2}\n\n' + marked)[1] is None  # what that event showed is unknown
+    assert take_token_lines(b": keep-alive\n\n") == (b": keep-alive\n\n", [])
 
 
 # ---------------------------------------------------------------------- through the router
@@ -174,7 +185,10 @@ async def test_the_relayed_stream_matches_a_direct_one(fleet):
 
 async def test_the_stream_is_spliced_into_the_client_connection(fleet, monkeypatch):
     """After its first event, a relayed stream's events go from the replica's connection to
-    the client's without the router's reader waking per token: 24 tokens, a handful of reads."""
+    the client's without the router's reader waking per token: 24 tokens, a handful of reads.
+    Only with migration off: a stream that may move is read for its events' token ids."""
+    core = fleet["router"].core
+    monkeypatch.setattr(core, "limits", dataclasses.replace(core.limits, migration_limit=0))
     reads = []
     real_read = _Connection.read
 

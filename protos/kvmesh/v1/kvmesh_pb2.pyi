@@ -88,7 +88,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., documents_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "policy", "affinity_key", "predicted_cached_blocks", "first_block_hash", "model")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "policy", "affinity_key", "predicted_cached_blocks", "first_block_hash", "model", "continued_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class GenerateRequest(_message.Message):
     PREDICTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -109,7 +110,8 @@ class GenerateRequest(_message.Message):
     predicted_cached_blocks: int
     first_block_hash: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., affinity_key: _Optional[str] = ..., predicted_cached_blocks: _Optional[int] = ..., first_block_hash: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    continued_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., affinity_key: _Optional[str] = ..., predicted_cached_blocks: _Optional[int] = ..., first_block_hash: _Optional[int] = ..., model: _Optional[str] = ..., continued_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
