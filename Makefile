@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-bench test-fast lint bench peers vllm protos venv clean gpu-check chart-docs image image-check
+.PHONY: demo test test-heavy test-bench test-fast lint bench peers vllm protos venv clean gpu-check chart-docs image image-check
 
 venv: $(STAMP)
 
@@ -33,7 +33,12 @@ workers = $(if $(filter 0,$(1)),,-n $(1) $(2))
 
 # The image's checks (marker `image`) are `make image-check`'s: building the image is theirs.
 test: venv vllm lint
-	$(PY) -m pytest -q -m "not image and not bench" $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=25; $(PYTEST_OK_IF_EMPTY)
+	$(PY) -m pytest -q -m "not image and not bench and not heavy" $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=25; $(PYTEST_OK_IF_EMPTY)
+
+# Whole deployments played as local processes and real vLLM replicas (marker `heavy`): a minute
+# of set-up a file, so a tier of their own, which CI runs after make test.
+test-heavy: venv vllm
+	$(PY) -m pytest -q -m heavy $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=10; $(PYTEST_OK_IF_EMPTY)
 
 # The benchmark commands run end to end on small loads (marker `bench`): minutes each, so they
 # are a tier of their own, which CI runs after make test.

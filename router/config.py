@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.router.flow import FlowConfig
 from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.policies import POLICIES, SATURATION_STEPS
 from kvmesh.router.pricing import FleetPrices
@@ -165,6 +166,9 @@ class RouterConfig:
     )
     index_health: IndexHealthConfig = option(
         factory=IndexHealthConfig, help="when the router stops trusting the index for a replica"
+    )
+    flow: FlowConfig = option(
+        factory=FlowConfig, help="flow control: tenants, priority bands and the queue of a saturated fleet"
     )
     max_message_bytes: int = option(4 << 20, help="largest request accepted (gRPC message, HTTP body)")
     drain_timeout_s: float = option(

@@ -1,7 +1,8 @@
 """The routing path shared by the gRPC and HTTP front ends: admit -> decide -> relay.
 
 admit (``admit``, by the front ends, before anything is built for a request): refuse while
-draining or beyond the in-flight limit, a batch counted as its number of prompts; decide (``decision.py``):
+draining or beyond the in-flight limit, a batch counted as its number of prompts; then wait
+in flow control while the fleet is saturated (``flow.py``); decide (``decision.py``):
 tokenize, hash, ONE index lookup, rank; relay (``relay.py``): stream from the first choice,
 fail over once, move a stream cut midway, account for the work and the prediction.
 """
@@ -15,11 +16,14 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.decision import Decider, Decision, RoutingOptions
+from kvmesh.router.flow import FLOW_KEY, FlowControl, FlowKey
 from kvmesh.router.index_trust.watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.policies import PrefixAware
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import FailedInBand, Relay, why_not_migratable
 from kvmesh.router.speculative import SpeculativeOverlay
@@ -32,6 +36,22 @@ from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.relay import SseRequest
 from kvmesh.serving.request_ids import OwnedRequests
 from kvmesh.serving.tokenizer import PromptTokenizer
+
+FLEET_VIEW_S = 0.05  # flow control reads every router's in-flight work at most this often
+
+
+def estimated_tokens(request: pb.GenerateRequest) -> int:
+    """What flow control charges a request's tenant when it goes, before it is tokenized:
+    its prompt (token ids, or about four characters a token) and its max_tokens. Its end
+    corrects the charge to the tokens it was served."""
+    kind = request.WhichOneof("input")
+    if kind == "token_ids":
+        prompt = len(request.token_ids.ids)
+    elif kind == "chat":
+        prompt = sum(len(m.content) for m in request.chat.messages) // 4
+    else:
+        prompt = len(request.text) // 4
+    return prompt + (request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16)
 
 
 class RouterCore:
@@ -61,6 +81,11 @@ class RouterCore:
         self.relay = Relay(
             registry, self.overlay, self.metrics, model.block_size, self.watch, self.limits.migration_limit
         )
+        self.flow = FlowControl(options.flow, self.saturated, self.metrics)
+        self._max_queue_delay_s = options.flow.max_queue_delay_s
+        self._load_model = PrefixAware(block_size=model.block_size)  # what a replica's queue delay is
+        self._fleet_view: tuple[float, dict | None] = (-1.0, None)  # (when read, every router's work)
+        self._fleet_lock = asyncio.Lock()
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
         self.inflight = InflightLimit(self.limits.max_inflight, "router")
         self.owned = OwnedRequests()  # the router's request ids, by client connection and client id
@@ -80,6 +105,29 @@ class RouterCore:
         except Overloaded:
             self.metrics.requests.labels(self.decider.known_policy(policy), "overloaded").inc()
             raise
+
+    async def saturated(self) -> bool:
+        """Whether even the live replica with the shortest queue would keep a new request
+        waiting past ``--max-queue-delay`` before its prefill: from every router's in-flight
+        work (the index, read at most every ``FLEET_VIEW_S``) and each replica's measured
+        step costs, as the prefix policy prices them. No live replica: not saturated (the
+        decision says why it cannot route)."""
+        states = self.registry.states({}, await self._fleet())
+        return bool(states) and min(map(self._load_model.load_seconds, states)) > self._max_queue_delay_s
+
+    async def _fleet(self) -> dict | None:
+        if self.registry.fleet is None or not self.registry.fleet.active:
+            return None  # this router's own counts
+        async with self._fleet_lock:
+            at, fleet = self._fleet_view
+            if time.monotonic() - at >= FLEET_VIEW_S:
+                with contextlib.suppress(*INDEX_ERRORS, TimeoutError):
+                    view = await asyncio.wait_for(
+                        self.decider.index.routing_view([]), self.decider.lookup_timeout_s
+                    )
+                    fleet = view.fleet
+                self._fleet_view = (time.monotonic(), fleet)
+            return fleet
 
     @property
     def inputs(self) -> InputLimits:
@@ -118,7 +166,7 @@ class RouterCore:
         ``timeout``: seconds the caller still waits (its deadline); the replica gets the same.
         ``owner``: the caller's connection, the only one that may ``abort`` it by its own id.
         """
-        async with _Routed(self, request, trace, owner) as routed:
+        async with _Routed(self, request, trace, owner, timeout) as routed:
             stream = self.relay.stream(routed.decision, routed.started, timeout, routed.root)
             async with contextlib.aclosing(stream):
                 async for response in stream:
@@ -171,22 +219,45 @@ class RouterCore:
 
 
 class _Routed:
-    """One request's decide -> relay bookkeeping: its span, its owner's ids, its metrics
-    (a client that went away, its stream closed, counts as cancelled)."""
+    """One request's flow control -> decide -> relay bookkeeping: its place in flow control
+    (``router/flow.py``), its span, its owner's ids, its metrics (a client that went away,
+    its stream closed, counts as cancelled)."""
 
-    def __init__(self, core: RouterCore, request: pb.GenerateRequest, trace: object, owner: str):
+    def __init__(
+        self,
+        core: RouterCore,
+        request: pb.GenerateRequest,
+        trace: object,
+        owner: str,
+        timeout: float | None = None,
+    ):
         self.core, self.request, self.trace, self.owner = core, request, trace, owner
+        self.deadline = None if timeout is None else time.monotonic() + timeout
 
     async def __aenter__(self) -> _Routed:
+        core = self.core
         self.root = tracing.start(
             "kvmesh.router.request", self.trace, request_id=self.request.request_id or None
         )
         self.started = time.perf_counter()
         try:
-            self.decision = await self.core.decider.decide(self.request, self.root)
-        except BaseException:
+            self.flow = await core.flow.admit(
+                FLOW_KEY.get() or FlowKey(), estimated_tokens(self.request), self.deadline
+            )
+        except BaseException as exc:
+            if isinstance(exc, Overloaded):
+                core.metrics.requests.labels(
+                    core.decider.known_policy(self.request.policy), "overloaded"
+                ).inc()
             tracing.end(self.root, outcome="error")
             raise
+        try:
+            self.decision = await core.decider.decide(self.request, self.root)
+        except BaseException:
+            core.flow.end(self.flow, None)
+            tracing.end(self.root, outcome="error")
+            raise
+        core.flow.routed(self.flow)  # the relay counts its load before anything else runs
         self.client_id = self.request.request_id or self.decision.request_id
         self.core.owned.add(self.owner, self.client_id, self.decision.request_id)
         return self
@@ -199,6 +270,7 @@ class _Routed:
         else:
             outcome = "error"
         core, decision = self.core, self.decision
+        core.flow.end(self.flow, decision.served_tokens)
         core.owned.discard(self.owner, self.client_id, decision.request_id)
         core.metrics.requests.labels(decision.policy, outcome).inc()
         core.metrics.latency.observe(time.perf_counter() - self.started)

@@ -14,6 +14,7 @@ from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.kvcache.index_api import IndexView, PrefixIndex
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
+from kvmesh.router.flow import FlowConfig
 from kvmesh.router.index_trust.predictions import Prediction
 from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.metrics import RouterMetrics
@@ -52,6 +53,7 @@ class Decision:
     speculative_matched: dict[str, int] = field(default_factory=dict)  # what this router's entries said
     branch: str = ""  # why the first choice came first
     index_read: bool = True  # False: the lookup failed, so no prediction says anything of the index
+    served_tokens: int | None = None  # prompt and output tokens its replica reported (its usage)
 
     @property
     def checks_index(self) -> bool:
@@ -94,6 +96,7 @@ class RoutingOptions:
     speculative_ttl_s: float = 2.0  # how long this router's own speculative entries last
     index_health: IndexHealthConfig = field(default_factory=IndexHealthConfig)
     saturation_steps: float = SATURATION_STEPS  # the prefix policy's (``PrefixAware``)
+    flow: FlowConfig = field(default_factory=FlowConfig)  # tenants, bands, when the fleet is saturated
 
 
 class Decider:

@@ -12,6 +12,7 @@ import grpc
 
 from kvmesh.kvcache.index import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.router.flow import FLOW_KEY
 from kvmesh.router.metrics import heartbeat_age
 from kvmesh.router.models import ModelRoute, ModelRoutes
 from kvmesh.serving import tracing
@@ -61,7 +62,9 @@ class RouterService(pb_grpc.RouterServicer):
             await context.abort(exc.grpc_code, str(exc))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        core = (await self._ready(context, request.model)).core
+        route = await self._ready(context, request.model)
+        core = route.core
+        FLOW_KEY.set(route.config.flow.key(dict(context.invocation_metadata() or ())))
         task = asyncio.current_task()
         self._streams.add(task)
         try:

@@ -73,6 +73,22 @@ class RouterMetrics(ServerMetrics):
             ("policy", "branch"),
         )
         self.retries = self.counter("kvmesh_router_failovers", "Requests retried on another replica")
+        self.flow_queued = self.counter(
+            "kvmesh_router_flow_queued",
+            "Requests that waited at the router for a saturated fleet, by band and tenant",
+            ("band", "tenant"),
+        )
+        self.flow_waited = self.histogram(
+            "kvmesh_router_flow_wait_seconds",
+            "How long requests waited at the router, by band and tenant",
+            TTFT_BUCKETS,
+            ("band", "tenant"),
+        )
+        self.flow_shed = self.counter(
+            "kvmesh_router_flow_shed",
+            "Requests refused by flow control, by band, tenant and why (full, ttl, shed)",
+            ("band", "tenant", "reason"),
+        )
         self.migrations = self.counter(
             "kvmesh_router_migrations",
             "Streams cut midway by their replica: moved to another, or refused (the limit, n > 1, none left)",

@@ -97,6 +97,7 @@ class ModelRoute:
             speculative_ttl_s=c.speculative_ttl_s,
             index_health=c.index_health,
             saturation_steps=c.balance.saturation_steps,
+            flow=c.flow,
         )
         metrics = RouterMetrics(self.model.api_name, self.metrics_registry)
         self.index.untrusted.on_skip = lambda kind: metrics.index_skipped.labels(kind).inc()

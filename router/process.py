@@ -16,6 +16,7 @@ from kvmesh.kvcache.index_api import PrefixIndex
 from kvmesh.protos import pb_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
+from kvmesh.router.flow import FLOW_KEY
 from kvmesh.router.grpc_service import RouterService
 from kvmesh.router.models import ModelRoutes
 from kvmesh.router.registry import ReplicaRegistry
@@ -101,6 +102,7 @@ class RouterServer:
                 self.health,
                 auth_token=token,
                 max_body_bytes=self.config.max_message_bytes,
+                on_request=lambda headers: FLOW_KEY.set(self.config.flow.key(headers)),
             )
             self.http = await start_http_server(
                 app,

@@ -428,6 +428,7 @@ class Relay:
         if self.watch is not None and decision.checks_index and observe:
             cause = self.watch.observe(prediction, complete)
         predicted = prediction.predicted * self.block_size
+        decision.served_tokens = complete.usage.prompt_tokens + complete.usage.completion_tokens
         complete.predicted_cached_tokens = predicted
         self.metrics.fleet_best_cached.inc(prediction.fleet_best * self.block_size)
         complete.router_decision_us = int(decision.decision_s * 1e6)

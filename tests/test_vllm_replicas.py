@@ -33,7 +33,12 @@ from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.servers,
+    pytest.mark.slow,
+    pytest.mark.heavy,
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 32  # vLLM's CPU backend caches blocks in multiples of 32

@@ -21,7 +21,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from importlib.metadata import version
 from typing import Protocol, TypeVar
 
@@ -213,13 +213,15 @@ def build_app(
     max_body_bytes: int = 4 << 20,
     title: str = "kvmesh router",
     relay_routes: bool = False,
+    on_request: Callable[[Mapping[str, str]], None] | None = None,
 ) -> FastAPI:
     """``health()`` returns the /health body; ``status == "ok"`` means 200, else 503.
 
     Every route that does work for a request (generate, render, tokenize, detokenize) finds
     its model's backend, then takes its in-flight slots (``backend.admit``) first, a batch all its prompts at once, and
     parses, renders and tokenizes off the event loop when the request is large.
-    ``relay_routes``: serve the routes a relaying router streams from (a replica's)."""
+    ``relay_routes``: serve the routes a relaying router streams from (a replica's).
+    ``on_request(headers)``: called as a generating request begins (the router's flow key)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     hot_routes: dict[str, Callable[[Request], Awaitable]] = {}  # filled by ``hot_post``
     app.add_middleware(_HotRoutes, routes=hot_routes)  # added first: inside the two below
@@ -335,6 +337,8 @@ def build_app(
 
     @hot_post("/v1/completions")
     async def completions(raw: Request):
+        if on_request is not None:
+            on_request(raw.headers)
         body, size = await _parsed(raw, CompletionRequest)
         body.check_supported()
         backend = models.backend(body.model)
@@ -351,6 +355,8 @@ def build_app(
 
     @hot_post("/v1/chat/completions")
     async def chat_completions(raw: Request):
+        if on_request is not None:
+            on_request(raw.headers)
         body, size = await _parsed(raw, ChatRequest)
         body.check_supported()
         backend = models.backend(body.model)

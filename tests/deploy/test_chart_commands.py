@@ -37,7 +37,7 @@ from kvmesh.cluster.node_drain import drain_sockets
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.drain_socket import local_sockets, pid_of
 
-pytestmark = pytest.mark.servers
+pytestmark = [pytest.mark.servers, pytest.mark.heavy]
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvmesh"
 BIN = Path(sys.executable).parent

@@ -10,7 +10,7 @@ from test_chart_commands import chart_as_processes, rendered, replica_hosts, wai
 
 from kvmesh.protos import pb, pb_grpc
 
-pytestmark = pytest.mark.servers
+pytestmark = [pytest.mark.servers, pytest.mark.heavy]
 
 QWEN, LLAMA = "kvmesh/tiny-qwen3", "llama"  # what clients call them (llama by its served name)
 

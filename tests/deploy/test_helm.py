@@ -704,6 +704,9 @@ def test_chart_environment_is_what_each_command_reads(rendered, monkeypatch):
         built = table.build_models(parser.parse_args(c["args"][1:]))
         if c["args"][0] == "router":
             models["router"] = [_agreed(router) for router, _ in built]
+            for router, _ in built:  # flow control and migration as the values say
+                assert router.flow.bands == own["KVMESH_PRIORITY_BANDS"] and router.flow.default_band
+                assert router.limits.migration_limit == int(own["KVMESH_MIGRATION_LIMIT"])
         else:
             models["controller"] = [_agreed(config.router) for (config,) in built]
             models["replicas"] = [_agreed(config.replica) for (config,) in built]

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 
+import grpc
 import httpx
 import pytest
 import pytest_asyncio
@@ -19,9 +20,10 @@ from fake_http import FakeHttpServer
 from helpers import eventually, local_router_config, started_router
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.protos import pb
+from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.flow import FlowConfig
 from kvmesh.router.process import RouterServer
 from kvmesh.router.replica_http import ReplicaHttp, _Connection
 from kvmesh.serving.errors import InvalidRequest
@@ -101,6 +103,7 @@ async def fleet(qwen3_dir):
     assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 2))
     async with httpx.AsyncClient(timeout=30) as client:
         yield {
+            "redis": redis,
             "router": router,
             "replicas": replicas,
             "client": client,
@@ -403,3 +406,37 @@ async def test_a_malformed_envelope_is_refused_with_400_naming_the_field(fleet):
     response = await fleet["client"].post(replica.http_address + RELAY_PATHS["completions"], json=envelope)
     assert response.status_code == 400, response.text
     assert "prompt_token_ids" in response.json()["error"]["message"]
+
+
+async def test_a_request_queued_past_its_ttl_gets_429_without_reaching_a_replica(fleet, qwen3_dir):
+    """Flow control through a real router: a fleet it finds saturated (any queue delay is over
+    its limit) keeps requests at the router; past their band's TTL they get 429 with a
+    Retry-After (gRPC: RESOURCE_EXHAUSTED), and no replica sees them."""
+    flow = FlowConfig(bands="urgent:8:0.3,normal:8:0.3", max_queue_delay_s=1e-9)
+    router = await started_router(RouterServer(local_router_config(qwen3_dir, fleet["redis"].url, flow=flow)))
+    try:
+        sent = [_replica_requests(r) for r in fleet["replicas"]]
+        body = {"prompt": PROMPT, "max_tokens": 5, "stream": True}
+        url = f"http://127.0.0.1:{router.http_port}/v1/completions"
+        refused = await fleet["client"].post(url, json=body, headers={"x-kvmesh-priority": "urgent"})
+        assert refused.status_code == 429, refused.text
+        assert (
+            int(refused.headers["retry-after"]) >= 1
+            and "priority band urgent" in refused.json()["error"]["message"]
+        )
+        bad = await fleet["client"].post(url, json=body, headers={"x-kvmesh-priority": "asap"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=5))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in pb_grpc.RouterStub(channel).Generate(request, timeout=10):
+                    pass
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "normal" in err.value.details()
+        assert [_replica_requests(r) for r in fleet["replicas"]] == sent
+    finally:
+        await router.stop(grace=0.2)
+
+
+def _replica_requests(replica: ReplicaServer) -> float:
+    samples = read_samples(replica.backend.render_metrics().decode())
+    return sum(v for (name, _), v in samples.items() if name == "kvmesh_replica_requests_total")

@@ -227,6 +227,15 @@ env:
   {{- end }}
   {{- if $router }}
   - {name: KVMESH_POLICY, value: {{ $root.Values.router.policy | quote }}}
+  - {name: KVMESH_MIGRATION_LIMIT, value: {{ $root.Values.router.migrationLimit | quote }}}
+  {{- with $root.Values.router.flow }}
+  - {name: KVMESH_PRIORITY_BANDS, value: {{ .bands | quote }}}
+  - {name: KVMESH_DEFAULT_BAND, value: {{ .defaultBand | quote }}}
+  - {name: KVMESH_TENANTS, value: {{ .tenants | quote }}}
+  - {name: KVMESH_TENANT_HEADER, value: {{ .tenantHeader | quote }}}
+  - {name: KVMESH_PRIORITY_HEADER, value: {{ .priorityHeader | quote }}}
+  - {name: KVMESH_MAX_QUEUE_DELAY, value: {{ .maxQueueDelaySeconds | quote }}}
+  {{- end }}
   {{- end }}
   {{- if $redis }}
   - {name: KVMESH_REDIS_USERNAME, value: {{ include "kvmesh.redisUser" (list $root (include "kvmesh.redisRole" $who)) | quote }}}
