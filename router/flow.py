@@ -18,9 +18,10 @@ operator's, not the fastest client's.
   tenants' (others count as "other").
 - **How long.** Each band has a size and a TTL; a request past its TTL or its client's
   deadline, or arriving at a full band, is refused RESOURCE_EXHAUSTED / 429 with a
-  Retry-After without reaching a replica. Sheddable bands go first: each request of a
-  higher band that has to wait sheds the newest waiting request of the lowest sheddable
-  band that has one.
+  Retry-After without reaching a replica; at a full band, the tenant with the most requests
+  waiting there loses its newest instead, unless that is the newcomer's own. Sheddable bands
+  go first: each request of a higher band that has to wait sheds the newest waiting request
+  of the lowest sheddable band that has one.
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ class FlowControl:
     async def _wait(self, flow: Flow, deadline: float | None) -> None:
         spec = self.bands[flow.band]
         label = (spec.name, self.label(flow.tenant))
-        if self._queues[flow.band].size >= spec.max_queued:
+        queue = self._queues[flow.band]
+        if queue.size >= spec.max_queued and not self._shed_heaviest(queue, flow.tenant):
             self.metrics.flow_shed.labels(*label, "full").inc()
             raise Overloaded(
                 f"priority band {spec.name} is full ({spec.max_queued} waiting); retry later",
@@ -275,16 +277,27 @@ class FlowControl:
             if not flows:
                 del queue.waiting[flow.tenant]
 
+    def _shed_heaviest(self, queue: _BandQueue, tenant: str) -> bool:
+        """Room in a full band made at the expense of the tenant with the most requests
+        waiting in it (its newest is refused), unless that is ``tenant`` itself: a flood
+        fills a band with its own requests, and they, not a steady tenant's, go."""
+        heaviest = max(queue.waiting, key=lambda t: len(queue.waiting[t]), default=None)
+        if heaviest is None or len(queue.waiting[heaviest]) <= len(queue.waiting.get(tenant, ())):
+            return False
+        self._push_out(queue, queue.waiting[heaviest][-1], "its tenant has the most requests waiting")
+        return True
+
+    def _push_out(self, queue: _BandQueue, flow: Flow, why: str) -> None:
+        self._dequeue(flow)
+        flow.shed = f"shed from priority band {queue.band.name}: {why}; retry later"
+        flow.ready.set_result(None)
+
     def _shed_one(self) -> None:
         """The newest waiting request of the lowest sheddable band that has one, refused."""
         for queue in reversed(self._queues):
             if queue.band.sheddable and queue.size:
                 newest = max((q[-1] for q in queue.waiting.values()), key=lambda f: f.enqueued_at)
-                self._dequeue(newest)
-                newest.shed = (
-                    f"shed from priority band {queue.band.name} for a more urgent request; retry later"
-                )
-                newest.ready.set_result(None)
+                self._push_out(queue, newest, "a more urgent request has to wait")
                 return
 
     # ------------------------------------------------------------------ leaving

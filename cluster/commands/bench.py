@@ -270,8 +270,22 @@ def _soak(benches) -> None:
     soak.add_argument(
         "--calm-first",
         action="store_true",
-        help="first the same soak without hostile clients or held-open connections: the baseline "
-        "of the ordinary requests' p90 under attack (twice the time)",
+        help="first the same soak without hostile clients, held-open connections or flood: the "
+        "baseline of the ordinary requests' p90 and time to first token (twice the time)",
+    )
+    soak.add_argument(
+        "--flood",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more closed-loop clients of a second tenant (e.g. 10x --clients), half of them in the "
+        "sheddable band: flow control must keep the ordinary (steady) tenant's time to first token",
+    )
+    soak.add_argument(
+        "--max-queue-delay",
+        type=float,
+        metavar="S",
+        help="the router's --max-queue-delay (when the fleet counts as saturated) [default: the router's]",
     )
 
     def run(args):
@@ -279,6 +293,8 @@ def _soak(benches) -> None:
 
         if args.duration <= 0 or args.replicas <= 0 or args.clients <= 0 or args.kill_every < 0:
             raise UsageError("--duration, --replicas and --clients must be positive, --kill-every >= 0")
+        if args.flood < 0 or (args.max_queue_delay is not None and args.max_queue_delay <= 0):
+            raise UsageError("--flood must be >= 0 and --max-queue-delay positive")
         idle = _held(args.hostile_idle, HELD_IDLE, args.hostile)
         slowloris = _held(args.hostile_slowloris, HELD_SLOWLORIS, args.hostile)
         if min(args.hostile, idle, slowloris) < 0:
@@ -300,6 +316,8 @@ def _soak(benches) -> None:
             idle,
             slowloris,
             args.calm_first,
+            args.flood,
+            args.max_queue_delay,
         )
 
     soak.set_defaults(handler=run)

@@ -120,21 +120,27 @@ async def test_sheddable_requests_go_first_when_urgent_work_has_to_wait():
     batch = asyncio.create_task(flow.admit(FlowKey("b", "batch"), 10))
     await asyncio.sleep(0.02)
     urgent = asyncio.create_task(flow.admit(FlowKey("u", "high"), 10))
-    with pytest.raises(Overloaded, match="shed from priority band batch"):
+    with pytest.raises(Overloaded, match="shed from priority band batch: a more urgent"):
         await batch
     fleet.slots = 1
     admitted = await urgent
     flow.end(admitted, 10)
 
 
-async def test_a_full_band_refuses_at_once():
-    flow = control(Fleet(0), bands="normal:1:30")
-    waiting = asyncio.create_task(flow.admit(FlowKey(), 10))
+async def test_a_full_band_refuses_its_heaviest_tenant_not_a_steady_one():
+    flow = control(Fleet(0), bands="normal:2:30")
+    flood = [asyncio.create_task(flow.admit(FlowKey("flood"), 10)) for _ in range(2)]
     await asyncio.sleep(0.02)
     with pytest.raises(Overloaded, match="full"):
-        await flow.admit(FlowKey(), 10)
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
+        await flow.admit(FlowKey("flood"), 10)  # its own requests fill the band: it is refused
+    steady = asyncio.create_task(flow.admit(FlowKey("steady"), 10))
+    await asyncio.sleep(0.02)
+    with pytest.raises(Overloaded, match="its tenant has the most requests waiting"):
+        await flood[1]  # the flood's newest made room
+    assert not steady.done() and flow.queued == 2
+    for task in [flood[0], steady]:
+        task.cancel()
+    await asyncio.gather(flood[0], steady, return_exceptions=True)
     assert flow.queued == 0 and not flow._active
 
 
