@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -23,7 +25,7 @@ from kvmesh.router.decision import Decider, Decision, RoutingOptions
 from kvmesh.router.flow import FLOW_KEY, FlowControl, FlowKey
 from kvmesh.router.index_trust.watch import IndexWatch
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policies import PrefixAware
+from kvmesh.router.policies import PrefixAware, ReplicaState
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import FailedInBand, Relay, why_not_migratable
 from kvmesh.router.speculative import SpeculativeOverlay
@@ -37,7 +39,7 @@ from kvmesh.serving.openai.relay import SseRequest
 from kvmesh.serving.request_ids import OwnedRequests
 from kvmesh.serving.tokenizer import PromptTokenizer
 
-FLEET_VIEW_S = 0.05  # flow control reads every router's in-flight work at most this often
+FLEET_VIEW_S = 0.05  # flow control reads the other routers' in-flight work at most this often
 
 
 def estimated_tokens(request: pb.GenerateRequest) -> int:
@@ -84,7 +86,10 @@ class RouterCore:
         self.flow = FlowControl(options.flow, self.saturated, self.metrics)
         self._max_queue_delay_s = options.flow.max_queue_delay_s
         self._load_model = PrefixAware(block_size=model.block_size)  # what a replica's queue delay is
-        self._fleet_view: tuple[float, dict | None] = (-1.0, None)  # (when read, every router's work)
+        self._fleet_view: tuple[float, dict[str, int]] = (
+            -1.0,
+            {},
+        )  # (when read, the other routers' requests)
         self._fleet_lock = asyncio.Lock()
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
         self.inflight = InflightLimit(self.limits.max_inflight, "router")
@@ -107,27 +112,63 @@ class RouterCore:
             raise
 
     async def saturated(self) -> bool:
-        """Whether even the live replica with the shortest queue would keep a new request
-        waiting past ``--max-queue-delay`` before its prefill: from every router's in-flight
-        work (the index, read at most every ``FLEET_VIEW_S``) and each replica's measured
-        step costs, as the prefix policy prices them. No live replica: not saturated (the
+        """Whether the fleet has no room for one more request now: room is a running slot
+        (``max_num_seqs``: beyond them a request queues in the engine) on a replica that
+        would not keep a new request waiting past ``--max-queue-delay`` before its prefill
+        (its queued work at its measured step costs, as the prefix policy prices it), less
+        the requests flow control let go and not yet routed. This router's own requests are
+        counted as they are now, the other routers' as the index last said (``_others``), so
+        that routers agree and none over-admits. No live replica: not saturated (the
         decision says why it cannot route)."""
-        states = self.registry.states({}, await self._fleet())
-        return bool(states) and min(map(self._load_model.load_seconds, states)) > self._max_queue_delay_s
+        others = await self._others()
+        states = self.registry.states({})  # this router's own work, exact
+        room = sum(self._room(s, others.get(s.replica_id, 0)) for s in states)
+        return bool(states) and room <= self.flow.pending
 
-    async def _fleet(self) -> dict | None:
-        if self.registry.fleet is None or not self.registry.fleet.active:
-            return None  # this router's own counts
+    def with_room_first(self, decision: Decision) -> None:
+        """The decision's replicas with room (``_room``) first, each group in the policy's
+        order: a replica whose running slots are all taken would queue the request in its
+        engine behind the requests it runs, whatever prefix it holds (flow control let the
+        request go because some replica had room)."""
+        others = self._fleet_view[1]
+        states = {s.replica_id: s for s in self.registry.states({})}
+        full = {r for r, s in states.items() if not self._room(s, others.get(r, 0))}
+        if full and decision.ranked[0] in full:
+            decision.ranked = [r for r in decision.ranked if r not in full] + [
+                r for r in decision.ranked if r in full
+            ]
+
+    def _room(self, own: ReplicaState, others: int) -> float:
+        """Requests ``own``'s replica takes at once: its free running slots, none where its
+        queue is over the limit."""
+        entry = self.registry.entries.get(own.replica_id)
+        # A record is never trusted to be sane: a slot count under one reads as one.
+        slots = max(1.0, entry.record.load("max_num_seqs", math.inf)) if entry else math.inf
+        state = dataclasses.replace(own, inflight_requests=own.inflight_requests + others)
+        if self._load_model.load_seconds(state) > self._max_queue_delay_s:
+            return 0.0
+        return max(0.0, slots - state.inflight_requests)
+
+    async def _others(self) -> dict[str, int]:
+        """The other routers' requests in flight on each replica: every router's from the
+        index (read at most every ``FLEET_VIEW_S``) less this router's own as sent there."""
+        fleet = self.registry.fleet
+        if fleet is None or not fleet.active:
+            return {}
         async with self._fleet_lock:
-            at, fleet = self._fleet_view
+            at, others = self._fleet_view
             if time.monotonic() - at >= FLEET_VIEW_S:
                 with contextlib.suppress(*INDEX_ERRORS, TimeoutError):
                     view = await asyncio.wait_for(
                         self.decider.index.routing_view([]), self.decider.lookup_timeout_s
                     )
-                    fleet = view.fleet
-                self._fleet_view = (time.monotonic(), fleet)
-            return fleet
+                    others = {}
+                    for rid, work in view.fleet.items():
+                        entry = self.registry.entries.get(rid)
+                        sent = entry.load.requests - fleet.unsent(rid).requests if entry else 0
+                        others[rid] = max(0, round(work.requests - sent))
+                self._fleet_view = (time.monotonic(), others)
+            return others
 
     @property
     def inputs(self) -> InputLimits:
@@ -257,6 +298,7 @@ class _Routed:
             core.flow.end(self.flow, None)
             tracing.end(self.root, outcome="error")
             raise
+        core.with_room_first(self.decision)
         core.flow.routed(self.flow)  # the relay counts its load before anything else runs
         self.client_id = self.request.request_id or self.decision.request_id
         self.core.owned.add(self.owner, self.client_id, self.decision.request_id)

@@ -42,7 +42,6 @@ from kvmesh.serving.options import option
 log = logging.getLogger(__name__)
 MAX_TENANT_CHARS = 64  # a client's tenant name, at most
 _CHECK_S = 0.05  # while requests wait, how often the fleet's saturation is looked at again
-_ROUTED_WITHIN_S = 1.0  # a dispatched request not routed by then (its decision is slow) lets the next go
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class Flow:
     ready: asyncio.Future | None = None
     shed: str = ""  # why it was pushed out of its queue, if it was
     running: bool = False  # dispatched and not yet ended
-    routed: asyncio.Event = field(default_factory=asyncio.Event)  # its load is counted: the next may go
+    routed: bool = False  # its load is on its replica (no longer ``pending``)
 
 
 @dataclass
@@ -155,7 +154,8 @@ class _BandQueue:
 
 
 class FlowControl:
-    """``saturated()``: whether a request that arrives now should wait (the fleet's state)."""
+    """``saturated()``: whether a request that arrives now should wait (the fleet's room,
+    less the ``pending`` requests about to take some of it)."""
 
     def __init__(self, config: FlowConfig, saturated: Callable[[], Awaitable[bool]], metrics: RouterMetrics):
         self.bands = parse_bands(config.bands)
@@ -168,6 +168,9 @@ class FlowControl:
         self._served: dict[str, float] = {}  # tenant -> its virtual token counter (waiting or running only)
         self._active: collections.Counter = collections.Counter()  # tenant -> requests waiting or running
         self._wake = asyncio.Event()
+        # Requests let go and not yet routed: their replicas are not chosen yet, so a
+        # saturation check counts them against the fleet's free room (``saturated``'s).
+        self.pending = 0
         self._dispatcher: asyncio.Task | None = None
 
     def label(self, tenant: str) -> str:
@@ -212,15 +215,17 @@ class FlowControl:
 
     def routed(self, flow: Flow) -> None:
         """The request's load is on its replica now (the next saturation check sees it)."""
-        flow.routed.set()
+        if flow.running and not flow.routed:
+            flow.routed = True
+            self.pending -= 1
 
     def end(self, flow: Flow, served_tokens: int | None) -> None:
         """The request ended: its tenant's counter corrected to the tokens it was served (None:
         unknown, the estimate stands); the next waiting request may go."""
         if served_tokens is not None and flow.tenant in self._served:
             self._served[flow.tenant] += served_tokens - flow.cost
+        self.routed(flow)
         flow.running = False
-        flow.routed.set()
         self._forget(flow.tenant)
         self._wake.set()
 
@@ -316,26 +321,29 @@ class FlowControl:
                 self._dequeue(flow)
                 self._start(flow)
                 flow.ready.set_result(None)
-                # Its load counted before the next check, or a saturated fleet would take a burst.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(flow.routed.wait(), _ROUTED_WITHIN_S)
-                continue
+                continue  # it is pending: the next check counts it
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), _CHECK_S)
 
     def _next(self) -> Flow | None:
-        """The highest band's waiting request whose tenant has been served the least."""
+        """The highest band's waiting request whose tenant has been served the least; on a
+        tie (a tenant back from idle is lifted to the least counter), the tenant with fewer
+        requests waiting, then the oldest request."""
         for queue in self._queues:
             if queue.size:
-                tenant = min(
-                    queue.waiting, key=lambda t: (self._served.get(t, 0.0), queue.waiting[t][0].enqueued_at)
-                )
+                tenant = min(queue.waiting, key=lambda t: self._order(queue, t))
                 return queue.waiting[tenant][0]
         return None
 
+    def _order(self, queue: _BandQueue, tenant: str) -> tuple[float, int, float]:
+        flows = queue.waiting[tenant]
+        return self._served.get(tenant, 0.0), len(flows), flows[0].enqueued_at
+
     def _start(self, flow: Flow) -> None:
-        """It goes: its tenant is charged its estimated tokens now (corrected at its end)."""
+        """It goes: its tenant is charged its estimated tokens now (corrected at its end); it
+        counts as ``pending`` until it is routed."""
         flow.running = True
+        self.pending += 1
         self._served[flow.tenant] = self._served.get(flow.tenant, 0.0) + flow.cost
 
     def _forget(self, tenant: str) -> None:

@@ -176,6 +176,7 @@ async def run(
     slowloris: int = 0,
     flood: int = 0,
     max_queue_delay_s: float | None = None,
+    max_num_seqs: int | None = None,
 ) -> dict:
     rng = random.Random(seed)
     requests = shared_prefix(
@@ -191,7 +192,7 @@ async def run(
     config = ClusterConfig.for_model(
         model_dir,
         replicas,
-        engine={"num_kv_blocks": 1024},
+        engine={"num_kv_blocks": 1024, **({"max_num_seqs": max_num_seqs} if max_num_seqs else {})},
         router={"port": 0, "http_port": 0 if abused else -1, "flow": flow, **hostile},
         replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
     )
@@ -414,6 +415,7 @@ def main(
     calm_first: bool = False,
     flood: int = 0,
     max_queue_delay_s: float | None = None,
+    max_num_seqs: int | None = None,
 ) -> int:
     """``calm_first``: the same soak without the hostile clients, held-open connections and
     flood first, as the baseline of the ordinary requests' p90 (and time to first token)."""
@@ -428,10 +430,13 @@ def main(
         "held_open": {"idle": idle, "slowloris": slowloris},
         "flood_clients": flood,
         "max_queue_delay_s": max_queue_delay_s,
+        "max_num_seqs": max_num_seqs,
         "environment": environment(),
     }
     if calm_first:
-        calm = asyncio.run(run(model, duration, replicas, clients, kill_every, seed))
+        calm = asyncio.run(
+            run(model, duration, replicas, clients, kill_every, seed, max_num_seqs=max_num_seqs)
+        )
         keep = ("p90_ms", "ttft_p90_ms", "requests", "errors", "minutes", "memory")
         result["calm"] = {k: calm[k] for k in keep}
     result.update(
@@ -448,6 +453,7 @@ def main(
                 slowloris,
                 flood,
                 max_queue_delay_s,
+                max_num_seqs,
             )
         )
     )

@@ -282,6 +282,12 @@ def _soak(benches) -> None:
         "sheddable band: flow control must keep the ordinary (steady) tenant's time to first token",
     )
     soak.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="each replica's running slots (the engine's --max-num-seqs) [default: the engine's]",
+    )
+    soak.add_argument(
         "--max-queue-delay",
         type=float,
         metavar="S",
@@ -293,8 +299,8 @@ def _soak(benches) -> None:
 
         if args.duration <= 0 or args.replicas <= 0 or args.clients <= 0 or args.kill_every < 0:
             raise UsageError("--duration, --replicas and --clients must be positive, --kill-every >= 0")
-        if args.flood < 0 or (args.max_queue_delay is not None and args.max_queue_delay <= 0):
-            raise UsageError("--flood must be >= 0 and --max-queue-delay positive")
+        if args.flood < 0 or any(v is not None and v <= 0 for v in (args.max_queue_delay, args.max_num_seqs)):
+            raise UsageError("--flood must be >= 0, --max-queue-delay and --max-num-seqs positive")
         idle = _held(args.hostile_idle, HELD_IDLE, args.hostile)
         slowloris = _held(args.hostile_slowloris, HELD_SLOWLORIS, args.hostile)
         if min(args.hostile, idle, slowloris) < 0:
@@ -318,6 +324,7 @@ def _soak(benches) -> None:
             args.calm_first,
             args.flood,
             args.max_queue_delay,
+            args.max_num_seqs,
         )
 
     soak.set_defaults(handler=run)

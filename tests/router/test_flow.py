@@ -16,19 +16,21 @@ pytestmark = pytest.mark.asyncio
 
 
 class Fleet:
-    """A fleet of ``slots`` requests at once: saturated while they are all taken."""
+    """A fleet of ``slots`` requests at once: saturated while they are all taken, by requests
+    running or let go and not yet routed (the router's rule)."""
 
     def __init__(self, slots: int):
-        self.slots, self.running = slots, 0
+        self.slots, self.running, self.flow = slots, 0, None
 
     async def saturated(self) -> bool:
-        return self.running >= self.slots
+        return self.running + self.flow.pending >= self.slots
 
 
 def control(
     fleet: Fleet, bands: str = "high:100:30,normal:100:30,batch:100:30:sheddable", **config
 ) -> FlowControl:
-    return FlowControl(FlowConfig(bands=bands, **config), fleet.saturated, RouterMetrics("m"))
+    fleet.flow = FlowControl(FlowConfig(bands=bands, **config), fleet.saturated, RouterMetrics("m"))
+    return fleet.flow
 
 
 def samples(flow: FlowControl) -> dict:

@@ -1,0 +1,77 @@
+"""Flow control in front of real replicas: a fleet whose running slots are all taken keeps
+further requests at the router, and every request it lets go lands on a replica with a free
+slot (none queues in an engine), whatever prefix another one holds."""
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+from helpers import eventually, local_router_config, started_router
+from reference import prompts_of_lengths
+
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.process import RouterServer
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
+
+SLOTS = 2  # each replica's max_num_seqs
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(qwen3_dir):
+    redis = EmbeddedRedis().start()
+    engine = EngineConfig(num_kv_blocks=256, block_size=16, max_model_len=1024, max_num_seqs=SLOTS)
+    replicas = [
+        ReplicaServer(ReplicaConfig(str(qwen3_dir), f"slots-{i}", redis.url, engine=engine)) for i in range(2)
+    ]
+    for replica in replicas:
+        await replica.start()
+    router = await started_router(RouterServer(local_router_config(qwen3_dir, redis.url, http_port=-1)))
+    assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 2))
+    yield router, replicas
+    await router.stop(grace=0.5)
+    for replica in replicas:
+        await replica.stop(grace=0.5)
+    redis.close()
+
+
+async def test_a_full_fleet_keeps_requests_at_the_router_and_no_engine_queues(fleet):
+    router, replicas = fleet
+    core = router.models.routes[0].core
+    prompt = prompts_of_lengths([64], salt=3)[0]  # one prefix for all: the policy would pile them up
+    sampling = pb.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    peak_queued, most_on_one, engine_waiting = 0, 0, 0
+
+    async def watch(done: asyncio.Event) -> None:
+        nonlocal peak_queued, most_on_one, engine_waiting
+        while not done.is_set():
+            peak_queued = max(peak_queued, core.flow.queued)
+            most_on_one = max([most_on_one, *(e.load.requests for e in router.registry.entries.values())])
+            engine_waiting = max([engine_waiting, *(r.engine.stats().num_waiting for r in replicas)])
+            await asyncio.sleep(0.005)
+
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = pb_grpc.RouterStub(channel)
+
+        async def one() -> int:
+            responses = [
+                r
+                async for r in stub.Generate(
+                    pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling), timeout=60
+                )
+            ]
+            return responses[-1].complete.usage.completion_tokens
+
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        results = await asyncio.gather(*(one() for _ in range(12)))
+        done.set()
+        await watcher
+    assert results == [30] * 12  # every one served
+    assert peak_queued > 0  # some waited at the router
+    assert most_on_one <= SLOTS and engine_waiting == 0, (most_on_one, engine_waiting)
+    assert core.flow.queued == 0 and core.flow.pending == 0 and not core.flow._served
