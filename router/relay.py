@@ -29,7 +29,14 @@ from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.errors import Unavailable, upstream_error
 from kvmesh.serving.http_server import DirectBody
-from kvmesh.serving.openai.relay import SseRequest, http_failure, take_token_lines, take_trailer, whole_events
+from kvmesh.serving.openai.relay import (
+    SseRequest,
+    http_failure,
+    take_failure,
+    take_token_lines,
+    take_trailer,
+    whole_events,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,8 +219,10 @@ class Relay:
                     if complete is not None:
                         completed = True
                         self._complete(decision, prediction, complete, span, observe=not moves.count)
+                    failed = None
                     if moves.lines:
                         block, ids = take_token_lines(block)
+                        block, failed = take_failure(block)
                         if ids is None:
                             moves.why_not = "the replica did not say which tokens its events held"
                         else:
@@ -221,6 +230,14 @@ class Relay:
                     if block:
                         yield block
                         began = True
+                    if failed == "UNAVAILABLE":  # its replica failed it, in band: it may move
+                        self.registry.mark_failed(entry.record.replica_id)
+                        cut = _AttemptFailed(
+                            grpc.StatusCode.UNAVAILABLE, "the replica failed the stream", True
+                        )
+                        if began:
+                            raise _StreamCut(cut, entry.record.replica_id)
+                        raise upstream_error(cut.code, cut.details)
                 if began and direct is not None and not completed and not carry:
                     client, direct = direct(), None  # asked once, after the response began
                     if client is not None:

@@ -54,6 +54,7 @@ from kvmesh.serving.openai.relay import (
     ChatEnvelope,
     CompletionEnvelope,
     RelayEnvelope,
+    failure_line,
     token_line,
     trailer,
 )
@@ -690,7 +691,8 @@ async def _sse(
 ):
     """``relayed``: a router's stream, which ends with the trailer the router reads; where it
     asks, every data event starts with the token ids it shows (``token_line``, empty for most
-    but the chunks'), and a continuation does not open its choice again."""
+    but the chunks'), a failure's event says its code (``failure_line``: the router moves a
+    stream whose replica failed), and a continuation does not open its choice again."""
     lines = relayed is not None and relayed.stream_token_ids
 
     def marked(event: str, ids: list[int] | tuple = ()) -> str:
@@ -721,7 +723,7 @@ async def _sse(
         if complete is not None:
             yield trailer(complete)
     except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
-        yield marked(_error_event(exc))
+        yield marked(failure_line(exc.grpc_code.name) + _error_event(exc) if lines else _error_event(exc))
     finally:
         await rest.aclose()
     yield marked("data: [DONE]\n\n")

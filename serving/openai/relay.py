@@ -36,6 +36,8 @@ _TRAILER_TEXT = _TRAILER.decode()
 _TOKENS = b": kvmesh-tokens "
 _TOKENS_TEXT = _TOKENS.decode()
 _JSON = {True: b"true", False: b"false"}
+_FAILED = b": kvmesh-failed "
+_FAILED_TEXT = _FAILED.decode()
 _ERRORS = (ServingError, InvalidRequest, Overloaded, Unavailable, DeadlineExceeded)
 # A replica's HTTP error status as the gRPC code the router's errors are made of: the
 # serving errors' own pairs, and the statuses only the HTTP front end answers with.
@@ -208,9 +210,31 @@ def take_token_lines(block: bytes) -> tuple[bytes, list[int] | None]:
             continue
         if line.startswith(b"data: ") and not marked:
             ids = None
-        marked = False
+        if not line or line.startswith(b"data: "):  # an event's end, or its data: the mark is used
+            marked = False
         kept.append(line)
     return b"\n".join(kept), ids
+
+
+def failure_line(code: str) -> str:
+    """An SSE comment line for the router, in the error event of a stream the replica failed:
+    its gRPC code, so that the router can tell its replica's failure (UNAVAILABLE: the stream
+    may move) from the request's own before the event reaches the client."""
+    return f"{_FAILED_TEXT}{code}\n"
+
+
+def take_failure(block: bytes) -> tuple[bytes, str | None]:
+    """``block`` (whole SSE events) without its failure line, and the failure's code; where
+    the code is UNAVAILABLE, the block ends before the failure's event (it is not the
+    client's to see if the stream moves)."""
+    at = block.find(_FAILED)
+    if at < 0:
+        return block, None
+    end = block.find(b"\n", at)
+    code = block[at + len(_FAILED) : end].decode(errors="replace")
+    if code == "UNAVAILABLE":
+        return block[: block.rfind(b"\n\n", 0, at) + 2], code
+    return block[:at] + block[end + 1 :], code
 
 
 def trailer(complete: pb.Complete) -> str:

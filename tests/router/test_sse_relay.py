@@ -30,6 +30,7 @@ from kvmesh.serving.errors import InvalidRequest
 from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.openai.relay import (
     RELAY_PATHS,
+    failure_line,
     packed_token_ids,
     take_token_lines,
     take_trailer,
@@ -115,8 +116,8 @@ async def fleet(qwen3_dir):
     redis.close()
 
 
-def _metric(router: RouterServer, name: str) -> float:
-    return read_samples(router.core.render_metrics().decode()).get((name, ()), 0.0)
+def _metric(router: RouterServer, name: str, **labels: str) -> float:
+    return read_samples(router.core.render_metrics().decode()).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, **fields) -> list[bytes]:
@@ -286,6 +287,64 @@ async def test_a_replica_failing_midway_ends_the_stream_in_band(fleet):
     assert events[0] == {"choices": [{"text": "a"}]}  # what the client had, it keeps
     assert events[1]["error"]["code"] == 503 and "connection to the replica" in events[1]["error"]["message"]
     assert events[-1] == "[DONE]" and upstream.requests == 1  # streamed: never moved
+
+
+class _FailsThenContinues(FakeHttpServer):
+    """A replica's HTTP port whose first answer shows two tokens and then fails the stream in
+    band as a replica whose engine died does (UNAVAILABLE); whose second (the moved stream's
+    continuation) shows one more token and ends properly."""
+
+    async def answer(self, writer: asyncio.StreamWriter) -> bool:
+        if self.requests == 1:
+            error = 'data: {"error": {"message": "engine step loop stalled", "code": 503}}\n\n'
+            events = [
+                token_line([]) + 'data: {"choices": [{"text": ""}]}\n\n',
+                token_line([7]) + 'data: {"choices": [{"text": "a"}]}\n\n',
+                token_line([8]) + 'data: {"choices": [{"text": "b"}]}\n\n',
+                token_line([]) + failure_line("UNAVAILABLE") + error,
+                token_line([]) + "data: [DONE]\n\n",
+            ]
+        else:
+            complete = pb.Complete(replica_id="r", usage=pb.Usage(prompt_tokens=40, completion_tokens=3))
+            events = [
+                token_line([9]) + 'data: {"choices": [{"text": "c"}]}\n\n',
+                trailer(complete),
+                token_line([]) + "data: [DONE]\n\n",
+            ]
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event.encode()))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+
+async def test_a_stream_its_replica_fails_in_band_moves_with_the_tokens_its_client_saw(fleet):
+    """The replica's failure event (UNAVAILABLE, marked for the router) never reaches the
+    client: the stream continues on the other replica, whose envelope carries the tokens the
+    client saw at the prompt's end and says it is a continuation."""
+    router, client = fleet["router"], fleet["client"]
+    moved = _metric(router, "kvmesh_router_migrations_total", outcome="moved")
+    async with _FailsThenContinues() as upstream:
+        saved = await _with_only(router, upstream.url)
+        try:
+            events = _events(b"".join(await _stream(client, fleet["url"])))
+        finally:
+            _restore(router, saved)
+    texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e]
+    assert texts == ["", "a", "b", "c"] and events[-1] == "[DONE]", events
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    first, second = (json.loads(b) for b in upstream.bodies)
+    assert unpacked_token_ids(second["prompt_token_ids"]) == unpacked_token_ids(first["prompt_token_ids"]) + [
+        7,
+        8,
+    ]
+    assert (
+        second["continued_tokens"] == 2
+        and second["continuation"]
+        and second["request_id"] == first["request_id"]
+    )
+    assert _metric(router, "kvmesh_router_migrations_total", outcome="moved") == moved + 1
 
 
 class _CutsSlowReaders(FakeHttpServer):

@@ -8,6 +8,7 @@ class FakeHttpServer:
     def __init__(self) -> None:
         self.connections = 0
         self.requests = 0
+        self.bodies: list[bytes] = []  # each request's body, in order
         self._writers: list[asyncio.StreamWriter] = []
 
     async def __aenter__(self):
@@ -29,9 +30,10 @@ class FakeHttpServer:
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             lines = head.lower().split(b"\r\n")
-            await reader.readexactly(
+            body = await reader.readexactly(
                 next(int(x.split(b":")[1]) for x in lines if x.startswith(b"content-length"))
             )
+            self.bodies.append(body)
             self.requests += 1
             if not await self.answer(writer):
                 return
