@@ -5,10 +5,10 @@ operator's, not the fastest client's.
 - **Who and how urgent.** A request's ``FlowKey`` is its tenant (a header or gRPC metadata
   key, else "default") and its band (a named priority, highest first; the last bands may be
   ``sheddable``). The front ends set it (``FLOW_KEY``) before the core routes the request.
-- **When it waits.** Only while the fleet is saturated (``saturated()``: the router's own
-  estimate of the shortest queue delay any live replica would give a new request, from every
-  router's in-flight work in the index, over a limit), or while requests of its band or a
-  higher one wait already (no overtaking by a lucky arrival).
+- **When it waits.** Only while the fleet is saturated (``saturated()``, the router's: no
+  replica has a free running slot under its queue-delay limit, once the requests let go and
+  not yet routed, ``pending``, are counted), or while requests of its band or a higher one
+  wait already (no overtaking by a lucky arrival).
 - **In what order it leaves.** By band, highest first; within a band, the tenant served the
   fewest tokens so far (a virtual token counter, VTC: each dispatch charges the request's
   estimated tokens, its end corrects them to the tokens it was served; a tenant that comes
@@ -100,8 +100,9 @@ class FlowConfig:
     max_queue_delay_s: float = option(
         2.0,
         flag="max-queue-delay",
-        help="the fleet is saturated, and requests wait at the router, while the shortest queue "
-        "delay any replica would give a new request is over this many seconds",
+        help="a replica takes no more requests from flow control while its estimated queue delay is "
+        "over this many seconds (nor while its running slots, --max-num-seqs, are all taken); with "
+        "no replica taking one, requests wait at the router",
     )
 
     def __post_init__(self) -> None:

@@ -75,3 +75,42 @@ async def test_a_full_fleet_keeps_requests_at_the_router_and_no_engine_queues(fl
     assert peak_queued > 0  # some waited at the router
     assert most_on_one <= SLOTS and engine_waiting == 0, (most_on_one, engine_waiting)
     assert core.flow.queued == 0 and core.flow.pending == 0 and not core.flow._served
+
+
+async def test_two_routers_share_the_fleets_room(fleet, qwen3_dir):
+    """A second router on the same fleet: each counts the other's requests (through the
+    index), so together they do not fill the replicas' engines past their running slots."""
+    router, replicas = fleet
+    second = await started_router(
+        RouterServer(local_router_config(qwen3_dir, router.config.redis_url, http_port=-1))
+    )
+    shared = [r.models.routes[0].fleet for r in (router, second)]
+    assert await eventually(lambda: asyncio.sleep(0, result=all(f.active for f in shared)), timeout=15)
+    prompt = prompts_of_lengths([64], salt=5)[0]
+    sampling = pb.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    in_engine, done = 0, asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal in_engine
+        while not done.is_set():
+            stats = [r.engine.stats() for r in replicas]
+            in_engine = max([in_engine, *(s.num_running + s.num_waiting for s in stats)])
+            await asyncio.sleep(0.005)
+
+    async def one(address: str, i: int) -> int:
+        await asyncio.sleep(0.1 * i)  # arrivals spread, as clients' are: each router hears of the other's
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+            responses = [r async for r in pb_grpc.RouterStub(channel).Generate(request, timeout=60)]
+            return responses[-1].complete.usage.completion_tokens
+
+    try:
+        watcher = asyncio.create_task(watch())
+        results = await asyncio.gather(*(one((router, second)[i % 2].address, i) for i in range(16)))
+        done.set()
+        await watcher
+    finally:
+        await second.stop(grace=0.5)
+    assert results == [40] * 16
+    # Either router alone would fill a replica's slots: together they would put 4 in one engine.
+    assert in_engine <= SLOTS, in_engine
