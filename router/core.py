@@ -85,6 +85,7 @@ class RouterCore:
         )
         self.flow = FlowControl(options.flow, self.saturated, self.metrics)
         self._max_queue_delay_s = options.flow.max_queue_delay_s
+        self._flow_control = options.flow.flow_control == "on"
         self._load_model = PrefixAware(block_size=model.block_size)  # what a replica's queue delay is
         self._fleet_view: tuple[float, dict[str, int]] = (
             -1.0,
@@ -120,6 +121,8 @@ class RouterCore:
         counted as they are now, the other routers' as the index last said (``_others``), so
         that routers agree and none over-admits. No live replica: not saturated (the
         decision says why it cannot route)."""
+        if not self._flow_control:
+            return False
         others = await self._others()
         states = self.registry.states({})  # this router's own work, exact
         room = sum(self._room(s, others.get(s.replica_id, 0)) for s in states)
@@ -130,6 +133,8 @@ class RouterCore:
         order: a replica whose running slots are all taken would queue the request in its
         engine behind the requests it runs, whatever prefix it holds (flow control let the
         request go because some replica had room)."""
+        if not self._flow_control:
+            return
         others = self._fleet_view[1]
         states = {s.replica_id: s for s in self.registry.states({})}
         full = {r for r, s in states.items() if not self._room(s, others.get(r, 0))}

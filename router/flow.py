@@ -81,6 +81,12 @@ def parse_bands(spec: str) -> tuple[Band, ...]:
 
 @dataclass(frozen=True)
 class FlowConfig:
+    flow_control: str = option(
+        "on",
+        choices=("on", "off"),
+        help="on: requests wait at the router while the fleet is saturated (priority bands, fair "
+        "shares); off: every request goes to a replica at once, to queue in its engine",
+    )
     bands: str = option(
         DEFAULT_BANDS,
         flag="priority-bands",

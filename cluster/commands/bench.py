@@ -282,6 +282,13 @@ def _soak(benches) -> None:
         "sheddable band: flow control must keep the ordinary (steady) tenant's time to first token",
     )
     soak.add_argument(
+        "--no-flow-control",
+        dest="flow_control",
+        action="store_false",
+        help="the router's --flow-control off: every request goes to a replica at once (the contender "
+        "of a --flood run)",
+    )
+    soak.add_argument(
         "--max-num-seqs",
         type=int,
         metavar="N",
@@ -325,6 +332,7 @@ def _soak(benches) -> None:
             args.flood,
             args.max_queue_delay,
             args.max_num_seqs,
+            args.flow_control,
         )
 
     soak.set_defaults(handler=run)

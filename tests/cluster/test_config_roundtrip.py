@@ -53,6 +53,7 @@ VALUES = {
     "index-resync-interval": ("20.0", 20.0),
     "max-inflight": ("77", 77),
     "migration-limit": ("2", 2),
+    "flow-control": ("off", "off"),
     "priority-bands": ("gold:9:5,lead:7:4:sheddable", "gold:9:5,lead:7:4:sheddable"),
     "default-band": ("lead", "lead"),
     "priority-header": ("x-roundtrip-band", "x-roundtrip-band"),

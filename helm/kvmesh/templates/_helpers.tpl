@@ -229,6 +229,7 @@ env:
   - {name: KVMESH_POLICY, value: {{ $root.Values.router.policy | quote }}}
   - {name: KVMESH_MIGRATION_LIMIT, value: {{ $root.Values.router.migrationLimit | quote }}}
   {{- with $root.Values.router.flow }}
+  - {name: KVMESH_FLOW_CONTROL, value: {{ .control | quote }}}
   - {name: KVMESH_PRIORITY_BANDS, value: {{ .bands | quote }}}
   - {name: KVMESH_DEFAULT_BAND, value: {{ .defaultBand | quote }}}
   - {name: KVMESH_TENANTS, value: {{ .tenants | quote }}}
