@@ -118,6 +118,10 @@ class EngineBackend:
                     "continued_tokens must be below the prompt's length", param="continued_tokens"
                 )
             _, params = admit(request, len(ids) - sent, self.model, self.defaults)
+            if sent and sent == params.max_tokens:  # every token was out, only the end was lost
+                yield self._ended(request, len(ids) - sent, sent)
+                outcome = "ok"
+                return
             if sent:
                 try:
                     params = params.continued(sent)
@@ -138,6 +142,14 @@ class EngineBackend:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.e2e.observe(time.perf_counter() - started)
             tracing.end(span, outcome=outcome)
+
+    def _ended(self, request: pb.GenerateRequest, prompt_tokens: int, sent: int) -> pb.GenerateResponse:
+        """The end of a continued stream that had sent all its max_tokens: nothing to compute."""
+        usage = pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=sent)
+        complete = pb.Complete(
+            finish_reason="length", usage=usage, replica_id=self.replica_id, incarnation=self.incarnation()
+        )
+        return pb.GenerateResponse(request_id=request.request_id, complete=complete)
 
     async def _choices(
         self, ids: list[int], params: SamplingParams, request: pb.GenerateRequest, own_id: str, span: object

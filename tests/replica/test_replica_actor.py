@@ -61,6 +61,37 @@ async def stats(address) -> pb.ReplicaStats:
         return await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
 
 
+async def test_a_continued_stream_streams_the_rest_and_counts_usage_once(replica):
+    """A migrated stream as the router sends it: the prompt plus the tokens the client has,
+    ``continued_tokens`` of them. The replica streams the uninterrupted run's remaining
+    tokens, with the usage of the whole; one that had sent every token gets just its end."""
+    _, address = replica
+    prompt = prompts_of_lengths([40], salt=21)[0]
+    whole = await generate(address, greedy_request(prompt, max_tokens=12))
+    tokens = [t for r in whole if r.WhichOneof("kind") == "chunk" for t in r.chunk.token_ids]
+    for sent in (5, 12):
+        request = greedy_request(prompt + tokens[:sent], max_tokens=12, request_id="moved")
+        request.continued_tokens = sent
+        rest = await generate(address, request)
+        assert [t for r in rest if r.WhichOneof("kind") == "chunk" for t in r.chunk.token_ids] == tokens[
+            sent:
+        ]
+        complete = rest[-1].complete
+        assert (complete.finish_reason, complete.usage.prompt_tokens, complete.usage.completion_tokens) == (
+            "length",
+            40,
+            12,
+        )
+    request = greedy_request(prompt + tokens, max_tokens=12)
+    request.continued_tokens = 13  # more than it may have sent
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(address, request)
+    assert (
+        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "continued_tokens" in refused.value.details()
+    )
+
+
 async def test_stream_returns_greedy_tokens_and_index_holds_the_prompt(replica, redis, qwen3_dir):
     _, address = replica
     prompt = prompts_of_lengths([70], salt=11)[0]
