@@ -55,7 +55,7 @@ def failover_targets(ranked: list[str]) -> list[str]:
     bounds what a failing replica adds to a request's latency to one more attempt and keeps
     a failure from multiplying load across the fleet; the failed replica is cooled down in
     the registry, so the following requests skip it already. A request that has streamed
-    anything never moves: its client has seen tokens.
+    moves only as a migration (``Relay._moved``): its client has seen tokens.
     """
     return ranked[:2]
 

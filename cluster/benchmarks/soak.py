@@ -148,9 +148,9 @@ async def closed_loop_client(
 
 
 def killed_while_streaming(failure: dict, kill_times: list[float]) -> bool:
-    """A failure that only a replica's death explains: its stream had started (the router
-    never moves a request its client has seen tokens of), it ended with the replica's
-    UNAVAILABLE, and a replica was killed while it ran."""
+    """A failure a replica's death explains: its stream had started, it ended with the
+    replica's UNAVAILABLE (its move refused: the migration limit, or no replica left), and a
+    replica was killed while it ran."""
     began, ended = failure["at_s"], failure["at_s"] + failure["after_s"]
     return (
         failure["code"] == "UNAVAILABLE"
