@@ -42,6 +42,7 @@ from kvmesh.serving.options import option
 log = logging.getLogger(__name__)
 MAX_TENANT_CHARS = 64  # a client's tenant name, at most
 _CHECK_S = 0.05  # while requests wait, how often the fleet's saturation is looked at again
+_DEADLINE_MARGIN_S = 0.5  # a waiting request is refused this long before its client's deadline
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,13 @@ class FlowControl:
         self._enqueue(flow)
         if not spec.sheddable:
             self._shed_one()  # sheddable work yields to any urgent request that must wait
-        limit = spec.ttl_s if deadline is None else min(spec.ttl_s, deadline - time.monotonic())
+        # Refused a little before the client's deadline, so that it hears why (a 429, not its
+        # own deadline passing).
+        limit = (
+            spec.ttl_s
+            if deadline is None
+            else min(spec.ttl_s, deadline - time.monotonic() - _DEADLINE_MARGIN_S)
+        )
         self.metrics.flow_queued.labels(*label).inc()
         try:
             await asyncio.wait_for(asyncio.shield(flow.ready), max(0.0, limit))
