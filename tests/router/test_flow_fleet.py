@@ -44,14 +44,15 @@ async def test_a_full_fleet_keeps_requests_at_the_router_and_no_engine_queues(fl
     core = router.models.routes[0].core
     prompt = prompts_of_lengths([64], salt=3)[0]  # one prefix for all: the policy would pile them up
     sampling = pb.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    peak_queued, most_on_one, engine_waiting = 0, 0, 0
+    peak_queued, most_on_one, in_engine = 0, 0, 0
 
     async def watch(done: asyncio.Event) -> None:
-        nonlocal peak_queued, most_on_one, engine_waiting
+        nonlocal peak_queued, most_on_one, in_engine
         while not done.is_set():
             peak_queued = max(peak_queued, core.flow.queued)
             most_on_one = max([most_on_one, *(e.load.requests for e in router.registry.entries.values())])
-            engine_waiting = max([engine_waiting, *(r.engine.stats().num_waiting for r in replicas)])
+            stats = [r.engine.stats() for r in replicas]
+            in_engine = max([in_engine, *(s.num_running + s.num_waiting for s in stats)])
             await asyncio.sleep(0.005)
 
     async with grpc.aio.insecure_channel(router.address) as channel:
@@ -73,7 +74,7 @@ async def test_a_full_fleet_keeps_requests_at_the_router_and_no_engine_queues(fl
         await watcher
     assert results == [30] * 12  # every one served
     assert peak_queued > 0  # some waited at the router
-    assert most_on_one <= SLOTS and engine_waiting == 0, (most_on_one, engine_waiting)
+    assert most_on_one <= SLOTS and in_engine <= SLOTS, (most_on_one, in_engine)
     assert core.flow.queued == 0 and core.flow.pending == 0 and not core.flow._served
 
 
@@ -87,18 +88,21 @@ async def test_two_routers_share_the_fleets_room(fleet, qwen3_dir):
     shared = [r.models.routes[0].fleet for r in (router, second)]
     assert await eventually(lambda: asyncio.sleep(0, result=all(f.active for f in shared)), timeout=15)
     prompt = prompts_of_lengths([64], salt=5)[0]
-    sampling = pb.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    in_engine, done = 0, asyncio.Event()
+    sampling = pb.SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)  # long: they overlap
+    samples, over, queued, done = 0, 0, 0, asyncio.Event()
+    cores = [r.models.routes[0].core for r in (router, second)]
 
     async def watch() -> None:
-        nonlocal in_engine
+        nonlocal samples, over, queued
         while not done.is_set():
             stats = [r.engine.stats() for r in replicas]
-            in_engine = max([in_engine, *(s.num_running + s.num_waiting for s in stats)])
+            samples += 1
+            over += any(s.num_running + s.num_waiting > SLOTS for s in stats)
+            queued = max(queued, sum(c.flow.queued for c in cores))
             await asyncio.sleep(0.005)
 
     async def one(address: str, i: int) -> int:
-        await asyncio.sleep(0.1 * i)  # arrivals spread, as clients' are: each router hears of the other's
+        await asyncio.sleep(0.2 * i)  # arrivals spread, as clients' are: each router hears of the other's
         async with grpc.aio.insecure_channel(address) as channel:
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
             responses = [r async for r in pb_grpc.RouterStub(channel).Generate(request, timeout=60)]
@@ -111,6 +115,8 @@ async def test_two_routers_share_the_fleets_room(fleet, qwen3_dir):
         await watcher
     finally:
         await second.stop(grace=0.5)
-    assert results == [40] * 16
-    # Either router alone would fill a replica's slots: together they would put 4 in one engine.
-    assert in_engine <= SLOTS, in_engine
+    assert results == [160] * 16 and queued > 0  # the fleet was full: requests waited at the routers
+    # Each router counting only its own fills the engines past their slots most of the time
+    # (measured: 4 in one engine); the other router's requests are seen up to 50 ms late, so
+    # a moment over is possible, a lasting one is not.
+    assert over <= 0.05 * samples, (over, samples)
