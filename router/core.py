@@ -119,8 +119,8 @@ class RouterCore:
         (its queued work at its measured step costs, as the prefix policy prices it), less
         the requests flow control let go and not yet routed. This router's own requests are
         counted as they are now, the other routers' as the index last said (``_others``), so
-        that routers agree and none over-admits. No live replica: not saturated (the
-        decision says why it cannot route)."""
+        routers nearly agree (two may both take a slot that just freed). No live replica:
+        not saturated (the decision says why it cannot route)."""
         if not self._flow_control:
             return False
         others = await self._others()
