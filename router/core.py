@@ -235,7 +235,7 @@ class RouterCore:
             migratable = (
                 bool(self.limits.migration_limit) and why_not_migratable(decision.sampling, chat) is None
             )
-            sse = SseRequest.of(
+            sse = SseRequest(
                 chat, body, self.model.api_name, decision.request_id, decision.token_ids, migratable
             )
             stream = self.relay.stream_sse(decision, sse, routed.started, routed.root, direct)

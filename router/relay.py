@@ -231,13 +231,7 @@ class Relay:
                         yield block
                         began = True
                     if failed == "UNAVAILABLE":  # its replica failed it, in band: it may move
-                        self.registry.mark_failed(entry.record.replica_id)
-                        cut = _AttemptFailed(
-                            grpc.StatusCode.UNAVAILABLE, "the replica failed the stream", True
-                        )
-                        if began:
-                            raise _StreamCut(cut, entry.record.replica_id)
-                        raise upstream_error(cut.code, cut.details)
+                        raise self._cut(entry, "the replica failed the stream", began)
                 if began and direct is not None and not completed and not carry:
                     client, direct = direct(), None  # asked once, after the response began
                     if client is not None:
@@ -252,16 +246,21 @@ class Relay:
                 raise upstream_error(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the client did not read the stream in time"
                 ) from None
-            self.registry.mark_failed(entry.record.replica_id)  # the replica went away
-            failed = _AttemptFailed(
-                grpc.StatusCode.UNAVAILABLE, f"connection to the replica failed: {exc}", True
-            )
-            if began:
-                raise _StreamCut(failed, entry.record.replica_id) from None
-            raise upstream_error(failed.code, failed.details) from None
+            raise self._cut(entry, f"connection to the replica failed: {exc}", began) from None
         finally:
             entry.http.release(conn)  # kept only when read to its end
             self._end(entry, work, decision.request_id, span, outcome)
+
+    def _cut(self, entry: ReplicaEntry, details: str, began: bool) -> Exception:
+        """What to raise for a relayed stream its replica failed (UNAVAILABLE): the replica
+        cooled down; a ``_StreamCut`` that may move once a block went out, else the client's
+        error."""
+        self.registry.mark_failed(entry.record.replica_id)
+        if began:
+            return _StreamCut(
+                _AttemptFailed(grpc.StatusCode.UNAVAILABLE, details, True), entry.record.replica_id
+            )
+        return upstream_error(grpc.StatusCode.UNAVAILABLE, details)
 
     async def _open_http(
         self,

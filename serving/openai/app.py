@@ -695,8 +695,10 @@ async def _sse(
     stream whose replica failed), and a continuation does not open its choice again."""
     lines = relayed is not None and relayed.stream_token_ids
 
-    def marked(event: str, ids: list[int] | tuple = ()) -> str:
-        return token_line(ids) + event if lines else event
+    def marked(event: str, ids: list[int] | tuple = (), failed: str = "") -> str:
+        if not lines:
+            return event
+        return token_line(ids) + (failure_line(failed) if failed else "") + event
 
     complete, unshown = None, []  # the token ids of chunks no event has shown yet
     try:
@@ -723,7 +725,7 @@ async def _sse(
         if complete is not None:
             yield trailer(complete)
     except ServingError as exc:  # a replica failed mid-stream: tell the client, in band
-        yield marked(failure_line(exc.grpc_code.name) + _error_event(exc) if lines else _error_event(exc))
+        yield marked(_error_event(exc), failed=exc.grpc_code.name)
     finally:
         await rest.aclose()
     yield marked("data: [DONE]\n\n")

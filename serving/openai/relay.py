@@ -18,10 +18,11 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from pydantic import BaseModel, Field
@@ -113,73 +114,46 @@ class CompletionEnvelope(RelayEnvelope):
 @dataclass
 class SseRequest:
     """A client's streamed request as the router relays it: the envelope, all but the
-    per-replica prediction built once. ``migratable``: its events come with their token ids,
-    so that ``continued`` can move it."""
+    per-replica prediction built once (``head``). ``migratable``: its events come with their
+    token ids, so that ``continued`` can move it."""
 
-    path: str
-    head: bytes  # the envelope up to the prediction
+    chat: bool
     body: bytes  # the client's JSON body, verbatim
     model: str
     request_id: str
     token_ids: list[int]
-    created: int
-    migratable: bool
+    migratable: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
     continuation: bool = False
     continued_tokens: int = 0
+    head: bytes = field(init=False, repr=False)  # the envelope up to the prediction
 
-    @classmethod
-    def of(
-        cls,
-        chat: bool,
-        body: bytes,
-        model: str,
-        request_id: str,
-        token_ids: list[int],
-        migratable: bool = False,
-        created: int | None = None,
-        continuation: bool = False,
-        continued_tokens: int = 0,
-    ) -> SseRequest:
-        created = int(time.time()) if created is None else created
-        head = b"".join(
+    def __post_init__(self) -> None:
+        self.head = b"".join(
             (
                 b'{"model":',
-                json.dumps(model).encode(),
+                json.dumps(self.model).encode(),
                 b',"request_id":',
-                json.dumps(request_id).encode(),
+                json.dumps(self.request_id).encode(),
                 b',"prompt_token_ids":"',
-                packed_token_ids(token_ids),
+                packed_token_ids(self.token_ids),
                 b'","created":%d,"stream_token_ids":%s,"continuation":%s,"continued_tokens":%d,'
-                % (created, _JSON[migratable], _JSON[continuation], continued_tokens),
+                % (self.created, _JSON[self.migratable], _JSON[self.continuation], self.continued_tokens),
             )
         )
-        path = RELAY_PATHS["chat" if chat else "completions"]
-        return cls(
-            path,
-            head,
-            body,
-            model,
-            request_id,
-            token_ids,
-            created,
-            migratable,
-            continuation,
-            continued_tokens,
-        )
+
+    @property
+    def path(self) -> str:
+        return RELAY_PATHS["chat" if self.chat else "completions"]
 
     def continued(self, sent: list[int]) -> SseRequest:
         """This request as it goes on elsewhere after ``sent`` (this attempt's tokens that
         reached the client): those tokens at the prompt's end, counted as output."""
-        return SseRequest.of(
-            self.path == RELAY_PATHS["chat"],
-            self.body,
-            self.model,
-            self.request_id,
-            self.token_ids + sent,
-            self.migratable,
-            self.created,
-            True,
-            self.continued_tokens + len(sent),
+        return dataclasses.replace(
+            self,
+            token_ids=self.token_ids + sent,
+            continuation=True,
+            continued_tokens=self.continued_tokens + len(sent),
         )
 
     def envelope(self, predicted_cached_blocks: int, first_block_hash: int) -> bytes:
