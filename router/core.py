@@ -87,10 +87,8 @@ class RouterCore:
         self._max_queue_delay_s = options.flow.max_queue_delay_s
         self._flow_control = options.flow.flow_control == "on"
         self._load_model = PrefixAware(block_size=model.block_size)  # what a replica's queue delay is
-        self._fleet_view: tuple[float, dict[str, int]] = (
-            -1.0,
-            {},
-        )  # (when read, the other routers' requests)
+        # When the other routers' requests per replica were last read, and what they were.
+        self._fleet_view: tuple[float, dict[str, int]] = (-1.0, {})
         self._fleet_lock = asyncio.Lock()
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE
         self.inflight = InflightLimit(self.limits.max_inflight, "router")
@@ -109,8 +107,12 @@ class RouterCore:
         try:
             return self.inflight.take(count)
         except Overloaded:
-            self.metrics.requests.labels(self.decider.known_policy(policy), "overloaded").inc()
+            self.count_overloaded(policy)
             raise
+
+    def count_overloaded(self, policy: str) -> None:
+        """A request refused for load (the in-flight limit, flow control), in the request metrics."""
+        self.metrics.requests.labels(self.decider.known_policy(policy), "overloaded").inc()
 
     async def saturated(self) -> bool:
         """Whether the fleet has no room for one more request now: room is a running slot
@@ -125,31 +127,33 @@ class RouterCore:
             return False
         others = await self._others()
         states = self.registry.states({})  # this router's own work, exact
-        room = sum(self._room(s, others.get(s.replica_id, 0)) for s in states)
-        return bool(states) and room <= self.flow.pending
+        room = 0.0
+        for own in states:
+            extra = others.get(own.replica_id, 0)
+            room += self._room(dataclasses.replace(own, inflight_requests=own.inflight_requests + extra))
+            if room > self.flow.pending:
+                return False
+        return bool(states)
 
     def with_room_first(self, decision: Decision) -> None:
-        """The decision's replicas with room (``_room``) first, each group in the policy's
-        order: a replica whose running slots are all taken would queue the request in its
-        engine behind the requests it runs, whatever prefix it holds (flow control let the
-        request go because some replica had room)."""
+        """The decision's replicas with room (``_room``, from the states it ranked them by)
+        first, each group in the policy's order: a replica whose running slots are all taken
+        would queue the request in its engine behind the requests it runs, whatever prefix it
+        holds (flow control let the request go because some replica had room)."""
         if not self._flow_control:
             return
-        others = self._fleet_view[1]
-        states = {s.replica_id: s for s in self.registry.states({})}
-        full = {r for r, s in states.items() if not self._room(s, others.get(r, 0))}
-        if full and decision.ranked[0] in full:
+        full = {s.replica_id for s in decision.states if not self._room(s)}
+        if decision.ranked[0] in full:
             decision.ranked = [r for r in decision.ranked if r not in full] + [
                 r for r in decision.ranked if r in full
             ]
 
-    def _room(self, own: ReplicaState, others: int) -> float:
-        """Requests ``own``'s replica takes at once: its free running slots, none where its
+    def _room(self, state: ReplicaState) -> float:
+        """Requests ``state``'s replica takes at once: its free running slots, none where its
         queue is over the limit."""
-        entry = self.registry.entries.get(own.replica_id)
+        entry = self.registry.entries.get(state.replica_id)
         # A record is never trusted to be sane: a slot count under one reads as one.
         slots = max(1.0, entry.record.load("max_num_seqs", math.inf)) if entry else math.inf
-        state = dataclasses.replace(own, inflight_requests=own.inflight_requests + others)
         if self._load_model.load_seconds(state) > self._max_queue_delay_s:
             return 0.0
         return max(0.0, slots - state.inflight_requests)
@@ -292,9 +296,7 @@ class _Routed:
             )
         except BaseException as exc:
             if isinstance(exc, Overloaded):
-                core.metrics.requests.labels(
-                    core.decider.known_policy(self.request.policy), "overloaded"
-                ).inc()
+                core.count_overloaded(self.request.policy)
             tracing.end(self.root, outcome="error")
             raise
         try:

@@ -18,7 +18,7 @@ from kvmesh.router.flow import FlowConfig
 from kvmesh.router.index_trust.predictions import Prediction
 from kvmesh.router.index_trust.states import IndexHealthConfig
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policies import POLICIES, SATURATION_STEPS, Policy, RouteRequest, make_policy
+from kvmesh.router.policies import POLICIES, SATURATION_STEPS, Policy, ReplicaState, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
@@ -54,6 +54,7 @@ class Decision:
     branch: str = ""  # why the first choice came first
     index_read: bool = True  # False: the lookup failed, so no prediction says anything of the index
     served_tokens: int | None = None  # prompt and output tokens its replica reported (its usage)
+    states: list[ReplicaState] = field(default_factory=list)  # the live replicas as it saw them
 
     @property
     def checks_index(self) -> bool:
@@ -213,7 +214,7 @@ class Decider:
         decision = Decision(
             new_request_id(), ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
         )
-        decision.index_read = view is not None
+        decision.index_read, decision.states = view is not None, states
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
         policy = self.policy(policy_name)
         with tracing.span("kvmesh.router.decision", trace, policy=policy_name) as span:
