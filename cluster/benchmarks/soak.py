@@ -32,6 +32,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -59,6 +60,36 @@ FLOOD_TTFT_RATIO = 1.2
 FLOOD_BANDS = ("normal", "batch")  # the flood's clients alternate between these
 REFUSED_PAUSE_S = 0.2  # a client refused for load waits this long before its next request
 HELD_OPEN_MAX_S = 30.0  # the longest a held-open connection may live: the head timeout, the linger, slack
+
+
+@dataclass(frozen=True)
+class SoakLoad:
+    """What one soak run puts on the cluster (``kvmesh bench soak``'s flags)."""
+
+    duration: float
+    replicas: int
+    clients: int
+    kill_every: float
+    seed: int = 0
+    hostile_clients: int = 0
+    idle: int = 0
+    slowloris: int = 0
+    flood: int = 0
+    max_queue_delay_s: float | None = None
+    max_num_seqs: int | None = None
+    flow_control: bool = True
+
+    def calm(self) -> SoakLoad:
+        """The baseline: the same ordinary load and replicas, without hostile clients,
+        held-open connections or flood, on the router's default flow control."""
+        return SoakLoad(
+            self.duration,
+            self.replicas,
+            self.clients,
+            self.kill_every,
+            self.seed,
+            max_num_seqs=self.max_num_seqs,
+        )
 
 
 def _flood_targets(result: dict, calm_first: bool) -> list[dict]:
@@ -166,36 +197,27 @@ def classify_failures(failures: list[dict], kill_times: list[float]) -> dict:
     return {"streaming_from_a_killed_replica": killed, "other": len(other), "other_examples": other[:20]}
 
 
-async def run(
-    model_dir: str,
-    duration: float,
-    replicas: int,
-    clients: int,
-    kill_every: float,
-    seed: int,
-    hostile_clients: int = 0,
-    idle: int = 0,
-    slowloris: int = 0,
-    flood: int = 0,
-    max_queue_delay_s: float | None = None,
-    max_num_seqs: int | None = None,
-    flow_control: bool = True,
-) -> dict:
-    rng = random.Random(seed)
+async def run(model_dir: str, load: SoakLoad) -> dict:
+    rng = random.Random(load.seed)
     requests = shared_prefix(
-        num_groups=16, prompts_per_group=16, system_prompt_len=256, question_len=32, output_len=16, seed=seed
+        num_groups=16,
+        prompts_per_group=16,
+        system_prompt_len=256,
+        question_len=32,
+        output_len=16,
+        seed=load.seed,
     )
     # With hostile clients: HTTP too, and slow readers cut off within the run.
-    abused = bool(hostile_clients or idle or slowloris)
+    abused = bool(load.hostile_clients or load.idle or load.slowloris)
     cut_soon = ConnectionLimits(stream_write_timeout_s=HOSTILE_WRITE_TIMEOUT_S)
     hostile = {"connections": cut_soon} if abused else {}
-    flow = FlowConfig(tenants="steady,flood", flow_control="on" if flow_control else "off")
-    if max_queue_delay_s is not None:
-        flow = dataclasses.replace(flow, max_queue_delay_s=max_queue_delay_s)
+    flow = FlowConfig(tenants="steady,flood", flow_control="on" if load.flow_control else "off")
+    if load.max_queue_delay_s is not None:
+        flow = dataclasses.replace(flow, max_queue_delay_s=load.max_queue_delay_s)
     config = ClusterConfig.for_model(
         model_dir,
-        replicas,
-        engine={"num_kv_blocks": 1024, **({"max_num_seqs": max_num_seqs} if max_num_seqs else {})},
+        load.replicas,
+        engine={"num_kv_blocks": 1024, **({"max_num_seqs": load.max_num_seqs} if load.max_num_seqs else {})},
         router={"port": 0, "http_port": 0 if abused else -1, "flow": flow, **hostile},
         replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
     )
@@ -211,21 +233,21 @@ async def run(
         stop = asyncio.Event()
         t0 = time.perf_counter()
         address = cluster.router_address
-        steady = ("steady", "normal") if flood else None
+        steady = ("steady", "normal") if load.flood else None
         workers = [
             asyncio.create_task(closed_loop_client(address, requests, stop, t0, log, failures, steady, ttfts))
-            for _ in range(clients)
+            for _ in range(load.clients)
         ]
         workers += [  # the flood: half its clients in the sheddable band
             asyncio.create_task(
                 closed_loop_client(address, requests, stop, t0, flooded, [], ("flood", FLOOD_BANDS[i % 2]))
             )
-            for i in range(flood)
+            for i in range(load.flood)
         ]
         files_before = open_files(os.getpid())  # the router's, before any attack
-        abuse = _start_hostile(cluster, hostile_clients, duration, seed, idle, slowloris)
-        next_kill, next_sample = kill_every, 0.0
-        while (now := time.perf_counter() - t0) < duration:
+        abuse = _start_hostile(cluster, load)
+        next_kill, next_sample = load.kill_every, 0.0
+        while (now := time.perf_counter() - t0) < load.duration:
             if now >= next_sample:
                 await _sample_memory(cluster, now, memory, files)
                 next_sample += 10.0
@@ -233,13 +255,13 @@ async def run(
                     f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
                 )
             live = sorted(e.record.replica_id for e in cluster.router.registry.live())
-            if kill_every and now >= next_kill and len(live) >= 2:  # never the last one serving
+            if load.kill_every and now >= next_kill and len(live) >= 2:  # never the last one serving
                 victim = rng.choice(live)
                 import ray
 
                 ray.kill(cluster.supervisor.actors[victim])
                 kill_times.append(round(now, 2))
-                next_kill = max(next_kill, now) + kill_every  # a kill that waited moves the next
+                next_kill = max(next_kill, now) + load.kill_every  # a kill that waited moves the next
             await asyncio.sleep(0.2)
         stop.set()
         await asyncio.gather(*workers)
@@ -276,9 +298,9 @@ async def run(
     if hostile_report is not None:
         result["hostile"] = hostile_report
         result["router_after_attack"] = after_attack
-    if flood:
+    if load.flood:
         result["flood"] = {
-            "clients": flood,
+            "clients": load.flood,
             "requests": len(flooded),
             "codes": dict(collections.Counter(c for _, c, _ in flooded)),
             "flow_by_tenant": flow_report(samples),
@@ -299,11 +321,9 @@ def flow_report(samples: dict) -> dict:
     return dict(out)
 
 
-def _start_hostile(
-    cluster: LocalCluster, clients: int, duration: float, seed: int, idle: int, slowloris: int
-):
+def _start_hostile(cluster: LocalCluster, load: SoakLoad):
     """The hostile clients and held-open connections, in a process of their own (None without any)."""
-    if not (clients or idle or slowloris):
+    if not (load.hostile_clients or load.idle or load.slowloris):
         return None
     from kvmesh.cluster.benchmarks.hostile import Target, run_hostile  # needs httpx
 
@@ -311,7 +331,7 @@ def _start_hostile(
     aim = Target(cluster.router_address, cluster.http_url, vocab, HOSTILE_WRITE_TIMEOUT_S)
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     running = asyncio.get_running_loop().run_in_executor(
-        pool, run_hostile, aim, clients, duration, seed, idle, slowloris
+        pool, run_hostile, aim, load.hostile_clients, load.duration, load.seed, load.idle, load.slowloris
     )
     running.add_done_callback(lambda _: pool.shutdown(wait=False))
     return running
@@ -404,67 +424,33 @@ def _memory_report(memory: dict) -> dict:
     return out
 
 
-def main(
-    out: str,
-    duration: float,
-    replicas: int,
-    clients: int,
-    kill_every: float,
-    cache_dir: str,
-    seed: int,
-    hostile_clients: int = 0,
-    idle: int = 0,
-    slowloris: int = 0,
-    calm_first: bool = False,
-    flood: int = 0,
-    max_queue_delay_s: float | None = None,
-    max_num_seqs: int | None = None,
-    flow_control: bool = True,
-) -> int:
+def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> int:
     """``calm_first``: the same soak without the hostile clients, held-open connections and
     flood first, as the baseline of the ordinary requests' p90 (and time to first token)."""
     model = str(demo_model(Path(cache_dir)))
     result = {
         "benchmark": "soak",
-        "duration_s": duration,
-        "replicas": replicas,
-        "clients": clients,
-        "kill_every_s": kill_every,
-        "hostile_clients": hostile_clients,
-        "held_open": {"idle": idle, "slowloris": slowloris},
-        "flood_clients": flood,
-        "max_queue_delay_s": max_queue_delay_s,
-        "max_num_seqs": max_num_seqs,
-        "flow_control": flow_control,
+        "duration_s": load.duration,
+        "replicas": load.replicas,
+        "clients": load.clients,
+        "kill_every_s": load.kill_every,
+        "hostile_clients": load.hostile_clients,
+        "held_open": {"idle": load.idle, "slowloris": load.slowloris},
+        "flood_clients": load.flood,
+        "max_queue_delay_s": load.max_queue_delay_s,
+        "max_num_seqs": load.max_num_seqs,
+        "flow_control": load.flow_control,
         "environment": environment(),
     }
     if calm_first:
-        calm = asyncio.run(
-            run(model, duration, replicas, clients, kill_every, seed, max_num_seqs=max_num_seqs)
-        )
+        calm = asyncio.run(run(model, load.calm()))
         keep = ("p90_ms", "ttft_p90_ms", "requests", "errors", "minutes", "memory")
         result["calm"] = {k: calm[k] for k in keep}
-    result.update(
-        asyncio.run(
-            run(
-                model,
-                duration,
-                replicas,
-                clients,
-                kill_every,
-                seed,
-                hostile_clients,
-                idle,
-                slowloris,
-                flood,
-                max_queue_delay_s,
-                max_num_seqs,
-                flow_control,
-            )
-        )
-    )
+    result.update(asyncio.run(run(model, load)))
     long_lived = {
-        k: v for k, v in result["memory"].items() if v["lived_s"] >= min(duration * 0.8, duration - 30)
+        k: v
+        for k, v in result["memory"].items()
+        if v["lived_s"] >= min(load.duration * 0.8, load.duration - 30)
     }
     worst = max((v["growth_pct"] for v in long_lived.values()), default=0.0)
     errors = sum(result["errors"].values())
@@ -482,13 +468,13 @@ def main(
             "index false alarms (no index fault injected)", result["index_truth"]["false_alarms"], "<=", 0
         ),
     ]
-    if hostile_clients:
+    if load.hostile_clients:
         result["targets"].append(
             target(
                 "hostile requests not answered as they must be", result["hostile"]["total_surprises"], "<=", 0
             )
         )
-    if idle or slowloris:
+    if load.idle or load.slowloris:
         longest = result["hostile"]["held_longest_s"]
         result["targets"].append(
             target("longest a held-open connection lived (s)", longest, "<=", HELD_OPEN_MAX_S)
@@ -503,10 +489,10 @@ def main(
                 16,
             )
         )
-    if calm_first and hostile_clients and result["calm"]["p90_ms"] and result["p90_ms"]:
+    if calm_first and load.hostile_clients and result["calm"]["p90_ms"] and result["p90_ms"]:
         ratio = round(result["p90_ms"] / result["calm"]["p90_ms"], 3)
         result["targets"].append(target("ordinary p90 under attack / calm p90", ratio, "<=", CALM_P90_RATIO))
-    if flood:
+    if load.flood:
         result["targets"] += _flood_targets(result, calm_first)
     print(f"\n{'minute':>6}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}{'files':>7}  errors")
     for row in result["minutes"]:
@@ -525,9 +511,9 @@ def main(
         f"ordinary requests failed: {failed['streaming_from_a_killed_replica']} streaming from a killed replica, "
         f"{failed['other']} otherwise"
     )
-    if idle or slowloris:
+    if load.idle or load.slowloris:
         print(f"held-open connections: {json.dumps(result['hostile']['held_open'])}")
-    if hostile_clients:
+    if load.hostile_clients:
         hostile = result["hostile"]
         print(
             f"hostile requests: {hostile['total_sent']} sent ({len(hostile['sent'])} kinds), "

@@ -314,26 +314,24 @@ def _soak(benches) -> None:
             raise UsageError("--hostile, --hostile-idle and --hostile-slowloris must be >= 0")
         if args.hostile or idle or slowloris:
             require_extra("experiments", "httpx")
-        from kvmesh.cluster.benchmarks.soak import main
+        from kvmesh.cluster.benchmarks.soak import SoakLoad, main
 
         setup_logging(False)
-        return main(
-            args.out,
+        load = SoakLoad(
             args.duration,
             args.replicas,
             args.clients,
             args.kill_every,
-            args.cache_dir,
             args.seed,
             args.hostile,
             idle,
             slowloris,
-            args.calm_first,
             args.flood,
             args.max_queue_delay,
             args.max_num_seqs,
             args.flow_control,
         )
+        return main(args.out, args.cache_dir, load, args.calm_first)
 
     soak.set_defaults(handler=run)
 
