@@ -14,7 +14,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import ray
-from helpers import another_router, eventually
+from helpers import another_router, eventually, metric
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
@@ -25,7 +25,6 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.router import registry as registry_module
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.replica_load import RequestWork
-from kvmesh.serving.metrics import read_samples
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -102,7 +101,7 @@ async def test_kill_a_replica_with_50_requests_in_flight_through_two_routers(clu
     # The queued ones were retried elsewhere, the streaming ones moved (a migration).
     assert codes == {"OK": 50}, [r for r in results if r["code"] != "OK"]
     assert all(r["chunks"] == 80 for r in results)  # one token a chunk: none repeated, none lost
-    assert _metric(cluster, "kvmesh_router_migrations_total", outcome="moved") >= 1
+    assert metric(cluster.router.core, "kvmesh_router_migrations_total", outcome="moved") >= 1
     index = cluster.router.index
     assert await eventually(lambda: _no_fleet_work(index), timeout=10)  # nothing reserved outlives the load
     await second.stop(grace=0.2)
@@ -139,10 +138,6 @@ async def test_replica_channel_closed_mid_stream_moves_the_stream_at_once(cluste
                 complete = response.complete
     assert complete.replica_id != replica_id and tokens == 400 == complete.usage.completion_tokens
     assert time.monotonic() - start < 10
-
-
-def _metric(cluster, name: str, **labels: str) -> float:
-    return read_samples(cluster.router.core.render_metrics().decode()).get((name, tuple(labels.items())), 0.0)
 
 
 async def _all_back(cluster, replaced: str, before: int) -> bool:

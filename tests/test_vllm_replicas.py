@@ -18,7 +18,7 @@ import openai
 import pytest
 import pytest_asyncio
 from conftest import tiny_model_dir
-from helpers import eventually, local_router_config
+from helpers import eventually, local_router_config, metric
 from reference import hf_greedy
 
 from kvmesh.cluster import status
@@ -154,16 +154,12 @@ def state(fleet, replica_id: str) -> str:
     return core(fleet).watch.state(replica_id)[0]
 
 
-def metric(fleet, name: str, **labels) -> float:
-    samples = read_samples(fleet["router"].models.routes[0].core.render_metrics().decode())
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
-
-
 def alarms(fleet, replica_id: str) -> float:
     """Times the router stopped trusting the replica's entries (DEGRADED or LOAD_ONLY) as stale."""
     name = "kvmesh_router_replica_index_state_changes_total"
     return sum(
-        metric(fleet, name, replica=replica_id, state=s, cause="stale_index") for s in (DEGRADED, LOAD_ONLY)
+        metric(fleet["router"].models.routes[0].core, name, replica=replica_id, state=s, cause="stale_index")
+        for s in (DEGRADED, LOAD_ONLY)
     )
 
 
@@ -289,7 +285,7 @@ async def test_a_sequence_gap_is_filled_from_vllms_replay(fleet):
 async def test_lost_events_turn_degraded_then_exact_after_resync(fleet):
     rid = "vllm-1"
     engine = fleet["replicas"][rid].engine
-    resyncs = metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid)
+    resyncs = metric(fleet["router"].models.routes[0].core, "kvmesh_router_index_resyncs_total", replica=rid)
     alarms_before = alarms(fleet, rid)
     prefixes = [prompt(4, fleet, rid) for _ in range(5)]
     for p in prefixes:
@@ -298,12 +294,19 @@ async def test_lost_events_turn_degraded_then_exact_after_resync(fleet):
     await asyncio.sleep(SETTLE_S)
     for p in prefixes:  # each one a hit the index did not show, older than events take
         _, unseen = await send(fleet, p + [2, 3], rid)
-        if metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid) > resyncs:
+        if (
+            metric(fleet["router"].models.routes[0].core, "kvmesh_router_index_resyncs_total", replica=rid)
+            > resyncs
+        ):
             break
         assert (unseen.predicted_cached_tokens, unseen.usage.cached_tokens) == (0, 4 * BS)
     assert await eventually(
         lambda: asyncio.sleep(
-            0, result=metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid) > resyncs
+            0,
+            result=metric(
+                fleet["router"].models.routes[0].core, "kvmesh_router_index_resyncs_total", replica=rid
+            )
+            > resyncs,
         )
     )
     assert alarms(fleet, rid) > alarms_before  # DEGRADED or LOAD_ONLY as stale, then the resync

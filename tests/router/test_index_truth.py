@@ -18,7 +18,7 @@ import observability
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
-from helpers import eventually, local_router_config
+from helpers import eventually, local_router_config, metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cluster import status
@@ -112,11 +112,6 @@ def state(fleet, replica_id: str) -> tuple[str, str]:
     return fleet["router"].core.watch.state(replica_id)
 
 
-def metric(fleet, name: str, **labels) -> float:
-    samples = read_samples(fleet["router"].core.render_metrics().decode())
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
-
-
 def metric_labels(fleet, name: str, label: str = "replica") -> set[str]:
     samples = read_samples(fleet["router"].core.render_metrics().decode())
     return {dict(ls)[label] for (n, ls), _ in samples.items() if n == name}
@@ -139,7 +134,11 @@ def alarms(fleet, replica_id: str, cause: str) -> float:
     """Times the router stopped trusting the replica's entries (DEGRADED or LOAD_ONLY) for ``cause``."""
     return sum(
         metric(
-            fleet, "kvmesh_router_replica_index_state_changes_total", replica=replica_id, state=s, cause=cause
+            fleet["router"].core,
+            "kvmesh_router_replica_index_state_changes_total",
+            replica=replica_id,
+            state=s,
+            cause=cause,
         )
         for s in (DEGRADED, LOAD_ONLY)
     )
@@ -185,14 +184,16 @@ async def test_steady_load_raises_no_alarm(fleet):
     counts, _ = await asyncio.gather(asyncio.gather(*(client(k) for k in range(4))), watch())
     assert sum(counts) > 30, counts
     assert seen == {EXACT}
-    assert sum(metric(fleet, "kvmesh_router_prediction_misses_total", cause=c) for c in LIES) == 0
-    assert metric(fleet, "kvmesh_router_index_resyncs_total") == 0
-    checked = metric(fleet, "kvmesh_router_prediction_error_blocks_count")
-    exact = metric(fleet, "kvmesh_router_prediction_error_blocks_bucket", le="0.5") - metric(
-        fleet, "kvmesh_router_prediction_error_blocks_bucket", le="-0.5"
+    assert (
+        sum(metric(fleet["router"].core, "kvmesh_router_prediction_misses_total", cause=c) for c in LIES) == 0
+    )
+    assert metric(fleet["router"].core, "kvmesh_router_index_resyncs_total") == 0
+    checked = metric(fleet["router"].core, "kvmesh_router_prediction_error_blocks_count")
+    exact = metric(fleet["router"].core, "kvmesh_router_prediction_error_blocks_bucket", le="0.5") - metric(
+        fleet["router"].core, "kvmesh_router_prediction_error_blocks_bucket", le="-0.5"
     )
     # a lookup that timed out on a starved machine routes by load only, and checks nothing
-    fell_back = metric(fleet, "kvmesh_router_index_errors_total")
+    fell_back = metric(fleet["router"].core, "kvmesh_router_index_errors_total")
     assert checked + fell_back >= sum(counts) and fell_back <= sum(counts) * 0.05
     assert exact / checked > 0.9
 
@@ -210,8 +211,19 @@ async def test_a_replica_hashing_with_another_seed_is_routed_by_load_only(fleet)
         (info,) = [r for r in listing.replicas if r.replica_id == rid]
         assert (info.index_state, info.index_state_cause) == ("LOAD_ONLY", "hash_mismatch")
         assert listing.index_state == "DEGRADED"  # the other replica is still EXACT
-        assert metric(fleet, "kvmesh_router_prediction_misses_total", replica=rid, cause="hash_mismatch") > 0
-        assert metric(fleet, "kvmesh_router_replica_index_state", replica=rid, state="LOAD_ONLY") == 1
+        assert (
+            metric(
+                fleet["router"].core,
+                "kvmesh_router_prediction_misses_total",
+                replica=rid,
+                cause="hash_mismatch",
+            )
+            > 0
+        )
+        assert (
+            metric(fleet["router"].core, "kvmesh_router_replica_index_state", replica=rid, state="LOAD_ONLY")
+            == 1
+        )
     finally:
         await engine.call(lambda e: setattr(e.block_manager, "seed", seed))
     await until_state(fleet, rid, EXACT, feed=lambda: send(fleet, prompt(4, fleet, rid), rid))
@@ -226,7 +238,7 @@ async def test_dropped_kv_events_are_found_stale_and_resynced(fleet, monkeypatch
         publisher._buffer.clear()
 
     monkeypatch.setattr(publisher, "_publish_buffer", drop)
-    resyncs = metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid)
+    resyncs = metric(fleet["router"].core, "kvmesh_router_index_resyncs_total", replica=rid)
     before = alarms(fleet, rid, "stale_index")
     prefixes = [prompt(4, fleet, rid) for _ in range(5)]
     for p in prefixes:
@@ -236,12 +248,17 @@ async def test_dropped_kv_events_are_found_stale_and_resynced(fleet, monkeypatch
     answers = [await send(fleet, p + [2, 3], rid) for p in prefixes]  # a resync may come in between
     assert (answers[0].predicted_cached_tokens, answers[0].usage.cached_tokens) == (0, 4 * BS)
     await until_alarm(fleet, rid, "stale_index", before, DETECT_S - (time.monotonic() - start))
-    assert metric(fleet, "kvmesh_router_prediction_misses_total", replica=rid, cause="stale_index") >= 1
+    assert (
+        metric(
+            fleet["router"].core, "kvmesh_router_prediction_misses_total", replica=rid, cause="stale_index"
+        )
+        >= 1
+    )
     monkeypatch.undo()
     # LOAD_ONLY asks the replica to resync; its new incarnation starts a fresh window
     assert await eventually(
         lambda: asyncio.sleep(
-            0, result=metric(fleet, "kvmesh_router_index_resyncs_total", replica=rid) > resyncs
+            0, result=metric(fleet["router"].core, "kvmesh_router_index_resyncs_total", replica=rid) > resyncs
         )
     )
     await exact_again(fleet, rid)
@@ -303,7 +320,7 @@ async def test_a_flushed_redis_is_reported_and_recovered(fleet):
 
 async def test_a_restarted_replica_is_seen_and_starts_afresh(fleet):
     rid = "truth-1"
-    before = metric(fleet, "kvmesh_router_replica_restarts_total", replica=rid)
+    before = metric(fleet["router"].core, "kvmesh_router_replica_restarts_total", replica=rid)
     await fleet["replicas"][rid].stop(grace=0.5)
     gauge = "kvmesh_router_replica_running_requests"
     assert await eventually(
@@ -314,7 +331,9 @@ async def test_a_restarted_replica_is_seen_and_starts_afresh(fleet):
     start = time.monotonic()
     assert await eventually(
         lambda: asyncio.sleep(
-            0, result=metric(fleet, "kvmesh_router_replica_restarts_total", replica=rid) == before + 1
+            0,
+            result=metric(fleet["router"].core, "kvmesh_router_replica_restarts_total", replica=rid)
+            == before + 1,
         ),
         DETECT_S,
     )

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from fake_http import FakeHttpServer
-from helpers import eventually, local_router_config, started_router
+from helpers import eventually, local_router_config, metric, started_router
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
@@ -27,7 +27,6 @@ from kvmesh.router.flow import FlowConfig
 from kvmesh.router.process import RouterServer
 from kvmesh.router.replica_http import ReplicaHttp, _Connection
 from kvmesh.serving.errors import InvalidRequest
-from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.openai.relay import (
     RELAY_PATHS,
     failure_line,
@@ -116,10 +115,6 @@ async def fleet(qwen3_dir):
     redis.close()
 
 
-def _metric(router: RouterServer, name: str, **labels: str) -> float:
-    return read_samples(router.core.render_metrics().decode()).get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 async def _stream(client: httpx.AsyncClient, url: str, **fields) -> list[bytes]:
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True, **fields}
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
@@ -138,9 +133,9 @@ def _events(raw: bytes) -> list[dict | str]:
 
 async def test_the_client_gets_the_replicas_own_stream_and_the_router_still_accounts_for_it(fleet):
     router, client = fleet["router"], fleet["client"]
-    relayed = _metric(router, "kvmesh_router_relayed_streams_total")
-    cached = _metric(router, "kvmesh_router_actual_cached_tokens_total")
-    prompt_tokens = _metric(router, "kvmesh_router_prompt_tokens_total")
+    relayed = metric(router.core, "kvmesh_router_relayed_streams_total")
+    cached = metric(router.core, "kvmesh_router_actual_cached_tokens_total")
+    prompt_tokens = metric(router.core, "kvmesh_router_prompt_tokens_total")
     options = {"stream_options": {"include_usage": True}}
     first = b"".join(await _stream(client, fleet["url"], **options))
     second = b"".join(await _stream(client, fleet["url"], **options))
@@ -149,14 +144,14 @@ async def test_the_client_gets_the_replicas_own_stream_and_the_router_still_acco
     assert events[-1] == "[DONE]"
     usage = events[-2]["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # the second found the first's prefix
-    assert _metric(router, "kvmesh_router_relayed_streams_total") == relayed + 2
+    assert metric(router.core, "kvmesh_router_relayed_streams_total") == relayed + 2
     # The router read each stream's Complete from the trailer: its counters match what the
     # client was told, request for request.
     first_usage = _events(first)[-2]["usage"]
-    assert _metric(router, "kvmesh_router_prompt_tokens_total") - prompt_tokens == (
+    assert metric(router.core, "kvmesh_router_prompt_tokens_total") - prompt_tokens == (
         first_usage["prompt_tokens"] + usage["prompt_tokens"]
     )
-    assert _metric(router, "kvmesh_router_actual_cached_tokens_total") - cached == (
+    assert metric(router.core, "kvmesh_router_actual_cached_tokens_total") - cached == (
         first_usage["prompt_tokens_details"]["cached_tokens"]
         + usage["prompt_tokens_details"]["cached_tokens"]
     )
@@ -227,13 +222,13 @@ async def test_a_replica_whose_port_refuses_moves_the_request_once_and_cools_dow
     broken = entries[0]
     saved = broken.http
     broken.http = ReplicaHttp("http://127.0.0.1:9", None)  # nothing listens on the discard port
-    failovers = _metric(router, "kvmesh_router_failovers_total")
+    failovers = metric(router.core, "kvmesh_router_failovers_total")
     try:
         for _ in range(4):  # whichever replica the policy picks first, the request is served
             events = _events(b"".join(await _stream(client, fleet["url"])))
             assert events[-1] == "[DONE]" and all("error" not in e for e in events if isinstance(e, dict))
         assert broken.failed_until > 0  # cooled down: the following requests skip it
-        assert _metric(router, "kvmesh_router_failovers_total") >= failovers + 1
+        assert metric(router.core, "kvmesh_router_failovers_total") >= failovers + 1
     finally:
         broken.http, broken.failed_until = saved, 0.0
 
@@ -324,7 +319,7 @@ async def test_a_stream_its_replica_fails_in_band_moves_with_the_tokens_its_clie
     client: the stream continues on the other replica, whose envelope carries the tokens the
     client saw at the prompt's end and says it is a continuation."""
     router, client = fleet["router"], fleet["client"]
-    moved = _metric(router, "kvmesh_router_migrations_total", outcome="moved")
+    moved = metric(router.core, "kvmesh_router_migrations_total", outcome="moved")
     async with _FailsThenContinues() as upstream:
         saved = await _with_only(router, upstream.url)
         try:
@@ -344,7 +339,7 @@ async def test_a_stream_its_replica_fails_in_band_moves_with_the_tokens_its_clie
         and second["continuation"]
         and second["request_id"] == first["request_id"]
     )
-    assert _metric(router, "kvmesh_router_migrations_total", outcome="moved") == moved + 1
+    assert metric(router.core, "kvmesh_router_migrations_total", outcome="moved") == moved + 1
 
 
 class _CutsSlowReaders(FakeHttpServer):
@@ -391,7 +386,7 @@ async def test_a_stream_cut_because_its_client_stopped_reading_does_not_cool_the
 async def test_a_stream_the_replica_ended_with_an_error_counts_as_failed(fleet):
     router, client = fleet["router"], fleet["client"]
     error = 'data: {"error": {"message": "replica error: out of blocks", "code": 500}}\n\n'
-    failed = _metric_of(router, "kvmesh_router_requests_total", outcome="error")
+    failed = metric(router.core, "kvmesh_router_requests_total", outcome="error")
     async with _Upstream(events=[error, "data: [DONE]\n\n"], ends=True) as upstream:
         saved = await _with_only(router, upstream.url)
         try:
@@ -402,16 +397,7 @@ async def test_a_stream_the_replica_ended_with_an_error_counts_as_failed(fleet):
         {"error": {"message": "replica error: out of blocks", "code": 500}},
         "[DONE]",
     ]  # as it was
-    assert _metric_of(router, "kvmesh_router_requests_total", outcome="error") == failed + 1
-
-
-def _metric_of(router: RouterServer, name: str, **labels) -> float:
-    """A labelled counter summed over the labels not given."""
-    return sum(
-        value
-        for (sample, have), value in read_samples(router.core.render_metrics().decode()).items()
-        if sample == name and labels.items() <= dict(have).items()
-    )
+    assert metric(router.core, "kvmesh_router_requests_total", outcome="error") == failed + 1
 
 
 async def test_a_replicas_refusal_reaches_the_client_with_its_status_and_message(fleet):
@@ -429,12 +415,7 @@ async def test_a_replicas_refusal_reaches_the_client_with_its_status_and_message
 
 
 def _aborted(replicas) -> float:
-    return sum(
-        read_samples(r.backend.render_metrics().decode()).get(
-            ("kvmesh_replica_requests_total", (("outcome", "cancelled"),)), 0.0
-        )
-        for r in replicas
-    )
+    return sum(metric(r.backend, "kvmesh_replica_requests_total", outcome="cancelled") for r in replicas)
 
 
 async def test_a_client_that_leaves_midway_frees_its_replicas_work(fleet):
@@ -474,7 +455,7 @@ async def test_a_request_queued_past_its_ttl_gets_429_without_reaching_a_replica
     flow = FlowConfig(bands="urgent:8:0.3,normal:8:0.3", max_queue_delay_s=1e-9)
     router = await started_router(RouterServer(local_router_config(qwen3_dir, fleet["redis"].url, flow=flow)))
     try:
-        sent = [_replica_requests(r) for r in fleet["replicas"]]
+        sent = [metric(r.backend, "kvmesh_replica_requests_total") for r in fleet["replicas"]]
         body = {"prompt": PROMPT, "max_tokens": 5, "stream": True}
         url = f"http://127.0.0.1:{router.http_port}/v1/completions"
         refused = await fleet["client"].post(url, json=body, headers={"x-kvmesh-priority": "urgent"})
@@ -491,11 +472,6 @@ async def test_a_request_queued_past_its_ttl_gets_429_without_reaching_a_replica
                 async for _ in pb_grpc.RouterStub(channel).Generate(request, timeout=10):
                     pass
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "normal" in err.value.details()
-        assert [_replica_requests(r) for r in fleet["replicas"]] == sent
+        assert [metric(r.backend, "kvmesh_replica_requests_total") for r in fleet["replicas"]] == sent
     finally:
         await router.stop(grace=0.2)
-
-
-def _replica_requests(replica: ReplicaServer) -> float:
-    samples = read_samples(replica.backend.render_metrics().decode())
-    return sum(v for (name, _), v in samples.items() if name == "kvmesh_replica_requests_total")

@@ -14,6 +14,15 @@ async def eventually(predicate, timeout: float = 10.0) -> bool:
     return False
 
 
+def metric(server, name: str, **labels: str) -> float:
+    """A metric of ``server`` (anything with ``render_metrics``: a router's core, a replica's
+    backend), summed over the label values not given."""
+    from kvmesh.serving.metrics import read_samples
+
+    samples = read_samples(server.render_metrics().decode())
+    return sum(v for (n, have), v in samples.items() if n == name and labels.items() <= dict(have).items())
+
+
 async def live_replicas_are(router, n: int) -> bool:
     """Whether ``router`` sees ``n`` live replicas after reading the index now."""
     await router.registry.refresh()
