@@ -37,6 +37,7 @@ from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
 from kvmesh.serving.openai.relay import SseRequest
 from kvmesh.serving.request_ids import OwnedRequests
+from kvmesh.serving.sampling_params import DEFAULT_MAX_TOKENS
 from kvmesh.serving.tokenizer import PromptTokenizer
 
 FLEET_VIEW_S = 0.05  # flow control reads the other routers' in-flight work at most this often
@@ -53,7 +54,8 @@ def estimated_tokens(request: pb.GenerateRequest) -> int:
         prompt = sum(len(m.content) for m in request.chat.messages) // 4
     else:
         prompt = len(request.text) // 4
-    return prompt + (request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16)
+    sampling = request.sampling
+    return prompt + (sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
 
 
 class RouterCore:
