@@ -8,7 +8,6 @@ the later ones restart what the earlier ones leave behind.
 """
 
 import asyncio
-import os
 import random
 import time
 from pathlib import Path
@@ -18,8 +17,8 @@ import openai
 import pytest
 import pytest_asyncio
 from conftest import tiny_model_dir
-from helpers import eventually, local_router_config, metric
-from reference import hf_greedy
+from helpers import eventually, local_router_config, metric, vllm_python
+from reference import hf_greedy, hf_log_softmax
 
 from kvmesh.cluster import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
@@ -40,20 +39,11 @@ pytestmark = [
     pytest.mark.heavy,
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
 BS = 32  # vLLM's CPU backend caches blocks in multiples of 32
 HEALTH = IndexHealthConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
 SETTLE_S = 1.3  # past the lag tolerance and the speculative entries' life
 VLLM_IDS = ("vllm-0", "vllm-1")
 rng = random.Random(11)
-
-
-def vllm_python() -> str:
-    """`make vllm`'s interpreter (or $KVMESH_VLLM_PYTHON); a missing one fails, never skips."""
-    python = os.environ.get("KVMESH_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
-    if not Path(python).is_file():
-        pytest.fail(f"no vLLM at {python}: run `make vllm` (make test does)")
-    return python
 
 
 def vllm_config(model_dir: Path, redis_url: str, replica_id: str) -> ReplicaConfig:
@@ -185,9 +175,37 @@ async def test_openai_completions_and_chat_through_the_router(fleet):
     )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        await client.completions.create(model=name, prompt="x", max_tokens=2, logprobs=2)
+    scored = await client.completions.create(model=name, prompt="the quick", max_tokens=3, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    # the 2 best and, where it is not one of them, the sampled token (OpenAI's shape)
+    assert len(logprobs.token_logprobs) == 3 and all(len(top) in (2, 3) for top in logprobs.top_logprobs)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.completions.create(
+            model=name, prompt="x", max_tokens=2, extra_body={"prompt_logprobs": 1}
+        )
     await client.close()
+
+
+async def test_grpc_logprobs_are_the_models_raw_log_softmax(fleet):
+    ids = prompt(1) + [9]
+    sampling = pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=sampling, model=core(fleet).model.api_name
+    )
+    scored = [
+        lp
+        for r in [r async for r in fleet["stub"].Generate(request, timeout=120)]
+        if r.WhichOneof("kind") == "chunk"
+        for lp in r.chunk.logprobs
+    ]
+    tokens = [lp.token_id for lp in scored]
+    assert tokens == hf_greedy(fleet["model"], ids, 4)
+    rows = hf_log_softmax(str(fleet["model"]), tuple(ids + tokens[:-1]))[len(ids) - 1 :]
+    for row, lp in zip(rows, scored, strict=True):
+        best = row.topk(3)
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-3 and lp.rank == 1  # greedy: the best
+        assert [t.token_id for t in lp.top] == best.indices.tolist()
+        assert all(abs(t.logprob - v) < 1e-3 for t, v in zip(lp.top, best.values.tolist(), strict=True))
 
 
 async def test_a_shared_prefix_goes_to_the_vllm_replica_holding_it_predicted_exactly(fleet):

@@ -30,6 +30,7 @@ from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine import EngineStats
 from kvmesh.replica.engine_thread import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvmesh.replica.request import PrefixFacts, RequestOutput, RequestTimes
+from kvmesh.replica.sampler import TokenLogprob
 from kvmesh.replica.step_costs import StepCostFit
 from kvmesh.replica.vllm.cache_view import CacheView
 from kvmesh.replica.vllm.server import VllmServer
@@ -107,8 +108,8 @@ class VllmEngine:
             raise EngineDeadError(reason)
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            raise ValueError("logprobs and prompt_logprobs are not served by vLLM replicas yet")
+        if params.prompt_logprobs is not None:  # vLLM computes them only for unstreamed requests
+            raise ValueError("prompt_logprobs are not served by vLLM replicas")
         hashes = block_hashes(prompt, self.block_size, self.hash_seed)
         admitted = time.monotonic()
         known = [self.view.stored_at(h) for h in hashes]
@@ -139,7 +140,7 @@ class VllmEngine:
 
     async def _stream(self, prompt: list[int], params: SamplingParams, request_id: str, queue) -> None:
         started = time.monotonic()
-        out = _Progress(request_id, len(prompt))
+        out = _Progress(request_id, len(prompt), params.logprobs)
         self._prompt_tokens += len(prompt)
         body = _completion_body(self.server.options.served_name, prompt, params)
         try:
@@ -316,9 +317,10 @@ class VllmEngine:
 class _Progress:
     """One request's stream from vLLM, read chunk by chunk."""
 
-    def __init__(self, request_id: str, prompt_tokens: int):
+    def __init__(self, request_id: str, prompt_tokens: int, top_logprobs: int | None = None):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.top_logprobs = top_logprobs  # alternatives per token the client asked for
         self.completion_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
@@ -346,7 +348,10 @@ class _Progress:
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         if not ids and not choice.get("text"):
             return None
-        return self._output(ids, choice.get("text") or "", finished=False)
+        out = self._output(ids, choice.get("text") or "", finished=False)
+        if (logprobs := choice.get("logprobs")) is not None:
+            out.logprobs = _token_logprobs(ids, logprobs, self.top_logprobs)
+        return out
 
     def _output(self, ids: list[int], text: str, finished: bool, reason: str | None = None) -> RequestOutput:
         return RequestOutput(
@@ -396,9 +401,26 @@ def _completion_body(model: str, prompt: list[int], p: SamplingParams) -> dict:
     }
     if p.seed is not None:
         body["seed"] = p.seed
+    if p.logprobs is not None:  # raw log-probabilities (vLLM's default mode, as kvmesh's engine)
+        body.update(logprobs=p.logprobs, return_tokens_as_token_ids=True)
     if p.logit_bias:
         body["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
     return body
+
+
+def _token_logprobs(ids: list[int], logprobs: dict, k: int | None) -> list[TokenLogprob]:
+    """vLLM's completion logprobs (tokens as ``token_id:N``) as kvmesh's: each token's
+    log-probability, its ``k`` best alternatives, best first, and its rank where it is one of
+    them (0 where it is not: vLLM's answer does not say how far below it lies)."""
+    scored = []
+    for token, logprob, top in zip(ids, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+        ranked = sorted(
+            ((int(name.removeprefix("token_id:")), value) for name, value in (top or {}).items()),
+            key=lambda pair: -pair[1],
+        )[: k or 0]
+        rank = next((i for i, (t, _) in enumerate(ranked, start=1) if t == token), 0)
+        scored.append(TokenLogprob(token, logprob, rank, tuple(ranked)))
+    return scored
 
 
 def _refusal(status: int, body: str) -> Exception:

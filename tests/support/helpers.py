@@ -1,7 +1,13 @@
 """Small shared test helpers."""
 
 import asyncio
+import os
 import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def eventually(predicate, timeout: float = 10.0) -> bool:
@@ -62,3 +68,11 @@ async def started_router(router):
             break
         await router.registry.refresh()
     return router
+
+
+def vllm_python() -> str:
+    """`make vllm`'s interpreter (or $KVMESH_VLLM_PYTHON); a missing one fails, never skips."""
+    python = os.environ.get("KVMESH_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        pytest.fail(f"no vLLM at {python}: run `make vllm` (make test does)")
+    return python
