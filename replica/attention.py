@@ -13,15 +13,20 @@ cached prefix and chunked prefill are all that one shape.
 - ``FlashPagedAttention``: CUDA + flash-attn. ``flash_attn_varlen_func`` with a block
   table for any batch holding a prefill, ``flash_attn_with_kvcache`` for pure decode.
   flash-attn's paged kernels need a block size that is a multiple of 256.
+- ``TritonPagedAttention``: kvmesh's own Triton kernels (``replica/kernels``): one kernel
+  for every step's shape, keys read in place through the block table at any block size,
+  long decode contexts split across programs; off CUDA they run in Triton's interpreter.
 
 ``choose_backend`` picks flash-attn only where its kernels can run (CUDA, the package,
 fp16/bf16, compute capability 8.0+, a head size that is a multiple of 8 up to 256, a block
-size that is a multiple of 256) and says why it picked what it picked.
+size that is a multiple of 256), else Triton's kernels on CUDA where Triton is installed,
+else torch, and says why it picked what it picked.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -56,6 +61,12 @@ def flash_attn_available() -> bool:
     return True
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Triton is installed (CUDA builds of torch bring it; the test extra pins one for the CPU)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def flash_attn_unusable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why flash-attn's kernels cannot run here (None: they can, given a 256-multiple block size)."""
     if device.type != "cuda":
@@ -77,8 +88,8 @@ def flash_attn_unusable(device: torch.device, dtype: torch.dtype, head_dim: int)
 def choose_backend(
     name: str | None, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> tuple[str, str]:
-    """(backend name, why): flash-attn where it can run, torch elsewhere; an explicit request
-    for flash-attn that cannot run is a ValueError saying why."""
+    """(backend name, why): flash-attn where it can run, else Triton's kernels on CUDA, else
+    torch; an explicit request for a backend that cannot run is a ValueError saying why."""
     unusable = flash_attn_unusable(device, dtype, head_dim)
     if name == "flash_attn":
         if unusable:
@@ -88,19 +99,25 @@ def choose_backend(
                 f"flash-attn paged KV needs a block size that is a multiple of 256, got {block_size}"
             )
         return "flash_attn", "asked for"
+    if name == "triton":
+        if not triton_available():
+            raise ValueError(
+                "attention_backend='triton' needs the triton package (CUDA builds of torch bring it)"
+            )
+        return "triton", "asked for" if device.type == "cuda" else "asked for (Triton's interpreter: slow)"
     if name == "torch":
         return "torch", "asked for"
-    if unusable:
-        return "torch", unusable
-    if block_size % 256:
+    if not unusable and block_size % 256 == 0:
         return (
-            "torch",
-            f"block size {block_size} is not a multiple of 256, which flash-attn's paged kernels need",
+            "flash_attn",
+            f"CUDA, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}, block size {block_size}",
         )
-    return (
-        "flash_attn",
-        f"CUDA, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}, block size {block_size}",
+    why_not_flash = unusable or (
+        f"block size {block_size} is not a multiple of 256, which flash-attn's paged kernels need"
     )
+    if device.type == "cuda" and triton_available():
+        return "triton", f"flash-attn cannot run ({why_not_flash}); Triton's kernels take any block size"
+    return "torch", why_not_flash
 
 
 def store_kv(
@@ -300,7 +317,80 @@ class FlashPagedAttention:
         )
 
 
-AttentionBackend = TorchPagedAttention | FlashPagedAttention
+@dataclass
+class TritonPlan:
+    slots: torch.Tensor  # int64 [tokens]
+    block_tables: torch.Tensor  # int32 [seqs, max_blocks]
+    query_start: torch.Tensor  # int32 [seqs + 1]
+    context_lens: torch.Tensor  # int32 [seqs]
+    max_context: int
+    decode_only: bool
+
+
+class TritonPagedAttention:
+    name = "triton"
+
+    def __init__(self, block_size: int, device: torch.device):
+        from kvmesh.replica.kernels import paged_attention
+
+        self._kernels = paged_attention
+        self.block_size = block_size
+        self.device = device
+        # Programs that keep every SM busy: a decode batch with fewer splits its contexts.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        self.programs_wanted = 2 * sms
+
+    def plan(self, layout: BatchLayout) -> TritonPlan:
+        max_blocks = max(len(t) for t in layout.block_tables)
+        tables = np.zeros((len(layout.block_tables), max_blocks), dtype=np.int32)
+        for row, table in enumerate(layout.block_tables):
+            tables[row, : len(table)] = table
+        query_start = np.zeros(len(layout.query_lens) + 1, dtype=np.int32)
+        np.cumsum(layout.query_lens, out=query_start[1:])
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        return TritonPlan(
+            slots=to_device(np.asarray(layout.slot_mapping, dtype=np.int64)),
+            block_tables=to_device(tables),
+            query_start=to_device(query_start),
+            context_lens=to_device(np.asarray(layout.context_lens, dtype=np.int32)),
+            max_context=max(layout.context_lens),
+            decode_only=max(layout.query_lens) == 1,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TritonPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        self._kernels.store_kv(k, v, k_cache, v_cache, plan.slots)
+        segments = 1
+        if plan.decode_only and self.programs_wanted:
+            segments = self._kernels.decode_segments(
+                plan.block_tables.shape[0], k_cache.shape[2], plan.max_context, self.programs_wanted
+            )
+        return self._kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            plan.block_tables,
+            plan.query_start,
+            plan.context_lens,
+            scale,
+            decode_only=plan.decode_only,
+            segments=segments,
+        )
+
+
+AttentionBackend = TorchPagedAttention | FlashPagedAttention | TritonPagedAttention
+_BACKENDS = {b.name: b for b in (TorchPagedAttention, FlashPagedAttention, TritonPagedAttention)}
 
 
 def make_backend(
@@ -311,5 +401,4 @@ def make_backend(
     chosen, why = choose_backend(name, block_size, device, dtype, head_dim)
     unused_flash = chosen == "torch" and name is None and device.type == "cuda" and flash_attn_available()
     (log.warning if unused_flash else log.info)("attention backend", extra={"backend": chosen, "why": why})
-    cls = FlashPagedAttention if chosen == "flash_attn" else TorchPagedAttention
-    return cls(block_size, device)
+    return _BACKENDS[chosen](block_size, device)

@@ -22,6 +22,7 @@ from kvmesh.serving.tls import TLSConfig
 
 GiB = 1 << 30
 # What ``dtype`` may name (the loader maps each to a torch dtype; "auto": the checkpoint's).
+ATTENTION_BACKENDS = ("torch", "flash_attn", "triton")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
 
 
@@ -41,7 +42,9 @@ class EngineConfig:
     device: str | None = option(None, help="cpu | cuda (default: cuda if available)")
     seed: int = option(0, help="engine RNG: seeds requests that carry no seed of their own")
     attention_backend: str | None = option(
-        None, choices=("torch", "flash_attn"), help="default: flash-attn where usable, else torch"
+        None,
+        choices=ATTENTION_BACKENDS,
+        help="default: flash-attn where usable, else Triton's kernels on CUDA, else torch",
     )
     check_invariants: bool = option(False, help="debug: check the block ledger after every step (slow)")
 
@@ -68,9 +71,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in (None, *DTYPE_NAMES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.attention_backend not in (None, "torch", "flash_attn"):
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'flash_attn', got {self.attention_backend!r}"
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
 
 

@@ -73,6 +73,31 @@ def test_every_part_keeps_to_its_imports():
     assert violations(ROOT) == []
 
 
+def kernel_violations(root: Path) -> list[str]:
+    """The engine's kernels (``replica/kernels``) import nothing of kvmesh, and only they
+    import Triton (absent from a plain install)."""
+    out = []
+    for part in PARTS:
+        for path, name in imports_under(root, part):
+            inside = path.parts[:2] == ("replica", "kernels")
+            if (inside and name.startswith("kvmesh.")) or (not inside and name.split(".")[0] == "triton"):
+                out.append(f"{path} imports {name}")
+    return out
+
+
+def test_only_the_kernels_import_triton_and_they_import_nothing_of_ours(tmp_path):
+    assert kernel_violations(ROOT) == []
+    (tmp_path / "replica" / "kernels").mkdir(parents=True)
+    (tmp_path / "replica" / "kernels" / "k.py").write_text("from kvmesh.replica.engine import LLMEngine\n")
+    (tmp_path / "replica" / "runner.py").write_text("def f():\n    import triton.language\n")
+    for part in PARTS:
+        (tmp_path / part).mkdir(exist_ok=True)
+    assert kernel_violations(tmp_path) == [
+        "replica/kernels/k.py imports kvmesh.replica.engine",
+        "replica/runner.py imports triton.language",
+    ]
+
+
 # cluster's folders -> cluster folders they must not import
 CLUSTER_FORBIDDEN = {"measure": {"experiments", "benchmarks"}, "experiments": {"benchmarks"}}
 

@@ -143,12 +143,18 @@ def test_flash_attn_is_chosen_only_where_it_can_run(fake_gpu, caplog):
         "block 16": (16, torch.float16, 64, "block size 16 is not a multiple of 256"),
         "head_dim 36": (256, torch.float16, 36, "head_dim 36; flash-attn needs a multiple of 8"),
     }
-    for block, dtype, head_dim, why in refusals.values():
-        assert choose_backend(None, block, CUDA0, dtype, head_dim) == (
-            "torch",
-            choose_backend(None, block, CUDA0, dtype, head_dim)[1],
-        )
-        assert why in choose_backend(None, block, CUDA0, dtype, head_dim)[1]
+    for block, dtype, head_dim, why in refusals.values():  # Triton's kernels take over on CUDA
+        chosen, reason = choose_backend(None, block, CUDA0, dtype, head_dim)
+        assert chosen == "triton" and why in reason and "Triton's kernels take any block size" in reason
+    with pytest.MonkeyPatch.context() as mp:  # without Triton: torch, with the same reason
+        mp.setattr(attention, "triton_available", lambda: False)
+        for block, dtype, head_dim, why in refusals.values():
+            chosen, reason = choose_backend(None, block, CUDA0, dtype, head_dim)
+            assert chosen == "torch" and why in reason
+        with pytest.raises(ValueError, match="needs the triton package"):
+            choose_backend("triton", 16, CUDA0, torch.float16, 64)
+    assert choose_backend("triton", 16, CUDA0, torch.float16, 64) == ("triton", "asked for")
+    assert choose_backend("triton", 16, CPU, torch.float32, 64)[0] == "triton"  # the interpreter
     with pytest.raises(ValueError, match="cannot run here: the weights are float32"):
         choose_backend("flash_attn", 256, CUDA0, torch.float32, 64)
     assert choose_backend("torch", 256, CUDA0, torch.bfloat16, 64) == ("torch", "asked for")
