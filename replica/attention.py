@@ -281,6 +281,18 @@ class FlashPagedAttention:
     def plan(self, layout: BatchLayout) -> FlashPlan:
         return flash_plan(layout, self.device)
 
+    def static_plan(
+        self,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context: int,
+    ) -> FlashPlan:
+        """A decode plan over a CUDA graph's buffers (flash-attn's decode entry reads only
+        the tables and the context lengths)."""
+        return FlashPlan(slots, block_tables, context_lens, query_start, query_start, 1, max_context, True)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -323,19 +335,20 @@ class TritonPlan:
     block_tables: torch.Tensor  # int32 [seqs, max_blocks]
     query_start: torch.Tensor  # int32 [seqs + 1]
     context_lens: torch.Tensor  # int32 [seqs]
-    max_context: int
     decode_only: bool
+    segments: int  # slices each context is split into (flash-decoding; 1: none)
 
 
 class TritonPagedAttention:
     name = "triton"
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, kv_heads: int = 1):
         from kvmesh.replica.kernels import paged_attention
 
         self._kernels = paged_attention
         self.block_size = block_size
         self.device = device
+        self.kv_heads = kv_heads
         # Programs that keep every SM busy: a decode batch with fewer splits its contexts.
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         self.programs_wanted = 2 * sms
@@ -351,14 +364,34 @@ class TritonPagedAttention:
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
 
+        decode_only = max(layout.query_lens) == 1
         return TritonPlan(
             slots=to_device(np.asarray(layout.slot_mapping, dtype=np.int64)),
             block_tables=to_device(tables),
             query_start=to_device(query_start),
             context_lens=to_device(np.asarray(layout.context_lens, dtype=np.int32)),
-            max_context=max(layout.context_lens),
-            decode_only=max(layout.query_lens) == 1,
+            decode_only=decode_only,
+            segments=self._segments(len(layout.query_lens), max(layout.context_lens)) if decode_only else 1,
         )
+
+    def static_plan(
+        self,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context: int,
+    ) -> TritonPlan:
+        """A decode plan over a CUDA graph's buffers, split for the longest context it may see."""
+        rows = block_tables.shape[0]
+        return TritonPlan(
+            slots, block_tables, query_start, context_lens, True, self._segments(rows, max_context)
+        )
+
+    def _segments(self, rows: int, max_context: int) -> int:
+        if not self.programs_wanted:
+            return 1
+        return self._kernels.decode_segments(rows, self.kv_heads, max_context, self.programs_wanted)
 
     def forward(
         self,
@@ -371,11 +404,6 @@ class TritonPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         self._kernels.store_kv(k, v, k_cache, v_cache, plan.slots)
-        segments = 1
-        if plan.decode_only and self.programs_wanted:
-            segments = self._kernels.decode_segments(
-                plan.block_tables.shape[0], k_cache.shape[2], plan.max_context, self.programs_wanted
-            )
         return self._kernels.paged_attention(
             q,
             k_cache,
@@ -385,7 +413,7 @@ class TritonPagedAttention:
             plan.context_lens,
             scale,
             decode_only=plan.decode_only,
-            segments=segments,
+            segments=plan.segments,
         )
 
 
@@ -394,11 +422,15 @@ _BACKENDS = {b.name: b for b in (TorchPagedAttention, FlashPagedAttention, Trito
 
 
 def make_backend(
-    name: str | None, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
+    name: str | None, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int, kv_heads: int
 ) -> AttentionBackend:
     """The backend ``choose_backend`` picks, with one log line saying which and why (a warning
     when flash-attn is installed on this GPU but left unused)."""
     chosen, why = choose_backend(name, block_size, device, dtype, head_dim)
-    unused_flash = chosen == "torch" and name is None and device.type == "cuda" and flash_attn_available()
+    unused_flash = (
+        chosen != "flash_attn" and name is None and device.type == "cuda" and flash_attn_available()
+    )
     (log.warning if unused_flash else log.info)("attention backend", extra={"backend": chosen, "why": why})
+    if chosen == "triton":
+        return TritonPagedAttention(block_size, device, kv_heads)
     return _BACKENDS[chosen](block_size, device)

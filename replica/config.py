@@ -46,6 +46,9 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS,
         help="default: flash-attn where usable, else Triton's kernels on CUDA, else torch",
     )
+    enforce_eager: bool = option(
+        False, help="CUDA: run decode steps kernel by kernel, without capturing CUDA graphs"
+    )
     check_invariants: bool = option(False, help="debug: check the block ledger after every step (slow)")
 
     @classmethod

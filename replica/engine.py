@@ -66,6 +66,9 @@ class EngineStats:
     kv: KVCacheStats
     step_costs: StepCosts  # what a step costs here, measured (replica/step_costs.py)
     step_cost_samples: int  # steps that fit has seen
+    graph_capture_seconds: float = 0.0  # the start's CUDA-graph capture (0: none captured)
+    graph_capture_bytes: int = 0  # device memory the captured graphs hold
+    graph_replays: int = 0  # decode steps replayed from a graph
 
 
 class LLMEngine:
@@ -108,7 +111,7 @@ class LLMEngine:
                 f"({spec.max_position_embeddings})"
             )
         self.model_id = model_id_of(model_dir, model_id)
-        self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec)
+        self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec, self.max_model_len)
         self.block_size = self.runner.block_size
         self.tokenizer = _load_tokenizer(Path(tokenizer_dir or model_dir))
         self.eos_token_ids = _eos_token_ids(Path(model_dir), hf_config, self.tokenizer)
@@ -345,6 +348,9 @@ class LLMEngine:
             kv=self.block_manager.stats(),
             step_costs=self.step_costs.costs(),
             step_cost_samples=self.step_costs.steps,
+            graph_capture_seconds=capture.seconds if (capture := self.runner.graph_capture) else 0.0,
+            graph_capture_bytes=capture.bytes if capture else 0,
+            graph_replays=self.runner.graphs.replays if self.runner.graphs else 0,
         )
 
     def reset_prefix_cache(self) -> None:

@@ -109,6 +109,14 @@ class _EngineCollector:
                 kv.num_cached_free_blocks,
             ),
             "kvmesh_replica_kv_cached_hashes": ("Block hashes a new request could hit", kv.num_cached_hashes),
+            "kvmesh_replica_cuda_graph_capture_seconds": (
+                "Seconds the start spent capturing decode CUDA graphs (0: none)",
+                s.graph_capture_seconds,
+            ),
+            "kvmesh_replica_cuda_graph_bytes": (
+                "Device memory the captured decode graphs hold",
+                s.graph_capture_bytes,
+            ),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -124,6 +132,7 @@ class _EngineCollector:
             ),
             "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", kv.prefix_hit_tokens),
             "kvmesh_replica_kv_evictions": ("Cached blocks reused for new data", kv.evictions),
+            "kvmesh_replica_cuda_graph_replays": ("Decode steps replayed from a CUDA graph", s.graph_replays),
         }
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])

@@ -15,6 +15,7 @@ import torch
 
 from kvmesh.replica.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.config import EngineConfig
+from kvmesh.replica.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
 from kvmesh.replica.request import Request
@@ -68,18 +69,28 @@ def kv_pool_bytes(
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, config: EngineConfig, hf_config, spec: DecoderSpec):
+    def __init__(
+        self, model_dir: str, config: EngineConfig, hf_config, spec: DecoderSpec, max_model_len: int
+    ):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size or default_block_size(
             self.device, config.attention_backend, self.dtype, spec.head_dim
         )
         self.spec = spec
+        self.max_model_len, self.max_num_seqs = max_model_len, config.max_num_seqs
+        self.graphs: DecodeGraphs | None = None  # decode replays, once captured
+        self.graph_capture: CaptureReport | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model: DecoderForCausalLM = load_model(model_dir, spec, self.dtype, self.device)
         self.backend: AttentionBackend = make_backend(
-            config.attention_backend, self.block_size, self.device, self.dtype, spec.head_dim
+            config.attention_backend,
+            self.block_size,
+            self.device,
+            self.dtype,
+            spec.head_dim,
+            spec.num_kv_heads,
         )
         self.num_blocks = self._pool_size(config)
         self.kv_cache = torch.zeros(
@@ -95,6 +106,11 @@ class ModelRunner:
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if hasattr(self.backend, "static_plan"):
+                self.capture_decode_graphs(CudaGraphReplay(self.device))
+            else:
+                log.info("decode runs eagerly: CUDA graphs need the Triton or flash-attn backend")
         log.info(
             "model runner ready",
             extra={
@@ -105,6 +121,22 @@ class ModelRunner:
                 "attention": self.backend.name,
             },
         )
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, replay: CudaGraphReplay | EagerReplay) -> CaptureReport:
+        """Decode steps of up to ``max_num_seqs`` rows replay captured graphs from now on."""
+        graphs = DecodeGraphs(
+            self.model,
+            self.backend,
+            self.max_num_seqs,
+            min(self.num_blocks, -(-self.max_model_len // self.block_size)),
+            self.max_model_len,
+            self.device,
+            replay,
+        )
+        self.graph_capture = graphs.capture()
+        self.graphs = graphs
+        return self.graph_capture
 
     @property
     def block_bytes(self) -> int:
@@ -218,6 +250,15 @@ class ModelRunner:
         picks = dict(zip(sampling, sample(logits[sample_rows], [requests[i] for i in sampling]), strict=True))
         return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 
+    def _replays(self, chunks: list[list[int]], rows: list[list[int]]) -> bool:
+        """A decode step (one token and its logits per sequence) that a captured graph holds."""
+        return (
+            self.graphs is not None
+            and len(chunks) <= self.max_num_seqs
+            and all(len(c) == 1 for c in chunks)
+            and all(r == [0] for r in rows)
+        )
+
     def _forward_layout(
         self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], rows: list[list[int]]
     ) -> torch.Tensor:
@@ -235,6 +276,10 @@ class ModelRunner:
             block_tables=tables,
             slot_mapping=slots.tolist(),
         )
+        if self._replays(chunks, rows):
+            return self.model.compute_logits(
+                self.graphs.run([c[0] for c in chunks], positions.tolist(), tables, layout.slot_mapping)
+            )
         input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         hidden = self.model(
             input_ids, torch.from_numpy(positions).to(self.device), self.backend, self.backend.plan(layout)

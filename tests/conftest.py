@@ -6,6 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Off CUDA, kvmesh's Triton kernels run in Triton's interpreter, which must be on before Triton
+# is first imported (torch's dynamo imports it when a model loads): replica/kernels/__init__.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Fixtures that start something: a test using one is marked ``servers`` automatically.
 SERVER_FIXTURES = {"redis_server", "valkey_server", "valkey_cluster", "ray_cluster", "acl_server"}

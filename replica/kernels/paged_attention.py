@@ -105,7 +105,7 @@ def _attention_kernel(
 
     # The keys this tile's last query sees, split into SEGMENTS tile-aligned slices.
     keys = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
-    per_segment = tl.cdiv(tl.cdiv(keys, SEGMENTS), TILE_KEYS) * TILE_KEYS
+    per_segment = ((keys + SEGMENTS - 1) // SEGMENTS + TILE_KEYS - 1) // TILE_KEYS * TILE_KEYS
     lo = segment * per_segment
     hi = tl.minimum(lo + per_segment, keys)
 

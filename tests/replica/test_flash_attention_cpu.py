@@ -162,7 +162,7 @@ def test_flash_attn_is_chosen_only_where_it_can_run(fake_gpu, caplog):
     assert "compute capability 7.5" in choose_backend(None, 256, CUDA0, torch.float16, 64)[1]
     assert "needs CUDA" in choose_backend(None, 256, CPU, torch.float16, 64)[1]
     with caplog.at_level("INFO", logger="kvmesh.replica.attention"):
-        attention.make_backend(None, 256, CPU, torch.float32, 64)
+        attention.make_backend(None, 256, CPU, torch.float32, 64, 2)
     assert any(getattr(r, "backend", None) == "torch" and "needs CUDA" in r.why for r in caplog.records)
 
 

@@ -6,6 +6,10 @@ interpreter's bf16 matmuls are wrong, a known Triton issue), contexts split acro
 the KV write, whose padding rows touch no slot; and the engine on the Triton backend.
 A missing Triton fails these tests: it is a test dependency."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from paged_attention_cases import paged_case
@@ -130,3 +134,11 @@ def test_the_engine_on_the_triton_backend_generates_the_torch_backends_tokens(qw
     rest = engine.generate(prompts[1:], params)
     assert [o.token_ids for o in first + rest] == expected
     assert rest[0].num_cached_tokens == 32  # a prefix hit, read through the block table
+
+
+@pytest.mark.slow
+def test_triton_imported_before_the_interpreter_was_on_is_one_clear_error():
+    code = "import triton.language, kvmesh.replica.kernels"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "start the process with TRITON_INTERPRET=1" in done.stderr
