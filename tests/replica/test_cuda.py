@@ -100,3 +100,23 @@ def test_pool_sized_by_profiling_serves(qwen3_dir):
     assert engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() <= 0.3 * total
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
     assert all(len(o.token_ids) == STEPS for o in outs) and free > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, rel", [("float32", 1e-3), ("bfloat16", 5e-2)])
+def test_triton_kernels_and_decode_graphs_match_cpu(qwen3_dir, cpu_reference, dtype, rel):
+    """kvmesh's Triton kernels compiled, decode replayed from the graphs captured at start."""
+    engine = LLMEngine(
+        qwen3_dir, num_kv_blocks=32, device="cuda", dtype=dtype, attention_backend="triton", **OPTIONS
+    )
+    assert engine.runner.backend.name == "triton" and engine.runner.graph_capture is not None
+    assert_logits_close(logits_per_step(engine), cpu_reference, rel=rel)
+    assert engine.runner.graphs.replays >= len(PROMPTS) * (STEPS - 1)
+
+
+@needs_cuda
+def test_enforce_eager_captures_nothing(qwen3_dir):
+    engine = LLMEngine(
+        qwen3_dir, num_kv_blocks=32, device="cuda", attention_backend="triton", enforce_eager=True, **OPTIONS
+    )
+    assert engine.runner.graphs is None and engine.stats().graph_capture_seconds == 0

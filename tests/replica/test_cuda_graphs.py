@@ -1,7 +1,8 @@
-"""Decode graphs without a GPU: the bucketing, the padding rows (no KV slot written, nothing
-sampled), the static buffers' refills, and replay equivalence through ``EagerReplay``, which
-replays the captured forward on the same static buffers (the capture itself needs CUDA:
-`make gpu-check`). The engine runs Triton's kernels here, in Triton's interpreter."""
+"""Decode graphs: the bucketing, the padding rows (no KV slot written, nothing sampled), the
+static buffers' refills, and replay equivalence. Without a GPU the replays go through
+``EagerReplay``, which runs the captured forward again on the same static buffers, and the
+engine runs Triton's kernels in Triton's interpreter; on a GPU (`make gpu-check`) the same
+tests run on the graphs the engine captured at start."""
 
 import pytest
 import torch
@@ -10,7 +11,12 @@ from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.cuda_graphs import EagerReplay, graph_buckets
 
 OPTIONS = dict(
-    num_kv_blocks=48, block_size=16, max_num_seqs=6, max_num_batched_tokens=64, attention_backend="triton"
+    num_kv_blocks=48,
+    block_size=16,
+    max_num_seqs=6,
+    max_num_batched_tokens=64,
+    attention_backend="triton",
+    dtype="float32",
 )
 
 
@@ -23,8 +29,8 @@ def test_buckets_are_nano_vllms_and_a_batch_takes_the_smallest_that_holds_it():
 
 @pytest.fixture(scope="module")
 def graphed(qwen3_dir):
-    engine = LLMEngine(qwen3_dir, **OPTIONS)
-    report = engine.runner.capture_decode_graphs(EagerReplay())
+    engine = LLMEngine(qwen3_dir, **OPTIONS)  # on CUDA it captures its graphs itself
+    report = engine.runner.graph_capture or engine.runner.capture_decode_graphs(EagerReplay())
     assert report.buckets == [1, 2, 4, 6] and engine.runner.graphs.bucket(3) == 4
     assert engine.runner.graphs.bucket(7) is None
     return engine

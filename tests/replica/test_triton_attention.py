@@ -19,7 +19,10 @@ from kvmesh.replica.attention import TorchPagedAttention, TritonPagedAttention
 from kvmesh.replica.kernels import paged_attention as kernels
 
 CPU = torch.device("cpu")
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
+# Compiled on a GPU (`make gpu-check` runs this file there, bf16 too), interpreted elsewhere.
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 # (query_lens, cached tokens before them, block size, heads, kv heads, head dim, segments)
 CASES = {
@@ -36,15 +39,16 @@ CASES = {
 }
 
 
-def run(case, segments: int, dtype: torch.dtype) -> torch.Tensor:
+def run(case, segments: int) -> torch.Tensor:
+    """The kernels on DEVICE over the case's cache (written back to it); the output on the CPU."""
     block = case.k_cache.shape[1]
-    backend = TritonPagedAttention(block, CPU)
-    plan = backend.plan(case.layout)
-    kernels.store_kv(case.new_k, case.new_v, case.k_cache, case.v_cache, plan.slots)
-    return kernels.paged_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
+    plan = TritonPagedAttention(block, DEVICE).plan(case.layout)
+    k_cache, v_cache = case.k_cache.to(DEVICE), case.v_cache.to(DEVICE)
+    kernels.store_kv(case.new_k.to(DEVICE), case.new_v.to(DEVICE), k_cache, v_cache, plan.slots)
+    out = kernels.paged_attention(
+        case.q.to(DEVICE),
+        k_cache,
+        v_cache,
         plan.block_tables,
         plan.query_start,
         plan.context_lens,
@@ -52,9 +56,12 @@ def run(case, segments: int, dtype: torch.dtype) -> torch.Tensor:
         decode_only=plan.decode_only,
         segments=segments,
     )
+    case.k_cache.copy_(k_cache.cpu())
+    case.v_cache.copy_(v_cache.cpu())
+    return out.cpu()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_the_torch_backend_and_plain_attention(name, dtype):
     query_lens, cached, block, heads, kv_heads, dim, segments = CASES[name]
@@ -72,7 +79,7 @@ def test_triton_matches_the_torch_backend_and_plain_attention(name, dtype):
         torch_backend.plan(reference.layout),
         dim**-0.5,
     )
-    out = run(case, segments, dtype)
+    out = run(case, segments)
     assert out.dtype == dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.float(), expected.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     case.check(out, dim**-0.5, tol=TOLERANCE[dtype])
@@ -81,19 +88,19 @@ def test_triton_matches_the_torch_backend_and_plain_attention(name, dtype):
 
 def test_a_split_context_equals_the_unsplit_one():
     case = paged_case([1, 1, 1], [1000, 31, 64], 16, 8, 2, 64, num_blocks=80)
-    whole = run(case, 1, torch.float32)
+    whole = run(case, 1)
     for segments in (2, 4, 16):  # more slices than a short context has tiles: empty ones weigh 0
-        torch.testing.assert_close(run(case, segments, torch.float32), whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run(case, segments), whole, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_rows_write_no_slot():
-    k_cache = torch.zeros(4, 16, 2, 64)
+    k_cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
-    kernels.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 40]))
+    k, v = torch.randn(3, 2, 64, device=DEVICE), torch.randn(3, 2, 64, device=DEVICE)
+    kernels.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 40], device=DEVICE))
     flat_k, flat_v = k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64)
     assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[40], v[2])
-    written = torch.zeros(64, dtype=torch.bool)
+    written = torch.zeros(64, dtype=torch.bool, device=DEVICE)
     written[[5, 40]] = True
     assert not flat_k[~written].any() and not flat_v[~written].any()  # the padding row wrote nowhere
 
@@ -106,7 +113,7 @@ def test_a_fused_projections_strided_views_are_read_as_they_are():
     case = paged_case([5], [11], 16, 8, 2, 64)
     case.q, case.new_k, case.new_v = q, k, v
     case.full_k[0][11:], case.full_v[0][11:] = k, v
-    out = run(case, 1, torch.float32)
+    out = run(case, 1)
     case.check(out, 64**-0.5, tol=1e-4)
 
 
@@ -120,7 +127,9 @@ def test_decode_splits_only_where_programs_would_be_too_few():
 def test_the_engine_on_the_triton_backend_generates_the_torch_backends_tokens(qwen3_dir):
     """A shared prefix (hits mid-block), a small token budget (chunked prefill) and decode: the
     real engine on Triton's kernels gives the torch backend's greedy tokens."""
-    options = dict(num_kv_blocks=40, block_size=16, max_num_batched_tokens=32, max_num_seqs=4)
+    options = dict(
+        num_kv_blocks=40, block_size=16, max_num_batched_tokens=32, max_num_seqs=4, dtype="float32"
+    )
     shared = [(13 * j) % 900 + 3 for j in range(40)]
     prompts = [shared + [5, 6, 7], shared + [8, 9], shared[:21] + [11] * 5]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
