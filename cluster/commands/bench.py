@@ -93,6 +93,43 @@ def _engine(benches) -> None:
     eng.set_defaults(handler=run)
 
 
+def _gpu(benches) -> None:
+    gpu = benches.add_parser(
+        "gpu",
+        help="the prepared device run (make gpu-check): limits, CUDA tests, decode steps, TTFT, serving",
+    )
+    gpu.add_argument(
+        "--out", default="results/gpu_check.json", help="JSON result file (written part by part)"
+    )
+    gpu.add_argument("--quick", action="store_true", help="fewer repeats and a smaller serving workload")
+    gpu.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda",
+        help="cpu: the same code on a tiny model (a smoke run)",
+    )
+    gpu.add_argument(
+        "--model", help="a model folder (default: a random one of Qwen3-1.7B's shape, built once)"
+    )
+    gpu.add_argument("--cache-dir", default=".cache/bench-models", help="where the models are built once")
+    gpu.add_argument("--no-tests", dest="tests", action="store_false", help="leave the CUDA tests out")
+    gpu.add_argument("--no-serving", dest="serve", action="store_false", help="leave the serving chain out")
+
+    def run(args):
+        import torch
+
+        from kvmesh.cluster.benchmarks.gpu_check import main
+        from kvmesh.cluster.commands.checks import check_model_folder
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda needs a CUDA machine (none is visible here)")
+        if args.model:
+            check_model_folder(args.model)
+        return main(args.out, args.device, args.quick, args.model, args.cache_dir, args.tests, args.serve)
+
+    gpu.set_defaults(handler=run)
+
+
 def _index(benches) -> None:
     idx = benches.add_parser("index", help="prefix index lookup latency, publish rate, memory per entry")
     idx.add_argument("--out", default="results/bench_index.json", help="JSON result file")
@@ -548,6 +585,7 @@ def _serve(benches) -> None:
 BENCHMARKS = (
     _kvcache,
     _engine,
+    _gpu,
     _index,
     _soak,
     _http_door,
