@@ -5,6 +5,8 @@
    padding (``max_new_tokens`` = the batch's longest output; only requested tokens count).
 2. Time to first token of a 2k-token prompt whose first 1.75k tokens are cached, against
    the same prompt on a cold cache.
+3. Where a decode step's host time goes, stage by stage (``step_stages.py``), at 1, 16 and 64
+   rows.
 With ``--device cuda`` (``make gpu-check`` runs it first on a GPU machine): the CUDA path's
 greedy tokens against the CPU path's (on the small bench model, per attention backend and
 dtype), the pool sized by profiling, and the same throughput comparison with transformers on
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.cluster.benchmarks.step_stages import step_stages
 from kvmesh.cluster.measure.common import environment, progress, target, write_result
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.step_costs import StepCostFit
@@ -206,6 +209,8 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
     throughput = throughput_vs_transformers(engine, model_dir, reqs, repeats, torch.float32)
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
+    stages = [step_stages(engine, batch, 512, 5 if quick else 20) for batch in (1, 16, 64)]
+    progress(f"host stages of a 64-row decode step: {stages[-1]}")
     cost_model = calibrate(engine, random.Random(2), model_label(model_dir))
     progress(
         f"cost model: {cost_model['prefill_token_s'] * 1e6:.1f} us per prefill token, base {cost_model['base_s'] * 1e3:.2f} ms"
@@ -225,6 +230,7 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
         "device": "cpu",
         "throughput": throughput,
         "ttft": ttft_result,
+        "step_stages": stages,
         "targets": [
             target("throughput vs transformers generate", throughput["speedup"], ">=", 2.0),
             target("TTFT cold / cached (1.75k of 2k cached)", ttft_result["speedup"], ">=", 4.0),

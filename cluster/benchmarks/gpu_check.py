@@ -8,9 +8,9 @@ out, each part written as it finishes:
 2. ``tests``: the CUDA tests (the engine against the CPU path, the Triton kernels compiled,
    the decode graphs captured), by pytest in a subprocess.
 3. ``decode``: a decode step at several batch sizes, with and without CUDA graphs: wall time,
-   GPU busy time (the profiler's kernel time), and the step's roofline: its bytes (weights
-   and the KV it reads) over the copy bandwidth, its FLOPs over the matmul rate, whichever
-   is longer; ``share`` is that floor over the wall time.
+   GPU busy time (the profiler's kernel time), the step's roofline (its bytes, weights and
+   the KV it reads, over the copy bandwidth; its FLOPs over the matmul rate; whichever is
+   longer; ``share_of_limit`` is that floor over the wall time), and its host time by stage.
 4. ``ttft``: cold and with all but the last block cached, at 2k and 8k tokens (and 2k with
    1,792 cached, the engine bench's case).
 5. ``engine``: ``kvmesh bench engine --device cuda``'s throughput against transformers
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.cluster.benchmarks.step_stages import step_stages
 from kvmesh.cluster.measure.common import environment, progress, target, write_result
 from kvmesh.replica import LLMEngine, SamplingParams
 
@@ -354,10 +355,12 @@ def main(
         )
         for batch in batches:
             progress(f"decode steps: batch {batch}, graphs {graphs}")
+            stages = step_stages(engine, batch, context, steps)
             rows.append(
                 {
                     "attention_backend": engine.runner.backend.name,
                     **decode(engine, batch, context, steps, result["limits"]),
+                    "host_stages_ms": {k: v for k, v in stages.items() if k.endswith("_ms")},
                 }
             )
         if graphs:

@@ -55,3 +55,20 @@ def test_a_steps_roofline_counts_its_weights_once_and_its_kv_per_row(qwen3_dir):
     assert one["kv_bytes"] == per_row_kv and two["kv_bytes"] == 2 * per_row_kv
     assert one["weight_bytes"] == two["weight_bytes"] and one["bound"] == "memory"
     assert one["floor_ms"] == pytest.approx((one["weight_bytes"] + per_row_kv) / 1e9 * 1e3, abs=1e-3)
+
+
+def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir):
+    from kvmesh.cluster.benchmarks.step_stages import STAGES, step_stages
+    from kvmesh.replica import model_runner, sampler
+
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8)
+    row = step_stages(engine, 4, 40, 3)
+    parts = sum(row[f"{s}_ms"] for s in STAGES)
+    assert (
+        row["batch"] == 4
+        and row["model_ms"] > 0
+        and abs(parts - row["step_ms"]) < 0.05 * row["step_ms"] + 0.01
+    )
+    assert model_runner.sample is sampler.sample and "_forward_layout" not in vars(engine.runner)
+    assert "forward" not in vars(engine.runner.model) and "schedule" not in vars(engine.scheduler)
+    assert not engine.has_unfinished_requests()
