@@ -9,12 +9,25 @@ is clear they do not start a stop string; a matched stop string is never returne
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 _CONTEXT_TOKENS = 5
 
 
+def token_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it: straight
+    from the Rust tokenizer where that is the whole of it (transformers' wrapper costs several
+    times the decode itself, twice per token per request), else through the wrapper."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], decode=None):
+        """``decode``: ``token_decoder(tokenizer)``, made once per tokenizer by the engine."""
+        self._decode = decode or token_decoder(tokenizer)
         self.tokens = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1) :])
         self.prefix_offset = max(len(self.tokens) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.tokens)
@@ -22,9 +35,6 @@ class IncrementalDetokenizer:
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # output text so far (stop string removed once matched)
         self.emitted = 0  # characters of ``text`` already handed out
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (text that is now safe to emit, whether a stop string matched)."""

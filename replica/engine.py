@@ -24,7 +24,7 @@ import torch
 
 from kvmesh.kvcache import BlockManager, KVCacheStats, KVEvent, namespace_seed
 from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.detokenizer import IncrementalDetokenizer
+from kvmesh.replica.detokenizer import IncrementalDetokenizer, token_decoder
 from kvmesh.replica.model_runner import ModelRunner
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
 from kvmesh.replica.request import Request, RequestOutput, Status
@@ -114,6 +114,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_dir, self.config, hf_config, spec, self.max_model_len)
         self.block_size = self.runner.block_size
         self.tokenizer = _load_tokenizer(Path(tokenizer_dir or model_dir))
+        self._decode = token_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = _eos_token_ids(Path(model_dir), hf_config, self.tokenizer)
 
     # ------------------------------------------------------------------ requests
@@ -175,7 +176,7 @@ class LLMEngine:
             # A continued stream's detokenizer replays the output already sent, so the text it
             # releases next is what the first attempt's would have (held-back text included).
             sent = params.continued_tokens
-            detok = IncrementalDetokenizer(self.tokenizer, ids[: len(ids) - sent], params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, ids[: len(ids) - sent], params.stop, self._decode)
             for token in ids[len(ids) - sent :]:
                 detok.push(token)
         if params.stop and detok is None:

@@ -265,25 +265,34 @@ class ModelRunner:
         """Run the model over this step's chunks; logits of the ``rows`` positions of each
         chunk, in order."""
         bs = self.block_size
-        per_seq = [np.arange(s, s + len(c)) for s, c in zip(starts, chunks, strict=True)]
-        slots = np.concatenate(
-            [np.asarray(t)[p // bs] * bs + p % bs for t, p in zip(tables, per_seq, strict=True)]
-        )
-        positions = np.concatenate(per_seq)
+        decode = all(len(c) == 1 for c in chunks)
+        if decode:  # one token a sequence: plain lists beat numpy at these sizes
+            token_ids, positions = [c[0] for c in chunks], starts
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts, strict=True)]
+        else:
+            per_seq = [np.arange(s, s + len(c)) for s, c in zip(starts, chunks, strict=True)]
+            token_ids = [t for c in chunks for t in c]
+            positions = np.concatenate(per_seq).tolist()
+            slots = np.concatenate(
+                [np.asarray(t)[p // bs] * bs + p % bs for t, p in zip(tables, per_seq, strict=True)]
+            ).tolist()
+        if self._replays(chunks, rows):
+            return self.model.compute_logits(self.graphs.run(token_ids, positions, tables, slots))
         layout = BatchLayout(
             query_lens=[len(c) for c in chunks],
             context_lens=[s + len(c) for s, c in zip(starts, chunks, strict=True)],
             block_tables=tables,
-            slot_mapping=slots.tolist(),
+            slot_mapping=slots,
         )
-        if self._replays(chunks, rows):
-            return self.model.compute_logits(
-                self.graphs.run([c[0] for c in chunks], positions.tolist(), tables, layout.slot_mapping)
-            )
-        input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(
-            input_ids, torch.from_numpy(positions).to(self.device), self.backend, self.backend.plan(layout)
+            input_ids,
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.backend,
+            self.backend.plan(layout),
         )
+        if decode and all(r == [0] for r in rows):
+            return self.model.compute_logits(hidden)  # every row's one token is sampled
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
         return self.model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=self.device)])

@@ -1,9 +1,11 @@
 """Engine behaviour beyond greedy parity: abort, sampling, stops, streaming, bad input."""
 
 import asyncio
+import random
 import threading
 
 import pytest
+from conftest import tiny_model_dir
 
 from kvmesh.kvcache import BlockStored, KVCacheError, block_hashes
 from kvmesh.replica import AsyncLLMEngine, LLMEngine, SamplingParams
@@ -290,3 +292,20 @@ def test_a_continuation_has_what_is_left_of_its_limits_and_a_new_seed():
         params.continued(20)  # nothing left
     with pytest.raises(ValueError, match="one choice"):
         SamplingParams(n=2).continued(1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_the_fast_decoder_gives_transformers_text(arch):
+    """The detokenizer decodes through the Rust tokenizer directly: the text must be exactly
+    what transformers' decode gives, byte-level pieces and special tokens included."""
+    from kvmesh.replica.detokenizer import token_decoder
+    from kvmesh.replica.engine import _load_tokenizer
+
+    tokenizer = _load_tokenizer(tiny_model_dir(arch))
+    decode = token_decoder(tokenizer)
+    rng = random.Random(4)
+    for n in (1, 2, 5, 40):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    tokenizer.clean_up_tokenization_spaces = True  # then only transformers' decode is right
+    assert token_decoder(tokenizer)([5, 6]) == tokenizer.decode([5, 6], skip_special_tokens=True)
