@@ -82,6 +82,7 @@ VALUES = {
     "device": ("cpu", "cpu"),
     "seed": ("5", 5),
     "attention-backend": ("torch", "torch"),
+    "enforce-eager": (None, True),
     "check-invariants": (None, True),
     "served-model-name": ("roundtrip-served", "roundtrip-served"),
     "generation-config": ("vllm", "vllm"),
