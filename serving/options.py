@@ -1,7 +1,7 @@
 """Config fields declared once, and the one environment rule.
 
 Every setting of a kvmesh process is a dataclass field declared with ``option(...)``: its
-type, its default and a one-line help. ``kvmesh.cluster.flags`` derives the command-line
+type, its default and a one-line help. ``kvmesh.cli.flags`` derives the command-line
 flags and their ``KVMESH_<FLAG>`` environment defaults from these fields, so a setting
 cannot be parsed in one place and lost on its way to another.
 

@@ -8,7 +8,7 @@ fits the four costs online from its own steps (``replica/step_costs.py``) and se
 its heartbeat as ``cost_<term>`` fields (with ``cost_steps``, how many steps it has fitted);
 the router prices a request's time to first token
 with them (``router/pricing.py`` bounds and smooths them, ``router/policies.py`` uses them); the simulator runs time by them
-(``cluster/experiments/cost_model.py``).
+(``bench/experiments/cost_model.py``).
 """
 
 from __future__ import annotations

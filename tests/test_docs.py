@@ -179,10 +179,10 @@ def test_nothing_cites_a_design_outside_the_repository():
 
 
 def test_the_benchmarks_page_shows_every_committed_runs_targets_as_its_json_has_them():
-    from kvmesh.cluster.benchmarks.docs_page import BEGIN, PAGE, render
+    from kvmesh.bench.docs_page import BEGIN, PAGE, render
 
     page = PAGE.read_text()
-    assert BEGIN in page, "run: python -m kvmesh.cluster.benchmarks.docs_page"
-    assert page == render(page), "docs/benchmarks.md is stale: python -m kvmesh.cluster.benchmarks.docs_page"
+    assert BEGIN in page, "run: python -m kvmesh.bench.docs_page"
+    assert page == render(page), "docs/benchmarks.md is stale: python -m kvmesh.bench.docs_page"
     for name in ("bench_router.json", "bench_peers.json", "bench_soak.json", "fidelity.json"):
         assert f"### [{name}]({name})" in page

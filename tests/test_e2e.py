@@ -90,7 +90,7 @@ async def test_shared_prefix_lands_together_under_prefix_and_spreads_under_round
 async def test_the_simulator_replays_a_real_run_with_the_costs_its_replicas_measured(cluster):
     """``kvmesh experiments --fidelity`` at the smallest scale: a real run, the replicas' step
     costs from their heartbeats as the simulator's model, the same requests simulated."""
-    from kvmesh.cluster.experiments import fidelity
+    from kvmesh.bench.experiments import fidelity
 
     for i in range(12):  # every replica measures its costs (>= 32 steps each)
         complete(await call(cluster, greedy(prompts_of_lengths([40], salt=100 + i)[0], policy="round_robin")))

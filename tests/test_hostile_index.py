@@ -12,7 +12,7 @@ import pytest_asyncio
 from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 
-from kvmesh.cluster import status
+from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache.index_api import IndexSettingsError
 from kvmesh.protos import pb, pb_grpc

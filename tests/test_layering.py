@@ -1,10 +1,12 @@
 """The import rules between the parts (docs/design.md#layout), read from the source and checked at run time.
 
-kvcache, protos <- serving <- router, replica <- cluster: kvcache imports nothing of ours;
-serving imports only kvcache and protos; router never imports replica, torch or ray;
-replica never imports router; nothing imports cluster. Inside cluster, the measuring kit
-(``cluster/measure``) imports neither experiments nor benchmarks, and experiments never import
-benchmarks (benchmarks may time the simulator). Imports inside functions count too.
+kvcache, protos <- serving <- router, replica <- cluster <- bench <- cli: kvcache imports nothing
+of ours; serving imports only kvcache and protos; router never imports replica, torch or ray;
+replica never imports router; cluster (launching, supervising) imports neither bench nor cli;
+bench (measuring) never imports cli; nothing imports cli. Inside bench, the measuring kit
+(``bench/measure``) imports nothing else of bench, and the experiments (``bench/experiments``)
+only the kit. The engine's kernels import nothing of ours, and only they import Triton.
+Imports inside functions count too.
 """
 
 import ast
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["kvcache", "protos", "serving", "router", "replica", "cluster"]
+PARTS = ["kvcache", "protos", "serving", "router", "replica", "cluster", "bench", "cli"]
 HEAVY = {"torch", "ray", "transformers", "flash_attn"}  # transformers imports torch when present
 # ...except its chat-template renderer, which imports neither torch nor the tokenizer classes:
 # the router renders chats with it (the run-time test below proves torch stays out).
@@ -28,7 +30,9 @@ ALLOWED = {
     "serving": ({"kvcache", "protos", "serving"}, HEAVY),
     "router": ({"kvcache", "protos", "serving", "router"}, HEAVY),
     "replica": ({"kvcache", "protos", "serving", "replica"}, set()),
-    "cluster": (set(PARTS), set()),
+    "cluster": ({"kvcache", "protos", "serving", "router", "replica", "cluster"}, set()),
+    "bench": (set(PARTS) - {"cli"}, set()),
+    "cli": (set(PARTS), set()),
 }
 
 
@@ -98,32 +102,48 @@ def test_only_the_kernels_import_triton_and_they_import_nothing_of_ours(tmp_path
     ]
 
 
-# cluster's folders -> cluster folders they must not import
-CLUSTER_FORBIDDEN = {"measure": {"experiments", "benchmarks"}, "experiments": {"benchmarks"}}
+# bench's folders -> the bench modules they may import (a top-level bench module is a benchmark)
+BENCH_ALLOWED = {"measure": {"measure"}, "experiments": {"measure", "experiments"}}
 
 
-def cluster_violations(root: Path) -> list[str]:
+def bench_violations(root: Path) -> list[str]:
     out = []
-    for folder, forbidden in CLUSTER_FORBIDDEN.items():
-        for path, name in imports_under(root, f"cluster/{folder}"):
+    for folder, allowed in BENCH_ALLOWED.items():
+        for path, name in imports_under(root, f"bench/{folder}"):
             parts = name.split(".")
-            if parts[:2] == ["kvmesh", "cluster"] and len(parts) > 2 and parts[2] in forbidden:
+            if parts[:2] == ["kvmesh", "bench"] and len(parts) > 2 and parts[2] not in allowed:
                 out.append(f"{path} imports {name}")
     return out
 
 
 def test_measure_experiments_and_benchmarks_import_one_way():
-    assert cluster_violations(ROOT) == []
+    assert bench_violations(ROOT) == []
 
 
-def test_the_cluster_checker_sees_a_backward_import(tmp_path):
-    (tmp_path / "cluster" / "experiments").mkdir(parents=True)
-    (tmp_path / "cluster" / "experiments" / "late.py").write_text(
-        "def f():\n    from kvmesh.cluster.benchmarks.peers_sweep import DEFAULT_LOAD\n"
+def test_the_bench_checker_sees_a_backward_import(tmp_path):
+    (tmp_path / "bench" / "experiments").mkdir(parents=True)
+    (tmp_path / "bench" / "measure").mkdir(parents=True)
+    (tmp_path / "bench" / "experiments" / "late.py").write_text(
+        "def f():\n    from kvmesh.bench.peers import DEFAULT_LOAD\n"
     )
-    assert cluster_violations(tmp_path) == [
-        "cluster/experiments/late.py imports kvmesh.cluster.benchmarks.peers_sweep"
+    (tmp_path / "bench" / "measure" / "kit.py").write_text("from kvmesh.bench.experiments import simulator\n")
+    assert bench_violations(tmp_path) == [
+        "bench/measure/kit.py imports kvmesh.bench.experiments",
+        "bench/experiments/late.py imports kvmesh.bench.peers",
     ]
+
+
+def test_every_folder_says_what_it_owns():
+    """Each package folder's __init__.py opens with a docstring."""
+    missing = []
+    for part in PARTS:
+        for init in sorted((ROOT / part).rglob("__init__.py")):
+            if "/v1/" in str(init) or init.parent.name == "kvmesh":  # generated protobuf stubs
+                continue
+            tree = ast.parse(init.read_text())
+            if not ast.get_docstring(tree):
+                missing.append(str(init.relative_to(ROOT)))
+    assert missing == []
 
 
 def test_the_checker_sees_a_forbidden_import(tmp_path):
@@ -147,7 +167,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     [
         (["kvmesh.kvcache", "kvmesh.kvcache.index"], False),
         (["kvmesh.router.process", "kvmesh.serving.openai.app"], True),
-        (["kvmesh.cluster.cli", "kvmesh.cluster.commands.router"], True),
+        (["kvmesh.cli.main", "kvmesh.cli.commands.router"], True),
     ],
     ids=["kvcache", "router-process", "cli"],
 )

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ["kvcache", "protos", "serving", "router", "replica", "cluster"]
+FOLDERS = ["kvcache", "protos", "serving", "router", "replica", "cluster", "bench", "cli"]
 
 
 def test_every_subpackage_is_listed_in_pyproject():
@@ -49,7 +49,7 @@ def test_the_image_copies_every_package_folder():
 
 def test_installed_names_are_namespaced(tmp_path):
     code = (
-        "import importlib.util, kvmesh.kvcache, kvmesh.router, kvmesh.cluster.cli;"
+        "import importlib.util, kvmesh.kvcache, kvmesh.router, kvmesh.cli.main;"
         "print([n for n in ('router', 'cluster', 'kvcache', 'replica', 'protos', 'serving') if importlib.util.find_spec(n)])"
     )
     out = subprocess.run(

@@ -20,7 +20,7 @@ from conftest import tiny_model_dir
 from helpers import eventually, local_router_config, metric, vllm_python
 from reference import hf_greedy, hf_log_softmax
 
-from kvmesh.cluster import status
+from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb, pb_grpc
@@ -236,7 +236,7 @@ async def test_the_index_holds_exactly_vllms_blocks_rehashed(fleet):
 async def test_bench_engines_vllm_measures_throughput_and_cached_ttft(fleet):
     """``kvmesh bench engine --vllm-python``'s measurements, on a running vLLM (its own
     start-up is the replicas')."""
-    from kvmesh.cluster.benchmarks.vllm_contender import throughput, time_to_first_token
+    from kvmesh.bench.vllm_contender import throughput, time_to_first_token
 
     engine = fleet["replicas"]["vllm-0"].engine
     reqs = [(prompt(2), 6), (prompt(3), 9), (prompt(1), 4)]
@@ -259,7 +259,7 @@ async def test_the_simulators_cost_model_is_fitted_from_vllm_replicas(fleet):
     --cost-model RUN``: step costs each vLLM replica fitted from vLLM's own per-request
     timings (sent in its heartbeat), its pool from vLLM's cache config; and the fit prices a
     cold prefill near what vLLM takes for it."""
-    from kvmesh.cluster.experiments.cost_model import from_heartbeats
+    from kvmesh.bench.experiments.cost_model import from_heartbeats
 
     for rid in VLLM_IDS:  # enough requests (two samples each) for every replica's fit to count
         for _ in range(MEASURED_AFTER_STEPS // 2 // 4 + 1):

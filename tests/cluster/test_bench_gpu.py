@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.benchmarks.gpu_check import run_tests, step_roofline
+from kvmesh.bench.gpu import run_tests, step_roofline
 from kvmesh.replica import LLMEngine
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -58,16 +58,15 @@ def test_a_steps_roofline_counts_its_weights_once_and_its_kv_per_row(qwen3_dir):
 
 
 def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir):
-    from kvmesh.cluster.benchmarks.step_stages import STAGES, step_stages
+    from kvmesh.bench.step_stages import STAGES, step_stages
     from kvmesh.replica import model_runner, sampler
 
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8)
     row = step_stages(engine, 4, 40, 3)
     parts = sum(row[f"{s}_ms"] for s in STAGES)
+    # each step's stages sum to it; their medians to about the median step
     assert (
-        row["batch"] == 4
-        and row["model_ms"] > 0
-        and abs(parts - row["step_ms"]) < 0.05 * row["step_ms"] + 0.01
+        row["batch"] == 4 and row["model_ms"] > 0 and 0.75 * row["step_ms"] <= parts <= 1.25 * row["step_ms"]
     )
     assert model_runner.sample is sampler.sample and "_forward_layout" not in vars(engine.runner)
     assert "forward" not in vars(engine.runner.model) and "schedule" not in vars(engine.scheduler)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.benchmarks import peers_sweep as peers
-from kvmesh.cluster.benchmarks.peer_processes import (
+from kvmesh.bench import peers
+from kvmesh.bench.measure.peer_loads import GuidellmLoad
+from kvmesh.bench.measure.report import marked_section, write_section
+from kvmesh.bench.peer_processes import (
     CONTENDERS,
     GuidellmLate,
     GuidellmNotPoisson,
@@ -29,8 +31,6 @@ from kvmesh.cluster.benchmarks.peer_processes import (
     summarize_guidellm,
 )
 from kvmesh.cluster.embedded_redis import free_port
-from kvmesh.cluster.measure.peer_loads import GuidellmLoad
-from kvmesh.cluster.measure.report import marked_section, write_section
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "guidellm_sample.json"
@@ -95,7 +95,7 @@ async def test_a_router_that_lost_its_port_is_told_apart_and_its_run_repeated(tm
 
 
 def test_a_target_with_an_unknown_comparison_is_refused_not_misread():
-    from kvmesh.cluster.measure.common import target
+    from kvmesh.bench.measure.common import target
 
     assert target("t", 0.667, ">=", 0.5)["met"] and not target("t", 0.667, "<=", 0.5)["met"]
     with pytest.raises(ValueError, match="'>'"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.benchmarks.soak import classify_failures
+from kvmesh.bench.soak import classify_failures
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 

@@ -93,7 +93,7 @@ def test_bench_engine_cuda_without_cuda_is_a_usage_error():
 def test_bench_engine_times_the_model_folder_given(tmp_path, qwen3_dir, monkeypatch):
     """--model: that folder is timed and named in the result, the bench model never built (the
     timing itself is the default run's, above)."""
-    from kvmesh.cluster.benchmarks import engine_bench
+    from kvmesh.bench import engine as engine_bench
 
     timed = []
     monkeypatch.setattr(
@@ -149,7 +149,7 @@ def test_bench_engine_quick_writes_json(tmp_path):
     assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
     assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
     # the simulator's model, from the engine's own online fit: a 2k-token prefill costs what it took
-    from kvmesh.cluster.experiments.cost_model import CostModel
+    from kvmesh.bench.experiments.cost_model import CostModel
 
     model = CostModel(**result["cost_model"])
     # base and the per-sequence decode price may be fitted at their floor, 0, on a loaded

@@ -211,7 +211,7 @@ def test_up_serves_two_models_of_two_architectures_behind_one_router(qwen3_dir, 
 
 
 async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
-    from kvmesh.cluster import demo
+    from kvmesh.bench import demo
 
     results = await demo.run(
         tmp_path,

@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from kvmesh.cluster.commands import router as router_command
-from kvmesh.cluster.commands import up as up_command
+from kvmesh.cli.commands import router as router_command
+from kvmesh.cli.commands import up as up_command
+from kvmesh.cli.flags import FlagTable
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.errors import UsageError
-from kvmesh.cluster.flags import FlagTable
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.serving.options import effective_config, parse_bool
@@ -104,7 +104,7 @@ def test_bad_values_are_usage_errors(monkeypatch, tmp_path):
 
 
 def test_secrets_come_from_files_only_and_never_leave(monkeypatch, tmp_path):
-    from kvmesh.cluster.cli import build_parser
+    from kvmesh.cli.main import build_parser
 
     for flag in ("--api-key", "--auth-token"):  # a token on the command line shows in ps
         with pytest.raises(SystemExit) as refused:  # (nor is --api-key taken for --api-key-file)

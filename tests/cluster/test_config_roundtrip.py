@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh.cluster.commands import router as router_command
-from kvmesh.cluster.commands import up as up_command
+from kvmesh.cli.commands import router as router_command
+from kvmesh.cli.commands import up as up_command
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 from kvmesh.protos import pb, pb_grpc
 

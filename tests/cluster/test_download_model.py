@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fake_hub import FakeHub, Repo, repo_from_folder
 
-from kvmesh.cluster.download import MARKER
+from kvmesh.cli.download import MARKER
 from kvmesh.serving.model_lock import reading_model
 
 pytestmark = pytest.mark.servers

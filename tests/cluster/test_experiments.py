@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.experiments.cost_model import CPU_TINY_QWEN3, H100_LLAMA3_8B, CostModel, load_cost_model
-from kvmesh.cluster.experiments.simulator import Simulation
-from kvmesh.cluster.measure import workloads as wl
+from kvmesh.bench.experiments.cost_model import CPU_TINY_QWEN3, H100_LLAMA3_8B, CostModel, load_cost_model
+from kvmesh.bench.experiments.simulator import Simulation
+from kvmesh.bench.measure import workloads as wl
 from kvmesh.router.config import BalanceConfig
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -46,7 +46,7 @@ FLAT = CostModel(
 def test_real_cluster_targets_compare_prefix_with_every_other_policy():
     """consistent_hash counts too: a prefix policy that loses to it on hits or on p90 TTFT
     (by more than the bounds) misses the suite's real-cluster targets."""
-    from kvmesh.cluster.experiments.suite import real_targets
+    from kvmesh.bench.experiments.suite import real_targets
 
     def real(ch_hit: float, ch_p90: float) -> dict:
         pol = {
@@ -73,7 +73,7 @@ def test_real_cluster_targets_compare_prefix_with_every_other_policy():
 
 
 def test_per_seed_ratios_pair_runs_of_the_same_seed():
-    from kvmesh.cluster.experiments.suite import per_seed_ratios
+    from kvmesh.bench.experiments.suite import per_seed_ratios
 
     runs = [
         {"policy": "prefix", "seed": 1, "ttft_p90_ms": 200.0},
@@ -92,7 +92,7 @@ async def test_real_cluster_runs_every_policy_and_reports_medians(ray_cluster, q
     """The suite's real-cluster part, quick scale, on real replicas: every policy runs once per
     seed, the hit rates are the replicas' own, and a policy that follows prefixes beats
     round robin on shared 512-token prefixes."""
-    from kvmesh.cluster.experiments.suite import REAL_POLICIES, Scale, real_targets, run_real_cluster
+    from kvmesh.bench.experiments.suite import REAL_POLICIES, Scale, real_targets, run_real_cluster
 
     real = await run_real_cluster(Scale(True), tmp_path, log=lambda _: None, model=qwen3_dir)
     assert sorted(r["policy"] for r in real["runs"]) == sorted(REAL_POLICIES) and len(real["seeds"]) == 1
@@ -288,7 +288,7 @@ def test_cost_model_presets_and_files(tmp_path):
 def test_a_fleets_model_from_its_heartbeats_is_the_median_of_the_replicas_that_measured():
     """What ``kvmesh bench serve`` and ``--fidelity`` simulate with: the router's own reading of
     the replicas' records (an unmeasured one is left out, as the router prices it by the rest)."""
-    from kvmesh.cluster.experiments.cost_model import from_heartbeats
+    from kvmesh.bench.experiments.cost_model import from_heartbeats
     from kvmesh.kvcache.index_api import ReplicaRecord
     from kvmesh.serving.step_costs import StepCosts
 
@@ -672,7 +672,7 @@ def test_a_mix_of_models_is_each_models_own_fleet_fed_its_share_of_the_rate(tmp_
     ],
 )
 def test_a_bad_model_mix_is_one_line_naming_what_is_wrong(specs, message):
-    from kvmesh.cluster.measure.model_mix import parse_models
+    from kvmesh.bench.measure.model_mix import parse_models
 
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_models(specs)
@@ -680,7 +680,7 @@ def test_a_bad_model_mix_is_one_line_naming_what_is_wrong(specs, message):
 
 
 def test_requests_of_several_models_merge_in_arrival_order():
-    from kvmesh.cluster.measure.model_mix import merge_by_arrival
+    from kvmesh.bench.measure.model_mix import merge_by_arrival
 
     a = wl.poisson_arrivals(wl.no_sharing(num_requests=20, seed=0), 10, seed=0)
     b = wl.poisson_arrivals(wl.no_sharing(num_requests=20, seed=1), 30, seed=1)

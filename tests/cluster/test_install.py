@@ -20,7 +20,7 @@ SERVER_MODULES = [
     "kvmesh.replica.tiny_model",
     "kvmesh.cluster.launcher",
     "kvmesh.cluster.supervisor",
-    "kvmesh.cluster.status",
+    "kvmesh.cli.status",
 ]
 
 
@@ -102,15 +102,15 @@ def test_the_extras_bring_what_serving_never_needs():
 def test_every_command_and_server_module_imports_without_extras(tmp_path):
     code = f"""
 import importlib, pkgutil, json
-import kvmesh.cluster.commands as commands
-names = [f"kvmesh.cluster.commands.{{m.name}}" for m in pkgutil.iter_modules(commands.__path__)]
+import kvmesh.cli.commands as commands
+names = [f"kvmesh.cli.commands.{{m.name}}" for m in pkgutil.iter_modules(commands.__path__)]
 for name in names + {SERVER_MODULES!r}:
     importlib.import_module(name)
 print(json.dumps(names))
 """
     out = run_without_extras(code, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "kvmesh.cluster.commands.up" in json.loads(out.stdout)
+    assert "kvmesh.cli.commands.up" in json.loads(out.stdout)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ print(json.dumps(names))
 )
 def test_commands_without_extras_run_or_name_the_extra(argv, code, hint, tmp_path):
     out = run_without_extras(
-        f"import sys\nfrom kvmesh.cluster.cli import main\nsys.exit(main({argv!r}))", tmp_path
+        f"import sys\nfrom kvmesh.cli.main import main\nsys.exit(main({argv!r}))", tmp_path
     )
     assert out.returncode == code, out.stderr[-2000:]
     if hint:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.experiments.capacity import PROBE_BATCHES, draw_groups, measure_capacity, with_copies
-from kvmesh.cluster.experiments.cost_model import H100_LLAMA3_8B
-from kvmesh.cluster.experiments.lazy_scheduler import LazyDecodeScheduler
-from kvmesh.cluster.experiments.simulator import Simulation
-from kvmesh.cluster.measure import workloads as wl
+from kvmesh.bench.experiments.capacity import PROBE_BATCHES, draw_groups, measure_capacity, with_copies
+from kvmesh.bench.experiments.cost_model import H100_LLAMA3_8B
+from kvmesh.bench.experiments.lazy_scheduler import LazyDecodeScheduler
+from kvmesh.bench.experiments.simulator import Simulation
+from kvmesh.bench.measure import workloads as wl
 from kvmesh.kvcache import BlockManager
 from kvmesh.replica.scheduler import Scheduler
 

@@ -2,7 +2,7 @@
 
 import logging
 
-from kvmesh.cluster.logs import KeyValueFormatter
+from kvmesh.cli.logs import KeyValueFormatter
 
 
 def test_log_values_cannot_end_the_line_or_forge_a_field():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.benchmarks.router_cpu import STAGES, stage_of
+from kvmesh.bench.router_cpu import STAGES, stage_of
 
 PACKAGE = Path(__file__).resolve().parents[2]  # the repository root is the package
 LAYERS = ("kvcache/", "serving/", "router/", "replica/", "cluster/")

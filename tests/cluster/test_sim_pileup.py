@@ -15,8 +15,12 @@ import statistics
 
 import pytest
 
-from kvmesh.cluster.benchmarks import pileup_sim
-from kvmesh.cluster.benchmarks.pileup_sim import (
+from kvmesh.bench import pileup as pileup_sim
+from kvmesh.bench.experiments.cost_model import CPU_TINY_QWEN3 as CPU
+from kvmesh.bench.experiments.cost_model import MAX_DRIFT, FleetHardware
+from kvmesh.bench.experiments.simulator import ColdShares, Simulation
+from kvmesh.bench.measure import workloads as wl
+from kvmesh.bench.pileup import (
     FLEETS,
     RAW_FITS,
     UNPROTECTED,
@@ -24,10 +28,6 @@ from kvmesh.cluster.benchmarks.pileup_sim import (
     rounds_at,
     simulate,
 )
-from kvmesh.cluster.experiments.cost_model import CPU_TINY_QWEN3 as CPU
-from kvmesh.cluster.experiments.cost_model import MAX_DRIFT, FleetHardware
-from kvmesh.cluster.experiments.simulator import ColdShares, Simulation
-from kvmesh.cluster.measure import workloads as wl
 from kvmesh.router.config import BalanceConfig
 
 RATES = (5.0, 6.0)

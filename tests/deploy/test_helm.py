@@ -580,7 +580,7 @@ def test_renders_are_stable_and_nothing_is_generated_in_templates(chart):
 
 
 def test_the_hook_job_makes_each_missing_secret_once(chart):
-    from kvmesh.cluster.cli import build_parser
+    from kvmesh.cli.main import build_parser
     from kvmesh.cluster.kube_secrets import SecretSpec
 
     docs = render(chart, values_of(DEFAULT))
@@ -672,9 +672,9 @@ def test_chart_environment_is_what_each_command_reads(rendered, monkeypatch):
     same to the router and to the replicas; and the rendered values parse under the CLI's
     rules (``KVMESH_MAX_MODEL_LEN=0`` is "the model's own"), giving the router and the
     controller's replicas the same models: folders, ids, block sizes, lengths, names."""
-    from kvmesh.cluster.commands import router as router_command
-    from kvmesh.cluster.commands import up as up_command
-    from kvmesh.cluster.flags import FlagTable
+    from kvmesh.cli.commands import router as router_command
+    from kvmesh.cli.commands import up as up_command
+    from kvmesh.cli.flags import FlagTable
 
     _, docs = rendered
     cm = config_map(docs)
@@ -904,7 +904,7 @@ def test_bundled_valkey_has_users_not_a_password(chart):
         "--passwords-dir=/etc/kvmesh/redis-passwords",
         "--out=/etc/valkey/acl/users.acl",
     ]
-    from kvmesh.cluster.cli import build_parser
+    from kvmesh.cli.main import build_parser
 
     parsed = build_parser().parse_args(init["args"])  # the command the image has takes them
     assert (parsed.passwords_dir, parsed.out) == ("/etc/kvmesh/redis-passwords", "/etc/valkey/acl/users.acl")
@@ -1325,7 +1325,7 @@ def test_drains_fit_their_grace_periods(chart):
     """The router's whole stop (preStop sleep, then at most --drain-timeout) fits its grace
     period; a Ray worker's preStop drains its replicas (kvmesh drain-replicas) for longer than
     a replica's --drain-timeout and shorter than the worker's grace period."""
-    from kvmesh.cluster.cli import build_parser
+    from kvmesh.cli.main import build_parser
 
     for values in (
         {},
@@ -1437,7 +1437,7 @@ def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
     resource that only that model's replicas take, each group downloading its own model,
     the router pod fetching both tokenizers, and the controller's replicas of each model
     placed by that resource, as ``kvmesh up`` parses its arguments."""
-    from kvmesh.cluster.commands import up as up_command
+    from kvmesh.cli.commands import up as up_command
 
     docs = render(chart, values_of(CHART / "ci" / "multi-model-values.yaml"))
     [ray] = by_kind(docs, "RayCluster")
@@ -1486,7 +1486,7 @@ def test_a_model_on_vllm_runs_the_vllm_image_and_its_replicas_run_vllm(chart):
     too: one image a pod) runs the image's vLLM variant, the other model and the router keep
     the plain image, and the controller's replicas of that model parse to engine=vllm with
     its ``vllm serve`` arguments, as ``kvmesh up`` reads them."""
-    from kvmesh.cluster.commands import up as up_command
+    from kvmesh.cli.commands import up as up_command
 
     values = values_of(CHART / "ci" / "multi-model-values.yaml")
     values["models"][1]["engine"] = {"kind": "vllm", "vllmArgs": "--enable-chunked-prefill --swap-space=1"}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from certs import CertificateAuthority
 
-from kvmesh.cluster.cli import main
+from kvmesh.cli.main import main
 
 BIN = Path(sys.executable).parent
 TOKEN = "service-account-token"

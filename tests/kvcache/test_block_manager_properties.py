@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvmesh.cluster.benchmarks.reference_ledger import ReferenceBlockManager
+from kvmesh.bench.reference_ledger import ReferenceBlockManager
 from kvmesh.kvcache import BlockManager, Sequence, block_hashes, replay
 
 # Small vocabulary and a few shared chunks: lots of sharing, duplicates and equal blocks

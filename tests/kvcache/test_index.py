@@ -304,7 +304,7 @@ async def test_a_hot_prefix_stays_cheap_for_an_hour_of_buckets(valkey_server):
     replica, published or speculated, and the decision lists every holder at full depth. The same
     run as ``kvmesh bench index``'s hot-prefix row, which compares the decision's server time at
     the start and the end (a timing, so a benchmark's, not a test's)."""
-    from kvmesh.cluster.benchmarks.index_bench import hot_prefix_hour
+    from kvmesh.bench.index import hot_prefix_hour
 
     def client() -> RedisPrefixIndex:
         return RedisPrefixIndex.from_url(valkey_server.url, "hot-model", 16, 1)

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from helpers import eventually, local_router_config, metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.cluster import status
+from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb, pb_grpc

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from kvmesh.cluster import status
+from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
@@ -225,9 +225,9 @@ async def test_http_address_is_registered_and_shown_by_status(replica):
 async def test_closed_loop_conversations_resend_what_the_server_answered(replica, qwen3_dir):
     """Multi-turn chat as the peers sweep drives it: each turn's prompt carries the answer the
     server gave, so from turn 2 on the replica reuses the previous turn's prompt and answer."""
-    from kvmesh.cluster.measure import workloads as wl
-    from kvmesh.cluster.measure.loadgen import run_http_conversations
-    from kvmesh.cluster.measure.text_workload import segment_text, word_table
+    from kvmesh.bench.measure import workloads as wl
+    from kvmesh.bench.measure.loadgen import run_http_conversations
+    from kvmesh.bench.measure.text_workload import segment_text, word_table
 
     server, http, _ = replica
     model = (await http.get("/v1/models")).json()["data"][0]["id"]

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from helpers import eventually, local_router_config
 
-from kvmesh.cluster import status
+from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig

@@ -127,7 +127,7 @@ async def test_a_replica_publishes_its_costs_in_heartbeats_status_and_metrics(qw
     import grpc
     import httpx
 
-    from kvmesh.cluster import status
+    from kvmesh.cli import status
     from kvmesh.protos import pb, pb_grpc
     from kvmesh.replica.config import EngineConfig, ReplicaConfig
     from kvmesh.replica.process import ReplicaServer

@@ -1,1 +1,0 @@
-"""Benchmarks behind ``kvmesh bench``: each writes JSON and compares against a same-run baseline."""

@@ -1,1 +1,0 @@
-"""Prefix-aware load-balancing experiments: workloads, load generator, reports, simulator."""
