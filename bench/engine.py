@@ -33,7 +33,7 @@ import torch
 from kvmesh.bench.measure.common import environment, progress, target, write_result
 from kvmesh.bench.step_stages import step_stages
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.step_costs import StepCostFit
+from kvmesh.replica.engine.step_costs import StepCostFit
 
 MODEL = dict(
     arch="qwen3", hidden=512, layers=4, heads=8, kv_heads=4, vocab_size=1024, max_position_embeddings=4096
@@ -150,7 +150,7 @@ def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -
 def calibrate(engine: LLMEngine, rng: random.Random, model: dict) -> dict:
     """The simulator's cost model for this engine: t = base + a*prefill_tokens +
     b*decode_seqs + c*context_tokens, from prefill and decode steps of known shapes, fitted by
-    the engine's own online fit (``replica/step_costs.py``, what replicas send in their
+    the engine's own online fit (``replica/engine/step_costs.py``, what replicas send in their
     heartbeats), started fresh and without decay for the calibration."""
     engine.step_costs = StepCostFit(half_life_steps=math.inf)
     vocab = engine.vocab_size
@@ -241,7 +241,7 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
 def greedy_vs_cpu(model_dir: Path, quick: bool) -> dict:
     """Each CUDA variant's greedy tokens against the CPU path's in float32, same requests: fp32
     must agree token for token; bf16 rounds, so its first tokens are the comparable part."""
-    from kvmesh.replica.attention import flash_attn_available
+    from kvmesh.replica.models.attention import flash_attn_available
 
     cpu = LLMEngine(model_dir, num_kv_blocks=2048, block_size=256, device="cpu")
     reqs = workload(8 if quick else 32, random.Random(0), cpu.vocab_size)
@@ -278,7 +278,7 @@ def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> d
     throughput in bfloat16 against transformers on the same GPU (needs a CUDA machine)."""
     if not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA machine")
-    from kvmesh.replica.attention import flash_attn_available
+    from kvmesh.replica.models.attention import flash_attn_available
 
     checks = greedy_vs_cpu(bench_model, quick)
     # half the GPU: transformers' model and its cache share the device with the engine's pool

@@ -37,7 +37,7 @@ from kvmesh.bench.measure.stats import latency_ms
 from kvmesh.cluster.embedded_cluster import LocalCluster
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import BlockStored
-from kvmesh.kvcache.index import RedisPrefixIndex, load_field
+from kvmesh.kvcache.index.redis import RedisPrefixIndex, load_field
 
 BLOCK_SIZE = 256
 CHAIN = 16  # filler chains' length in blocks

@@ -29,7 +29,7 @@ from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.kvcache import BlockStored, block_hashes
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.registry import ReplicaRegistry

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica import model_runner as runner_module
+from kvmesh.replica.engine import model_runner as runner_module
 
 STAGES = ("schedule", "prepare", "model", "logits", "sample", "outputs")
 

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import grpc
 
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT

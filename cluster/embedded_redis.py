@@ -47,7 +47,7 @@ class EmbeddedRedis:
         extra_args: list[str] | None = None,
         aclfile: str | None = None,
     ):
-        """``aclfile``: the server's users (``kvcache.index_acl.acl_file``); default: its
+        """``aclfile``: the server's users (``kvcache.index.acl.acl_file``); default: its
         default user, without a password (tests that are not about credentials)."""
         self.binary = binary or default_server_binary()
         self.extra_args = list(extra_args or [])  # e.g. --tls-port ...

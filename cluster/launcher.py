@@ -25,8 +25,8 @@ from kvmesh.cluster.local_secrets import LocalSecrets
 from kvmesh.cluster.signals import wait_for_signal
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
-from kvmesh.kvcache.index_acl import ROLES, USERS, acl_file
-from kvmesh.kvcache.index_api import PrefixIndex
+from kvmesh.kvcache.index.acl import ROLES, USERS, acl_file
+from kvmesh.kvcache.index.api import PrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import cluster_has_gpus
 from kvmesh.router.process import RouterServer

@@ -27,9 +27,9 @@ import ray
 from ray.exceptions import RayError
 from redis.exceptions import NoPermissionError
 
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_acl import issue_replica_user, replica_user, replica_users
-from kvmesh.kvcache.index_api import PrefixIndex
+from kvmesh.kvcache.index.acl import issue_replica_user, replica_user, replica_users
+from kvmesh.kvcache.index.api import PrefixIndex
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.replica.actor import replica_actor_class
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.serving.background import BackgroundLoops

@@ -1,5 +1,5 @@
 """kvmesh.kvcache: the paged KV block ledger, the hash contract, KV events, and the shared prefix
-index that mirrors them in Redis (``kvmesh.kvcache.index``, imported on its own). No torch, no grpc."""
+index that mirrors them in Redis (``kvmesh.kvcache.index.redis``, imported on its own). No torch, no grpc."""
 
 from kvmesh.kvcache.block_manager import BlockManager, KVCacheError, KVCacheStats
 from kvmesh.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, replay

@@ -7,13 +7,13 @@ torch to parse flags) does not pull in torch.
 from importlib import import_module
 
 _EXPORTS = {
-    "AsyncLLMEngine": "kvmesh.replica.engine_thread",
-    "EngineDeadError": "kvmesh.replica.engine_thread",
+    "AsyncLLMEngine": "kvmesh.replica.engine.async_engine",
+    "EngineDeadError": "kvmesh.replica.engine.async_engine",
     "EngineConfig": "kvmesh.replica.config",
-    "CompletionOutput": "kvmesh.replica.engine",
-    "EngineStats": "kvmesh.replica.engine",
-    "LLMEngine": "kvmesh.replica.engine",
-    "RequestOutput": "kvmesh.replica.request",
+    "CompletionOutput": "kvmesh.replica.engine.llm_engine",
+    "EngineStats": "kvmesh.replica.engine.llm_engine",
+    "LLMEngine": "kvmesh.replica.engine.llm_engine",
+    "RequestOutput": "kvmesh.replica.engine.request",
     "SamplingParams": "kvmesh.serving.sampling_params",
 }
 

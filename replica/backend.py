@@ -11,15 +11,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from kvmesh.protos import pb
-from kvmesh.replica.engine_thread import (
+from kvmesh.replica.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineOverloadedError,
     RequestFailedError,
 )
+from kvmesh.replica.engine.request import PrefixFacts, RequestOutput
+from kvmesh.replica.engine.sampler import TokenLogprob
 from kvmesh.replica.metrics import ReplicaMetrics
-from kvmesh.replica.request import PrefixFacts, RequestOutput
-from kvmesh.replica.sampler import TokenLogprob
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket, admit
 from kvmesh.serving.errors import InvalidRequest, Overloaded, RequestFailed, ServingError, Unavailable
@@ -107,7 +107,7 @@ class EngineBackend:
         self.owned.add(owner, request.request_id, own_id)
         outcome, first = "cancelled", True  # unless it ends otherwise
         span = tracing.start(
-            "kvmesh.replica.request", trace, replica_id=self.replica_id, request_id=request.request_id
+            "kvmesh.replica.engine.request", trace, replica_id=self.replica_id, request_id=request.request_id
         )
         try:
             self.model.check_named(request.model)

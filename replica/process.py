@@ -17,10 +17,10 @@ from kvmesh.protos import pb_grpc
 from kvmesh.replica.backend import EngineBackend
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.drain_socket import DrainSocket
-from kvmesh.replica.engine import LLMEngine
-from kvmesh.replica.engine_thread import AsyncLLMEngine
+from kvmesh.replica.engine.async_engine import AsyncLLMEngine
+from kvmesh.replica.engine.llm_engine import LLMEngine
+from kvmesh.replica.engine.model_runner import hardware_name
 from kvmesh.replica.grpc_service import ReplicaService
-from kvmesh.replica.model_runner import hardware_name
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing

@@ -22,9 +22,9 @@ import time
 from redis.exceptions import ResponseError
 
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import IndexSettingsError, PrefixIndex
-from kvmesh.replica.engine_thread import AsyncLLMEngine
+from kvmesh.kvcache.index.api import IndexSettingsError, PrefixIndex
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
+from kvmesh.replica.engine.async_engine import AsyncLLMEngine
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ def _check_positive(owner: object, *names: str) -> None:
 
 
 # Speculative entries live up to two TTLs in the index (two buckets of one TTL); the
-# index frees a dead replica's slot 60 s after its death (index.lua QUARANTINE_MS).
+# index frees a dead replica's slot 60 s after its death (kvcache/index/redis.lua QUARANTINE_MS).
 MAX_SPECULATIVE_TTL_S = 10.0
 MAX_MIGRATION_LIMIT = 8  # each move re-reads the whole prompt on a new replica
 

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import PrefixIndex
+from kvmesh.kvcache.index.api import PrefixIndex
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.protos import pb
 from kvmesh.router.decision import Decider, Decision, RoutingOptions
 from kvmesh.router.flow import FLOW_KEY, FlowControl, FlowKey

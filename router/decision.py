@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.kvcache import block_hashes
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import IndexView, PrefixIndex
+from kvmesh.kvcache.index.api import IndexView, PrefixIndex
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.flow import FlowConfig

@@ -10,7 +10,7 @@ import asyncio
 
 import grpc
 
-from kvmesh.kvcache.index import INDEX_ERRORS
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.flow import FLOW_KEY
 from kvmesh.router.metrics import heartbeat_age

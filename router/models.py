@@ -16,8 +16,8 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvmesh.kvcache.index import INDEX_ERRORS, IndexSettingsError
-from kvmesh.kvcache.index_api import check_settings, own_settings
+from kvmesh.kvcache.index.api import check_settings, own_settings
+from kvmesh.kvcache.index.redis import INDEX_ERRORS, IndexSettingsError
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
 from kvmesh.router.decision import RoutingOptions

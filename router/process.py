@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Sequence
 
-from kvmesh.kvcache.index_api import PrefixIndex
+from kvmesh.kvcache.index.api import PrefixIndex
 from kvmesh.protos import pb_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore

@@ -19,8 +19,8 @@ import grpc
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, ReplicaRecord
+from kvmesh.kvcache.index.api import FleetWork, PrefixIndex, ReplicaRecord
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.protos import pb_grpc
 from kvmesh.router.metrics import ReplicaGauges, engine_label, heartbeat_age
 from kvmesh.router.policies import DEFAULT_STEP_TOKENS, ReplicaState

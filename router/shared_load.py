@@ -32,8 +32,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import FleetWork, PrefixIndex, load_field
+from kvmesh.kvcache.index.api import FleetWork, PrefixIndex, load_field
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)

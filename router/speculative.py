@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmesh.kvcache.memory_index import leading_matches
+from kvmesh.kvcache.index.memory import leading_matches
 
 
 class SpeculativeOverlay:

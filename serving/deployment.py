@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from kvmesh.kvcache.index_api import DEFAULT_DEPLOYMENT
+from kvmesh.kvcache.index.api import DEFAULT_DEPLOYMENT
 
 __all__ = ["DEFAULT_DEPLOYMENT", "MAX_DEPLOYMENT_CHARS", "check_deployment"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from kvmesh.kvcache.index import RedisPrefixIndex, connect
+from kvmesh.kvcache.index.redis import RedisPrefixIndex, connect
 from kvmesh.serving.auth import read_token_file
 from kvmesh.serving.options import env_name, read_env
 

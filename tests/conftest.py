@@ -108,7 +108,7 @@ def acl_server(request, tmp_path_factory):
     import secrets
 
     from kvmesh.cluster.embedded_redis import EmbeddedRedis
-    from kvmesh.kvcache.index_acl import ROLES, acl_file
+    from kvmesh.kvcache.index.acl import ROLES, acl_file
 
     passwords = {role: secrets.token_urlsafe(16) for role in ROLES}
     aclfile = tmp_path_factory.mktemp("acl") / "users.acl"

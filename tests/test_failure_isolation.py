@@ -11,9 +11,9 @@ import torch
 from reference import prompts_of_lengths
 
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica import sampler as sampler_module
-from kvmesh.replica.engine import BROKEN_AFTER_FAILED_STEPS
-from kvmesh.replica.engine_thread import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from kvmesh.replica.engine import sampler as sampler_module
+from kvmesh.replica.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from kvmesh.replica.engine.llm_engine import BROKEN_AFTER_FAILED_STEPS
 
 PROMPTS = prompts_of_lengths([40, 23, 57], salt=21)
 # The ordinary requests: greedy, seeded sampling with penalties (so it passes through the

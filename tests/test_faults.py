@@ -19,8 +19,8 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.launcher import LocalCluster
-from kvmesh.kvcache.index import RedisPrefixIndex
-from kvmesh.kvcache.index_api import ReplicaRecord
+from kvmesh.kvcache.index.api import ReplicaRecord
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router import registry as registry_module
 from kvmesh.router.registry import ReplicaRegistry

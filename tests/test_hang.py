@@ -21,7 +21,7 @@ from kvmesh.cluster.launcher import LocalCluster
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.config import ReplicaConfig
-from kvmesh.replica.engine_thread import AsyncLLMEngine, EngineDeadError
+from kvmesh.replica.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.replica_http import ReplicaHttp
 

@@ -24,8 +24,8 @@ from tcp_proxy import FreezableProxy
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica import sampler as sampler_module
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.engine import sampler as sampler_module
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.policies import POLICIES

@@ -14,7 +14,7 @@ from reference import prompts_of_lengths
 
 from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.kvcache.index_api import IndexSettingsError
+from kvmesh.kvcache.index.api import IndexSettingsError
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica import process as replica_process
 from kvmesh.replica.config import EngineConfig, ReplicaConfig

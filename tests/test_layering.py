@@ -92,12 +92,14 @@ def kernel_violations(root: Path) -> list[str]:
 def test_only_the_kernels_import_triton_and_they_import_nothing_of_ours(tmp_path):
     assert kernel_violations(ROOT) == []
     (tmp_path / "replica" / "kernels").mkdir(parents=True)
-    (tmp_path / "replica" / "kernels" / "k.py").write_text("from kvmesh.replica.engine import LLMEngine\n")
+    (tmp_path / "replica" / "kernels" / "k.py").write_text(
+        "from kvmesh.replica.engine.llm_engine import LLMEngine\n"
+    )
     (tmp_path / "replica" / "runner.py").write_text("def f():\n    import triton.language\n")
     for part in PARTS:
         (tmp_path / part).mkdir(exist_ok=True)
     assert kernel_violations(tmp_path) == [
-        "replica/kernels/k.py imports kvmesh.replica.engine",
+        "replica/kernels/k.py imports kvmesh.replica.engine.llm_engine",
         "replica/runner.py imports triton.language",
     ]
 
@@ -133,6 +135,34 @@ def test_the_bench_checker_sees_a_backward_import(tmp_path):
     ]
 
 
+# a folder inside a part -> the kvmesh modules it must not import
+INNER_FORBIDDEN = {
+    "replica/engine": (
+        "kvmesh.replica.backend",
+        "kvmesh.replica.grpc_service",
+        "kvmesh.replica.publisher",
+        "kvmesh.replica.process",
+        "kvmesh.replica.actor",
+        "kvmesh.replica.vllm",
+    ),
+    "replica/models": ("kvmesh.replica.engine",),
+    "kvcache/index": ("kvmesh.kvcache.block_manager",),
+}
+
+
+def inner_violations(root: Path) -> list[str]:
+    return [
+        f"{path} imports {name}"
+        for folder, forbidden in INNER_FORBIDDEN.items()
+        for path, name in imports_under(root, folder)
+        if name.startswith(forbidden)
+    ]
+
+
+def test_the_engine_core_and_the_models_keep_to_their_side():
+    assert inner_violations(ROOT) == []
+
+
 def test_every_folder_says_what_it_owns():
     """Each package folder's __init__.py opens with a docstring."""
     missing = []
@@ -151,13 +181,13 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     for part in PARTS:
         (tmp_path / part).mkdir()
     (tmp_path / "router" / "sneaky.py").write_text(
-        "def later():\n    from kvmesh.replica.engine import LLMEngine\n    import torch.nn\n"
+        "def later():\n    from kvmesh.replica.engine.llm_engine import LLMEngine\n    import torch.nn\n"
     )
     (tmp_path / "kvcache" / "sub").mkdir()
     (tmp_path / "kvcache" / "sub" / "rel.py").write_text("from ...serving import errors\n")
     assert violations(tmp_path) == [
         "kvcache/sub/rel.py imports kvmesh.serving",
-        "router/sneaky.py imports kvmesh.replica.engine",
+        "router/sneaky.py imports kvmesh.replica.engine.llm_engine",
         "router/sneaky.py imports torch",
     ]
 
@@ -165,7 +195,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
 @pytest.mark.parametrize(
     ("modules", "renders_chat"),
     [
-        (["kvmesh.kvcache", "kvmesh.kvcache.index"], False),
+        (["kvmesh.kvcache", "kvmesh.kvcache.index.redis"], False),
         (["kvmesh.router.process", "kvmesh.serving.openai.app"], True),
         (["kvmesh.cli.main", "kvmesh.cli.commands.router"], True),
     ],

@@ -35,8 +35,8 @@ def test_every_top_level_python_folder_is_a_package():
 
 def test_package_data_is_next_to_the_code_that_reads_it():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert config["package-data"]["kvmesh.kvcache"] == ["*.lua"]
-    code = "from importlib import resources; print(resources.files('kvmesh.kvcache').joinpath('index.lua').is_file())"
+    assert config["package-data"]["kvmesh.kvcache.index"] == ["*.lua"]
+    code = "from importlib import resources; print(resources.files('kvmesh.kvcache.index').joinpath('redis.lua').is_file())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 

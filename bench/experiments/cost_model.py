@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
-from kvmesh.kvcache.index_api import ReplicaRecord
+from kvmesh.kvcache.index.api import ReplicaRecord
 from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs, median_costs
 
 

@@ -24,8 +24,8 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from kvmesh.kvcache import BlockManager
-from kvmesh.replica.request import Request, Status
-from kvmesh.replica.scheduler import Scheduler
+from kvmesh.replica.engine.request import Request, Status
+from kvmesh.replica.engine.scheduler import Scheduler
 
 
 class LazyDecodeScheduler(Scheduler):

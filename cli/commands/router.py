@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.cli.commands.checks import check_files, check_model_folder
     from kvmesh.cli.logs import setup_logging
     from kvmesh.cluster.errors import UsageError
-    from kvmesh.kvcache.index_api import IndexSettingsError
+    from kvmesh.kvcache.index.api import IndexSettingsError
     from kvmesh.serving.grpc_server import ListenError
 
     built = FLAGS.build_models(args)

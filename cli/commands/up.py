@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     # Ray and torch only once the flags are known good: a usage error is answered at once.
     from kvmesh.cluster.launcher import serve_cluster
     from kvmesh.cluster.supervisor import ReplicaStartError
-    from kvmesh.kvcache.index_api import IndexSettingsError
+    from kvmesh.kvcache.index.api import IndexSettingsError
 
     setup_logging(configs[0].verbose)
     try:

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvmesh.cluster.errors import UsageError
-    from kvmesh.kvcache.index_acl import ROLES, acl_file
+    from kvmesh.kvcache.index.acl import ROLES, acl_file
     from kvmesh.serving.auth import read_token_file
 
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvmesh.replica.attention import AttentionBackend
+from kvmesh.replica.models.attention import AttentionBackend
 from kvmesh.replica.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rms_normalized
 
 

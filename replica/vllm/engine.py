@@ -27,11 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.kvcache import AllBlocksCleared, KVCacheError, KVCacheStats, KVEvent, block_hashes
 from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.engine import EngineStats
-from kvmesh.replica.engine_thread import EngineDeadError, EngineOverloadedError, RequestFailedError
-from kvmesh.replica.request import PrefixFacts, RequestOutput, RequestTimes
-from kvmesh.replica.sampler import TokenLogprob
-from kvmesh.replica.step_costs import StepCostFit
+from kvmesh.replica.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvmesh.replica.engine.llm_engine import EngineStats
+from kvmesh.replica.engine.request import PrefixFacts, RequestOutput, RequestTimes
+from kvmesh.replica.engine.sampler import TokenLogprob
+from kvmesh.replica.engine.step_costs import StepCostFit
 from kvmesh.replica.vllm.cache_view import CacheView
 from kvmesh.replica.vllm.server import VllmServer
 from kvmesh.replica.vllm.subscriber import EventSubscriber

@@ -10,8 +10,8 @@ import time
 
 import grpc
 
-from kvmesh.kvcache.index import INDEX_ERRORS
-from kvmesh.kvcache.index_api import PrefixIndex
+from kvmesh.kvcache.index.api import PrefixIndex
+from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.protos import pb
 from kvmesh.router.index_trust.predictions import Prediction, miss_cause
 from kvmesh.router.index_trust.states import (

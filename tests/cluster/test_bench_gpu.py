@@ -59,7 +59,7 @@ def test_a_steps_roofline_counts_its_weights_once_and_its_kv_per_row(qwen3_dir):
 
 def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir):
     from kvmesh.bench.step_stages import STAGES, step_stages
-    from kvmesh.replica import model_runner, sampler
+    from kvmesh.replica.engine import model_runner, sampler
 
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8)
     row = step_stages(engine, 4, 40, 3)

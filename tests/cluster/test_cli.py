@@ -182,7 +182,7 @@ def test_nothing_the_user_made_is_deleted_or_flushed_without_force(tmp_path):
 @pytest.mark.servers
 def test_valkey_acl_writes_a_private_file_a_server_starts_with(tmp_path):
     from kvmesh.cluster.embedded_redis import EmbeddedRedis
-    from kvmesh.kvcache.index import connect
+    from kvmesh.kvcache.index.redis import connect
 
     for role in ("admin", "router", "replica"):
         (tmp_path / role).write_text(f"{role}-pw-123\n")

@@ -467,7 +467,7 @@ def test_a_router_whose_settings_differ_from_the_index_refuses_to_start_in_one_l
     import asyncio
 
     from kvmesh.kvcache import namespace_seed
-    from kvmesh.kvcache.index import RedisPrefixIndex
+    from kvmesh.kvcache.index.redis import RedisPrefixIndex
 
     model_id = Path(qwen3_dir).name
 

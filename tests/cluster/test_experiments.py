@@ -289,7 +289,7 @@ def test_a_fleets_model_from_its_heartbeats_is_the_median_of_the_replicas_that_m
     """What ``kvmesh bench serve`` and ``--fidelity`` simulate with: the router's own reading of
     the replicas' records (an unmeasured one is left out, as the router prices it by the rest)."""
     from kvmesh.bench.experiments.cost_model import from_heartbeats
-    from kvmesh.kvcache.index_api import ReplicaRecord
+    from kvmesh.kvcache.index.api import ReplicaRecord
     from kvmesh.serving.step_costs import StepCosts
 
     def record(rid, costs, steps, blocks=160):

@@ -29,7 +29,7 @@ def test_every_kvmesh_marker_names_a_module_or_folder_of_the_package():
         ("router/shared_load.py:add", "policy"),
         ("router/index_trust/watch.py:observe", "policy"),
         ("kvcache/hashing.py:block_hashes", "hash"),
-        ("kvcache/index.py:routing_view", "index calls"),
+        ("kvcache/index/redis.py:routing_view", "index calls"),
     ],
 )
 def test_request_path_modules_fall_in_their_stage(module, stage):

@@ -19,7 +19,7 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.supervisor import RAY_NAMESPACE, ReplicaStartError, Supervisor
 from kvmesh.kvcache import namespace_seed
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.router.process import RouterServer

@@ -10,7 +10,7 @@ from helpers import eventually, vllm_python
 
 from kvmesh.cluster.supervisor import Supervisor
 from kvmesh.kvcache import namespace_seed
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 

@@ -11,9 +11,9 @@ import redis
 import redis.asyncio as aioredis
 
 from kvmesh.kvcache import BlockRemoved, BlockStored
-from kvmesh.kvcache.index import VERSION, RedisPrefixIndex
-from kvmesh.kvcache.index_api import IndexSettingsError
-from kvmesh.kvcache.memory_index import MemoryPrefixIndex
+from kvmesh.kvcache.index.api import IndexSettingsError
+from kvmesh.kvcache.index.memory import MemoryPrefixIndex
+from kvmesh.kvcache.index.redis import VERSION, RedisPrefixIndex
 
 pytestmark = pytest.mark.servers  # the Redis half starts a server
 
@@ -439,7 +439,7 @@ async def test_the_functions_refuse_records_and_reservations_that_would_break_de
 def test_a_record_never_fails_a_decision_by_what_it_holds():
     """What a router reads from a shared server is parsed defensively: a field that is not a
     finite number reads as the default."""
-    from kvmesh.kvcache.index_api import ReplicaRecord
+    from kvmesh.kvcache.index.api import ReplicaRecord
 
     fields = {"num_running": "nan", "num_waiting": "inf", "tokens_per_s": "fast", "num_blocks": "64"}
     record = ReplicaRecord("r0", "a:1", 1, 1000, fields)

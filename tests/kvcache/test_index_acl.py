@@ -5,8 +5,7 @@ import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 
 from kvmesh.kvcache import BlockStored
-from kvmesh.kvcache.index import IndexFunctionsMissing, RedisPrefixIndex, connect, function, pack_hashes
-from kvmesh.kvcache.index_acl import (
+from kvmesh.kvcache.index.acl import (
     ROLES,
     USERS,
     acl_file,
@@ -15,6 +14,7 @@ from kvmesh.kvcache.index_acl import (
     replica_user,
     replica_users,
 )
+from kvmesh.kvcache.index.redis import IndexFunctionsMissing, RedisPrefixIndex, connect, function, pack_hashes
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAIN = [11, 12, 13]

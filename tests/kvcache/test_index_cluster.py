@@ -10,7 +10,7 @@ import redis
 
 from kvmesh.cluster.embedded_cluster import LocalCluster
 from kvmesh.kvcache import BlockStored
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 
 pytestmark = pytest.mark.servers
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvmesh.kvcache import BlockStored
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 
 pytestmark = pytest.mark.servers
 

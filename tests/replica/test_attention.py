@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from paged_attention_cases import naive_attention, paged_case
 
-from kvmesh.replica.attention import BatchLayout, TorchPagedAttention, flash_plan
+from kvmesh.replica.models.attention import BatchLayout, TorchPagedAttention, flash_plan
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 

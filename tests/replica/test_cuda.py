@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.attention import flash_attn_available
+from kvmesh.replica.models.attention import flash_attn_available
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

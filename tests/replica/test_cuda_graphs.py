@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.cuda_graphs import EagerReplay, graph_buckets
+from kvmesh.replica.engine.cuda_graphs import EagerReplay, graph_buckets
 
 OPTIONS = dict(
     num_kv_blocks=48,

@@ -9,7 +9,7 @@ from conftest import tiny_model_dir
 
 from kvmesh.kvcache import BlockStored, KVCacheError, block_hashes
 from kvmesh.replica import AsyncLLMEngine, LLMEngine, SamplingParams
-from kvmesh.replica.engine_thread import EngineOverloadedError
+from kvmesh.replica.engine.async_engine import EngineOverloadedError
 
 PROMPT = [(11 * j) % 900 + 3 for j in range(40)]
 
@@ -298,8 +298,8 @@ def test_a_continuation_has_what_is_left_of_its_limits_and_a_new_seed():
 def test_the_fast_decoder_gives_transformers_text(arch):
     """The detokenizer decodes through the Rust tokenizer directly: the text must be exactly
     what transformers' decode gives, byte-level pieces and special tokens included."""
-    from kvmesh.replica.detokenizer import token_decoder
-    from kvmesh.replica.engine import _load_tokenizer
+    from kvmesh.replica.engine.detokenizer import token_decoder
+    from kvmesh.replica.engine.llm_engine import _load_tokenizer
 
     tokenizer = _load_tokenizer(tiny_model_dir(arch))
     decode = token_decoder(tokenizer)

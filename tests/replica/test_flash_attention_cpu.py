@@ -10,9 +10,10 @@ import pytest
 import torch
 from paged_attention_cases import paged_case
 
-from kvmesh.replica import LLMEngine, SamplingParams, attention
-from kvmesh.replica.attention import FlashPagedAttention, choose_backend
-from kvmesh.replica.model_runner import kv_pool_bytes, resolve_device
+from kvmesh.replica import LLMEngine, SamplingParams
+from kvmesh.replica.engine.model_runner import kv_pool_bytes, resolve_device
+from kvmesh.replica.models import attention
+from kvmesh.replica.models.attention import FlashPagedAttention, choose_backend
 
 CPU = torch.device("cpu")
 CUDA0 = torch.device("cuda", 0)
@@ -161,7 +162,7 @@ def test_flash_attn_is_chosen_only_where_it_can_run(fake_gpu, caplog):
     fake_gpu((7, 5))
     assert "compute capability 7.5" in choose_backend(None, 256, CUDA0, torch.float16, 64)[1]
     assert "needs CUDA" in choose_backend(None, 256, CPU, torch.float16, 64)[1]
-    with caplog.at_level("INFO", logger="kvmesh.replica.attention"):
+    with caplog.at_level("INFO", logger="kvmesh.replica.models.attention"):
         attention.make_backend(None, 256, CPU, torch.float32, 64, 2)
     assert any(getattr(r, "backend", None) == "torch" and "needs CUDA" in r.why for r in caplog.records)
 

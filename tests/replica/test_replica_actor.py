@@ -11,7 +11,7 @@ from reference import hf_greedy, prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import block_hashes
-from kvmesh.kvcache.index import RedisPrefixIndex
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import replica_actor_class
 from kvmesh.replica.config import EngineConfig, ReplicaConfig

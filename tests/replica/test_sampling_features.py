@@ -7,8 +7,8 @@ import torch
 from reference import _hf_model, hf_log_softmax, prompts_of_lengths
 
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.request import Request
-from kvmesh.replica.sampler import adjust_logits
+from kvmesh.replica.engine.request import Request
+from kvmesh.replica.engine.sampler import adjust_logits
 
 PROMPT = prompts_of_lengths([45], salt=3)[0]
 

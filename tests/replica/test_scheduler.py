@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from kvmesh.kvcache import BlockManager
-from kvmesh.replica.request import Request, Status
-from kvmesh.replica.scheduler import Scheduler
+from kvmesh.replica.engine.request import Request, Status
+from kvmesh.replica.engine.scheduler import Scheduler
 from kvmesh.serving.sampling_params import SamplingParams
 
 BS = 4  # tokens per KV block
@@ -45,7 +45,7 @@ def step(s: Scheduler) -> list[tuple[str, int]]:
 
 def test_importing_the_scheduler_loads_no_torch():
     """The simulator schedules requests without torch (and this file needs none)."""
-    code = "import sys, kvmesh.replica.scheduler, kvmesh.replica.request; print('torch' in sys.modules)"
+    code = "import sys, kvmesh.replica.engine.scheduler, kvmesh.replica.engine.request; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -15,8 +15,8 @@ import torch
 from paged_attention_cases import paged_case
 
 from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.attention import TorchPagedAttention, TritonPagedAttention
 from kvmesh.replica.kernels import paged_attention as kernels
+from kvmesh.replica.models.attention import TorchPagedAttention, TritonPagedAttention
 
 CPU = torch.device("cpu")
 # Compiled on a GPU (`make gpu-check` runs this file there, bf16 too), interpreted elsewhere.

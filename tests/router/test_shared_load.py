@@ -17,8 +17,8 @@ import pytest_asyncio
 from helpers import eventually, local_router_config
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.kvcache.index import RedisPrefixIndex
-from kvmesh.kvcache.index_api import FleetWork, load_field
+from kvmesh.kvcache.index.api import FleetWork, load_field
+from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from reference import prompts_of_lengths
 
-from kvmesh.replica.engine import LLMEngine
-from kvmesh.replica.step_costs import StepCostFit
+from kvmesh.replica.engine.llm_engine import LLMEngine
+from kvmesh.replica.engine.step_costs import StepCostFit
 from kvmesh.serving.sampling_params import SamplingParams
 from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, TERMS, StepCosts, median_costs
 
@@ -186,7 +186,7 @@ async def test_the_router_prices_like_hardware_alike_and_other_hardware_by_its_o
     prices it like the replicas that have measured (else a fleet of slow CPUs would send all
     work to the newcomer whose prior says H100); one on the same hardware whose fit differs
     (noise, or 9x off) at their median too; one on other hardware at its own fit."""
-    from kvmesh.kvcache.memory_index import MemoryPrefixIndex
+    from kvmesh.kvcache.index.memory import MemoryPrefixIndex
     from kvmesh.router.policies import DEFAULT_STEP_TOKENS
     from kvmesh.router.registry import ReplicaRegistry
 

@@ -63,7 +63,7 @@ def check_tree(spans: dict) -> None:
         assert spans[child].parent.span_id == root.context.span_id, child
     relay = spans["kvmesh.router.relay"]
     assert spans["kvmesh.router.first_token"].parent.span_id == relay.context.span_id
-    replica = spans["kvmesh.replica.request"]
+    replica = spans["kvmesh.replica.engine.request"]
     assert replica.parent.span_id == relay.context.span_id  # carried over gRPC metadata
     for phase in ("kvmesh.replica.queue", "kvmesh.replica.prefill"):
         assert spans[phase].parent.span_id == replica.context.span_id, phase

@@ -24,7 +24,7 @@ import torch
 from kvmesh.serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvmesh.replica.request import Request
+    from kvmesh.replica.engine.request import Request
 
 
 class RequestFailed(Exception):

@@ -1,10 +1,10 @@
 """The shared prefix index in Redis/Valkey (one server or a cluster), used by replicas and routers.
 
-Every call is one round trip to server-side functions (``index.lua`` beside this file, loaded
+Every call is one round trip to server-side functions (``redis.lua`` beside this file, loaded
 with ``FUNCTION LOAD`` under a name that carries its version). Replicas ``register`` (a new
 incarnation each time, a stable slot per replica id), ``heartbeat`` with their load,
 ``publish`` their KV events in order and ``deregister``; routers ``routing_view`` (lookup + the
-fleet's work) and ``share`` what they sent. The key layout is documented in ``index.lua``:
+fleet's work) and ``share`` what they sent. The key layout is documented in ``redis.lua``:
 block keys live in the slot of their chain's first block, so on a cluster different prefixes
 spread over every shard and a lookup is still one call to one shard.
 """
@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from kvmesh.kvcache.events import BlockRemoved, BlockStored, KVEvent
-from kvmesh.kvcache.index_api import (
+from kvmesh.kvcache.index.api import (
     DEFAULT_DEPLOYMENT,
     FleetWork,
     IndexSettingsError,
@@ -41,7 +41,7 @@ from kvmesh.kvcache.index_api import (
     load_field,
     own_settings,
 )
-from kvmesh.kvcache.untrusted import UntrustedEntries
+from kvmesh.kvcache.index.untrusted import UntrustedEntries
 
 __all__ = [
     "DEFAULT_DEPLOYMENT",
@@ -58,14 +58,14 @@ __all__ = [
 ]
 
 LAYOUT = 3  # the key layout's version: data written under another layout is never read
-_SOURCE = resources.files("kvmesh.kvcache").joinpath("index.lua").read_text()
+_SOURCE = resources.files("kvmesh.kvcache.index").joinpath("redis.lua").read_text()
 VERSION = f"v{LAYOUT}_{xxhash.xxh32_hexdigest(_SOURCE.encode())}"
 LIBRARY = _SOURCE.replace("@VERSION@", VERSION)
 _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
 _PIPELINE_CALLS = 512  # publish calls per round trip when a resync spans many roots
 _SWEEP_COUNT = 500  # keys one sweep step scans on each server
-MAX_SLOTS = 8192  # index.lua's: bitmaps stay <= 1 KiB
-# index.lua's check of an address, for records it did not write (raw writes by a replica's user)
+MAX_SLOTS = 8192  # redis.lua's: bitmaps stay <= 1 KiB
+# redis.lua's check of an address, for records it did not write (raw writes by a replica's user)
 _HOST_PORT = re.compile(r"[A-Za-z0-9.\-\[\]:/]+:[0-9]+")
 
 

@@ -24,13 +24,13 @@ import torch
 
 from kvmesh.kvcache import BlockManager, KVCacheStats, KVEvent, namespace_seed
 from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.detokenizer import IncrementalDetokenizer, token_decoder
-from kvmesh.replica.model_runner import ModelRunner
+from kvmesh.replica.engine.detokenizer import IncrementalDetokenizer, token_decoder
+from kvmesh.replica.engine.model_runner import ModelRunner
+from kvmesh.replica.engine.request import Request, RequestOutput, Status
+from kvmesh.replica.engine.sampler import Pick, RequestFailed, TokenLogprob
+from kvmesh.replica.engine.scheduler import Scheduler
+from kvmesh.replica.engine.step_costs import StepCostFit, step_features
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
-from kvmesh.replica.request import Request, RequestOutput, Status
-from kvmesh.replica.sampler import Pick, RequestFailed, TokenLogprob
-from kvmesh.replica.scheduler import Scheduler
-from kvmesh.replica.step_costs import StepCostFit, step_features
 from kvmesh.serving.model_info import model_id_of
 from kvmesh.serving.model_lock import reading_model
 from kvmesh.serving.sampling_params import SamplingParams, check_vocabulary
@@ -64,7 +64,7 @@ class EngineStats:
     prompt_tokens: int  # admitted prompt tokens, all requests so far
     generation_tokens: int  # sampled tokens, all requests so far
     kv: KVCacheStats
-    step_costs: StepCosts  # what a step costs here, measured (replica/step_costs.py)
+    step_costs: StepCosts  # what a step costs here, measured (replica/engine/step_costs.py)
     step_cost_samples: int  # steps that fit has seen
     graph_capture_seconds: float = 0.0  # the start's CUDA-graph capture (0: none captured)
     graph_capture_bytes: int = 0  # device memory the captured graphs hold

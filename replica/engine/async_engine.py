@@ -30,8 +30,8 @@ from typing import TypeVar
 
 from kvmesh.kvcache import KVEvent
 from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.engine import EngineStats, LLMEngine, Prompt
-from kvmesh.replica.request import RequestOutput
+from kvmesh.replica.engine.llm_engine import EngineStats, LLMEngine, Prompt
+from kvmesh.replica.engine.request import RequestOutput
 from kvmesh.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

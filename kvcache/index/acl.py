@@ -11,7 +11,7 @@
 
 Redis checks each command a function runs against its caller's ACL user, so a key a role's
 functions write is one the role can write raw: the functions and every reader treat such
-keys as untrusted (``kvcache/untrusted.py``), and a bad entry costs only itself.
+keys as untrusted (``kvcache/index/untrusted.py``), and a bad entry costs only itself.
 
 Each replica may also have a user of its own (``replica_user``; the supervisor, as admin,
 issues one with a fresh password each time it starts a replica): the replica role's rights,
@@ -22,7 +22,7 @@ deployments whose supervisor is not the index's admin.
 Functions run with the caller's rights, so a router that calls ``register`` is refused like
 one that writes the keys itself: no router can pose as a replica, no replica can steer
 routing through shared load or speculation, and neither can load code or flush. The key
-patterns follow the layout in ``index.py``/``index.lua``: control keys ``{k:<8 hex>}<name>``,
+patterns follow the layout in ``redis.py``/``redis.lua``: control keys ``{k:<8 hex>}<name>``,
 published blocks ``{<8 hex>.<4 hex>}<8 bytes>``, speculative ones ``{<8 hex>.<4 hex>}~<parity><8 bytes>``.
 """
 

@@ -1,8 +1,8 @@
 """What the shared prefix index answers, split by concern, and the types its answers carry.
 
-Two implementations keep this contract: ``RedisPrefixIndex`` (``kvmesh.kvcache.index``: one
+Two implementations keep this contract: ``RedisPrefixIndex`` (``kvmesh.kvcache.index.redis``: one
 Redis/Valkey server or a cluster, shared by every process of a deployment) and
-``MemoryPrefixIndex`` (``kvmesh.kvcache.memory_index``: one process; the simulator and unit
+``MemoryPrefixIndex`` (``kvmesh.kvcache.index.memory``: one process; the simulator and unit
 tests get index answers from it without a server). Callers type against ``PrefixIndex``.
 """
 

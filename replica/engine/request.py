@@ -13,8 +13,8 @@ from kvmesh.serving.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the simulator schedules these without torch
     import torch
 
-    from kvmesh.replica.detokenizer import IncrementalDetokenizer
-    from kvmesh.replica.sampler import TokenLogprob
+    from kvmesh.replica.engine.detokenizer import IncrementalDetokenizer
+    from kvmesh.replica.engine.sampler import TokenLogprob
 
 
 class Status(enum.Enum):
@@ -108,7 +108,7 @@ class Request(Sequence):
     def record_prompt_logprobs(self, log_probs: torch.Tensor, start: int) -> None:
         """Row j of ``log_probs`` is the distribution after position ``start + j``: it scores
         prompt token ``start + j + 1`` (computed again after a preemption: kept once)."""
-        from kvmesh.replica.sampler import logprobs_of
+        from kvmesh.replica.engine.sampler import logprobs_of
 
         targets = range(
             max(start + 1, len(self.prompt_logprobs) + 1),

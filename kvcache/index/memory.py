@@ -1,5 +1,5 @@
 """The prefix index in one process's memory: the same contract as the Redis one
-(``index_api.PrefixIndex``), for the simulator and for tests that need index answers, not a
+(``api.PrefixIndex``), for the simulator and for tests that need index answers, not a
 server. Time comes from ``clock`` (seconds), so a simulation or a test can run it on its own.
 
 Entries of a replica that re-registers, deregisters, is retired or misses its heartbeat
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvmesh.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvmesh.kvcache.index_api import (
+from kvmesh.kvcache.index.api import (
     DEFAULT_DEPLOYMENT,
     IndexView,
     ReplicaRecord,

@@ -16,7 +16,7 @@ import time
 from collections import deque
 
 from kvmesh.kvcache import BlockManager
-from kvmesh.replica.request import PrefixFacts, Request, Status
+from kvmesh.replica.engine.request import PrefixFacts, Request, Status
 
 
 class Scheduler:

@@ -13,13 +13,13 @@ import logging
 import numpy as np
 import torch
 
-from kvmesh.replica.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
+from kvmesh.replica.engine.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
+from kvmesh.replica.engine.request import Request
+from kvmesh.replica.engine.sampler import Pick, RequestFailed, sample
+from kvmesh.replica.models.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
-from kvmesh.replica.request import Request
-from kvmesh.replica.sampler import Pick, RequestFailed, sample
 
 log = logging.getLogger(__name__)
 
