@@ -311,37 +311,26 @@ async def serving(model_dir: Path, device: str, dtype: str, quick: bool) -> dict
     }
 
 
-def main(
-    out: str, device: str, quick: bool, model: str | None, cache_dir: str, tests: bool, serve: bool
-) -> int:
-    from kvmesh.bench.engine import bench_model_dir, bench_ttft, model_label, run_cuda
-    from kvmesh.replica.tiny_model import cached_tiny_model
+class Report:
+    """The run's JSON, written again as each part is added (a lease that ends early keeps
+    what was measured)."""
+
+    def __init__(self, out: str, result: dict):
+        self.out, self.result = out, result
+
+    def save(self, part: str, value) -> None:
+        self.result[part] = value
+        write_result(self.out, self.result)
+
+
+def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, report: Report) -> None:
+    """Decode steps at each batch size, with graphs and then without (on a GPU), each with its
+    host stages; TTFT on the eager engine."""
+    from kvmesh.bench.engine import bench_ttft
 
     cuda = device == "cuda"
-    shape = SHAPE_1_7B if cuda else SMOKE_SHAPE
-    model_dir = Path(model) if model else cached_tiny_model(Path(cache_dir) / "gpu-check-model", **shape)
-    dev = torch.device("cuda" if cuda else "cpu")
-    result: dict = {
-        "benchmark": "gpu",
-        "statistic": "median",
-        "quick": quick,
-        "environment": environment(
-            torch=torch.__version__, device=torch.cuda.get_device_name() if cuda else "cpu"
-        ),
-        "model": model_label(model_dir),
-    }
-
-    def save(part: str, value) -> None:
-        result[part] = value
-        write_result(out, result)
-
-    progress("measuring the device's limits")
-    save("limits", limits(dev, quick))
-    if tests:
-        progress("running the CUDA tests")
-        save("tests", run_tests(Path(out).parent))
-    dtype = "bfloat16" if cuda else "float32"
     batches, context, steps = ([1, 16, 64, 256], 512, 20) if cuda else ([1, 4], 64, 3)
+    limits_, save = report.result["limits"], report.save
     rows = []
     for graphs in (True, False) if cuda else (False,):
         engine = LLMEngine(
@@ -359,31 +348,64 @@ def main(
             rows.append(
                 {
                     "attention_backend": engine.runner.backend.name,
-                    **decode(engine, batch, context, steps, result["limits"]),
+                    **decode(engine, batch, context, steps, limits_),
                     "host_stages_ms": {k: v for k, v in stages.items() if k.endswith("_ms")},
                 }
             )
         if graphs:
             capture = engine.runner.graph_capture
-            result["graph_capture"] = {
-                "buckets": len(capture.buckets),
-                "seconds": round(capture.seconds, 2),
-                "bytes": capture.bytes,
-            }
+            save(
+                "graph_capture",
+                {
+                    "buckets": len(capture.buckets),
+                    "seconds": round(capture.seconds, 2),
+                    "bytes": capture.bytes,
+                },
+            )
         save("decode", rows)
         if not graphs:
             progress("time to first token")
             lengths = [2048, 8192] if cuda else [128]
-            save(
-                "ttft",
-                {
-                    "all_but_last_block": ttft(engine, lengths, 2 if quick else 3),
-                    "2k_1792_cached": bench_ttft(engine, random.Random(1), 3),
-                },
-            )
+            cases = {
+                "all_but_last_block": ttft(engine, lengths, 2 if quick else 3),
+                "2k_1792_cached": bench_ttft(engine, random.Random(1), 3),
+            }
+            save("ttft", cases)
         del engine
         if cuda:
             torch.cuda.empty_cache()
+
+
+def main(
+    out: str, device: str, quick: bool, model: str | None, cache_dir: str, tests: bool, serve: bool
+) -> int:
+    from kvmesh.bench.engine import bench_model_dir, model_label, run_cuda
+    from kvmesh.replica.tiny_model import cached_tiny_model
+
+    cuda = device == "cuda"
+    shape = SHAPE_1_7B if cuda else SMOKE_SHAPE
+    model_dir = Path(model) if model else cached_tiny_model(Path(cache_dir) / "gpu-check-model", **shape)
+    dev = torch.device("cuda" if cuda else "cpu")
+    result: dict = {
+        "benchmark": "gpu",
+        "statistic": "median",
+        "quick": quick,
+        "environment": environment(
+            torch=torch.__version__, device=torch.cuda.get_device_name() if cuda else "cpu"
+        ),
+        "model": model_label(model_dir),
+    }
+
+    report = Report(out, result)
+    save = report.save
+
+    progress("measuring the device's limits")
+    save("limits", limits(dev, quick))
+    if tests:
+        progress("running the CUDA tests")
+        save("tests", run_tests(Path(out).parent))
+    dtype = "bfloat16" if cuda else "float32"
+    decode_and_ttft(model_dir, device, dtype, quick, report)
     if cuda:
         progress("engine vs transformers")
         save("engine", run_cuda(2 if quick else 3, True, bench_model_dir(Path(cache_dir)), model_dir))

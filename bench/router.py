@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import subprocess
 import sys
@@ -64,6 +65,30 @@ def _added(times: dict[str, list[float]], direct: str) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def _passthrough(upstream: str, port: int):
+    """A pass-through gRPC proxy to ``upstream`` on ``port``, in a process of its own."""
+    proxy = subprocess.Popen([sys.executable, "-m", "kvmesh.bench.passthrough_proxy", upstream, str(port)])
+    try:
+        yield
+    finally:
+        proxy.terminate()
+        proxy.wait()
+
+
+async def _interleaved(paths: dict, samples: int) -> dict[str, list[float]]:
+    """Seconds of each path's call, the paths taken in turn ``samples`` times after a warm-up
+    (so drift hits all alike)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    warmup = min(20, samples // 4)  # rounds that warm up (a smoke run: fewer)
+    for i in range(samples + warmup):
+        for name, path in paths.items():
+            took = await path()
+            if i >= warmup:
+                times[name].append(took[0] if isinstance(took, tuple) else took)
+    return times
+
+
 async def added_latency(model_dir: str, samples: int) -> dict:
     """The same cached 1-token request straight to a replica, through a ``kvmesh router``
     process (as deployed: its own process, shared load on) and, over gRPC, through a
@@ -72,15 +97,10 @@ async def added_latency(model_dir: str, samples: int) -> dict:
     config = ClusterConfig.for_model(model_dir, 2, engine={"num_kv_blocks": 256}, with_router=False)
     scratch = Path(tempfile.mkdtemp(prefix="kvmesh-bench-router-"))
     prompt = [random.Random(0).randrange(3, 1000) for _ in range(64)]
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0, max_tokens=1)
-    )
-    body = {
-        "model": ModelInfo.from_folder(model_dir, None, 16, None).api_name,
-        "prompt": prompt,
-        "max_tokens": 1,
-        "temperature": 0,
-    }
+    sampling = pb.SamplingParams(temperature=0, max_tokens=1)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    name = ModelInfo.from_folder(model_dir, None, 16, None).api_name
+    body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     # open replicas (loopback): the bench reads their own counters and calls them directly
     async with LocalCluster(config, open_replicas=True) as cluster:
         # picked once the cluster is up: Ray and the replicas take ports while starting
@@ -100,24 +120,11 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             _, replica_id = await _one_token(router, request)  # the prompt is cached there now
             replica_http = {r.replica_id: r.http_url for r in await replicas_of(cluster)}[replica_id]
             replica_address = cluster.supervisor.addresses[replica_id]
-            proxy = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvmesh.bench.passthrough_proxy",
-                    replica_address,
-                    str(proxy_port),
-                ]
-            )
-            try:
+            with _passthrough(replica_address, proxy_port):
                 async with (
                     grpc.aio.insecure_channel(replica_address) as direct_channel,
                     grpc.aio.insecure_channel(f"127.0.0.1:{proxy_port}") as proxy_channel,
                 ):
-                    direct, passthrough = (
-                        pb_grpc.ReplicaStub(direct_channel),
-                        pb_grpc.RouterStub(proxy_channel),
-                    )
                     await proxy_channel.channel_ready()
 
                     async def via_router() -> float:
@@ -125,23 +132,20 @@ async def added_latency(model_dir: str, samples: int) -> dict:
                         assert where == replica_id, "router moved a cached prompt"
                         return took
 
-                    paths = {
-                        "grpc_direct": lambda: _one_token(direct, request),
-                        "grpc_router": via_router,
-                        "grpc_passthrough": lambda: _one_token(passthrough, request),
-                        "http_direct": lambda: _one_http(http, replica_http, body),
-                        "http_router": lambda: _one_http(http, router_process.url, body),
-                    }
-                    times: dict[str, list[float]] = {name: [] for name in paths}
-                    warmup = min(20, samples // 4)  # rounds that warm up (a smoke run: fewer)
-                    for i in range(samples + warmup):
-                        for name, path in paths.items():
-                            took = await path()
-                            if i >= warmup:
-                                times[name].append(took[0] if isinstance(took, tuple) else took)
-            finally:
-                proxy.terminate()
-                proxy.wait()
+                    direct, passthrough = (
+                        pb_grpc.ReplicaStub(direct_channel),
+                        pb_grpc.RouterStub(proxy_channel),
+                    )
+                    times = await _interleaved(
+                        {
+                            "grpc_direct": lambda: _one_token(direct, request),
+                            "grpc_router": via_router,
+                            "grpc_passthrough": lambda: _one_token(passthrough, request),
+                            "http_direct": lambda: _one_http(http, replica_http, body),
+                            "http_router": lambda: _one_http(http, router_process.url, body),
+                        },
+                        samples,
+                    )
         cpu = await router_cpu(
             model_dir,
             body["model"],
@@ -151,6 +155,10 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             max(20, samples // 5),  # the kernel counts CPU in 10 ms ticks: a window worth several
             scratch,
         )
+    return _added_report(samples, times, cpu)
+
+
+def _added_report(samples: int, times: dict[str, list[float]], cpu: dict) -> dict:
     result = {
         "samples": samples,
         "grpc": _added({k[5:]: v for k, v in times.items() if k.startswith("grpc")}, "direct"),

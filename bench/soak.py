@@ -197,6 +197,44 @@ def classify_failures(failures: list[dict], kill_times: list[float]) -> dict:
     return {"streaming_from_a_killed_replica": killed, "other": len(other), "other_examples": other[:20]}
 
 
+def soak_config(model_dir: str, load: SoakLoad) -> ClusterConfig:
+    """The soak's deployment: with hostile clients, HTTP too, and slow readers cut off within
+    the run; flow control as the load asks."""
+    abused = bool(load.hostile_clients or load.idle or load.slowloris)
+    cut_soon = ConnectionLimits(stream_write_timeout_s=HOSTILE_WRITE_TIMEOUT_S)
+    hostile = {"connections": cut_soon} if abused else {}
+    flow = FlowConfig(tenants="steady,flood", flow_control="on" if load.flow_control else "off")
+    if load.max_queue_delay_s is not None:
+        flow = dataclasses.replace(flow, max_queue_delay_s=load.max_queue_delay_s)
+    return ClusterConfig.for_model(
+        model_dir,
+        load.replicas,
+        engine={"num_kv_blocks": 1024, **({"max_num_seqs": load.max_num_seqs} if load.max_num_seqs else {})},
+        router={"port": 0, "http_port": 0 if abused else -1, "flow": flow, **hostile},
+        replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
+    )
+
+
+async def _kill_and_sample(cluster, load: SoakLoad, rng, t0: float, log, memory, files, kill_times) -> None:
+    """Until the run's end: memory and open files every 10 s, and a replica killed every
+    ``kill_every`` seconds (never the last one serving)."""
+    next_kill, next_sample = load.kill_every, 0.0
+    while (now := time.perf_counter() - t0) < load.duration:
+        if now >= next_sample:
+            await _sample_memory(cluster, now, memory, files)
+            next_sample += 10.0
+            errors = sum(1 for e in log if e[1] != "OK")
+            progress(f"{now:5.0f}s  {len(log)} requests, {errors} errors, {len(kill_times)} kills")
+        live = sorted(e.record.replica_id for e in cluster.router.registry.live())
+        if load.kill_every and now >= next_kill and len(live) >= 2:
+            import ray
+
+            ray.kill(cluster.supervisor.actors[rng.choice(live)])
+            kill_times.append(round(now, 2))
+            next_kill = max(next_kill, now) + load.kill_every  # a kill that waited moves the next
+        await asyncio.sleep(0.2)
+
+
 async def run(model_dir: str, load: SoakLoad) -> dict:
     rng = random.Random(load.seed)
     requests = shared_prefix(
@@ -207,20 +245,7 @@ async def run(model_dir: str, load: SoakLoad) -> dict:
         output_len=16,
         seed=load.seed,
     )
-    # With hostile clients: HTTP too, and slow readers cut off within the run.
-    abused = bool(load.hostile_clients or load.idle or load.slowloris)
-    cut_soon = ConnectionLimits(stream_write_timeout_s=HOSTILE_WRITE_TIMEOUT_S)
-    hostile = {"connections": cut_soon} if abused else {}
-    flow = FlowConfig(tenants="steady,flood", flow_control="on" if load.flow_control else "off")
-    if load.max_queue_delay_s is not None:
-        flow = dataclasses.replace(flow, max_queue_delay_s=load.max_queue_delay_s)
-    config = ClusterConfig.for_model(
-        model_dir,
-        load.replicas,
-        engine={"num_kv_blocks": 1024, **({"max_num_seqs": load.max_num_seqs} if load.max_num_seqs else {})},
-        router={"port": 0, "http_port": 0 if abused else -1, "flow": flow, **hostile},
-        replica={"heartbeat_s": 0.5, "ttl_s": 3.0, **hostile},
-    )
+    config = soak_config(model_dir, load)
     log: list[tuple[float, str, float]] = []
     memory: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     files: list[tuple[float, int]] = []  # the router's open files
@@ -246,23 +271,7 @@ async def run(model_dir: str, load: SoakLoad) -> dict:
         ]
         files_before = open_files(os.getpid())  # the router's, before any attack
         abuse = _start_hostile(cluster, load)
-        next_kill, next_sample = load.kill_every, 0.0
-        while (now := time.perf_counter() - t0) < load.duration:
-            if now >= next_sample:
-                await _sample_memory(cluster, now, memory, files)
-                next_sample += 10.0
-                progress(
-                    f"{now:5.0f}s  {len(log)} requests, {sum(1 for e in log if e[1] != 'OK')} errors, {len(kill_times)} kills"
-                )
-            live = sorted(e.record.replica_id for e in cluster.router.registry.live())
-            if load.kill_every and now >= next_kill and len(live) >= 2:  # never the last one serving
-                victim = rng.choice(live)
-                import ray
-
-                ray.kill(cluster.supervisor.actors[victim])
-                kill_times.append(round(now, 2))
-                next_kill = max(next_kill, now) + load.kill_every  # a kill that waited moves the next
-            await asyncio.sleep(0.2)
+        await _kill_and_sample(cluster, load, rng, t0, log, memory, files, kill_times)
         stop.set()
         await asyncio.gather(*workers)
         hostile_report = await abuse if abuse is not None else None  # its last requests, still served
@@ -424,29 +433,8 @@ def _memory_report(memory: dict) -> dict:
     return out
 
 
-def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> int:
-    """``calm_first``: the same soak without the hostile clients, held-open connections and
-    flood first, as the baseline of the ordinary requests' p90 (and time to first token)."""
-    model = str(demo_model(Path(cache_dir)))
-    result = {
-        "benchmark": "soak",
-        "duration_s": load.duration,
-        "replicas": load.replicas,
-        "clients": load.clients,
-        "kill_every_s": load.kill_every,
-        "hostile_clients": load.hostile_clients,
-        "held_open": {"idle": load.idle, "slowloris": load.slowloris},
-        "flood_clients": load.flood,
-        "max_queue_delay_s": load.max_queue_delay_s,
-        "max_num_seqs": load.max_num_seqs,
-        "flow_control": load.flow_control,
-        "environment": environment(),
-    }
-    if calm_first:
-        calm = asyncio.run(run(model, load.calm()))
-        keep = ("p90_ms", "ttft_p90_ms", "requests", "errors", "minutes", "memory")
-        result["calm"] = {k: calm[k] for k in keep}
-    result.update(asyncio.run(run(model, load)))
+def soak_targets(result: dict, load: SoakLoad, calm_first: bool) -> list[dict]:
+    """The soak's targets, from its result."""
     long_lived = {
         k: v
         for k, v in result["memory"].items()
@@ -454,8 +442,7 @@ def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> 
     }
     worst = max((v["growth_pct"] for v in long_lived.values()), default=0.0)
     errors = sum(result["errors"].values())
-    failed = result["failed_ordinary"]
-    result["targets"] = [
+    targets = [
         target("memory growth after warm-up, worst long-lived process (%)", worst, "<=", 10.0),
         target(
             "requests that hung until their 60 s deadline",
@@ -469,19 +456,17 @@ def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> 
         ),
     ]
     if load.hostile_clients:
-        result["targets"].append(
+        targets.append(
             target(
                 "hostile requests not answered as they must be", result["hostile"]["total_surprises"], "<=", 0
             )
         )
     if load.idle or load.slowloris:
         longest = result["hostile"]["held_longest_s"]
-        result["targets"].append(
-            target("longest a held-open connection lived (s)", longest, "<=", HELD_OPEN_MAX_S)
-        )
+        targets.append(target("longest a held-open connection lived (s)", longest, "<=", HELD_OPEN_MAX_S))
     if result.get("router_after_attack"):
         after = result["router_after_attack"]
-        result["targets"].append(
+        targets.append(
             target(
                 f"router open files {AFTER_ATTACK_S:g} s after the attackers left, over those before",
                 after["open_files_after"] - after["open_files_before"],
@@ -491,9 +476,14 @@ def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> 
         )
     if calm_first and load.hostile_clients and result["calm"]["p90_ms"] and result["p90_ms"]:
         ratio = round(result["p90_ms"] / result["calm"]["p90_ms"], 3)
-        result["targets"].append(target("ordinary p90 under attack / calm p90", ratio, "<=", CALM_P90_RATIO))
+        targets.append(target("ordinary p90 under attack / calm p90", ratio, "<=", CALM_P90_RATIO))
     if load.flood:
-        result["targets"] += _flood_targets(result, calm_first)
+        targets += _flood_targets(result, calm_first)
+    return targets
+
+
+def _print_report(result: dict, load: SoakLoad, calm_first: bool) -> None:
+    failed = result["failed_ordinary"]
     print(f"\n{'minute':>6}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}{'files':>7}  errors")
     for row in result["minutes"]:
         print(
@@ -525,5 +515,32 @@ def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> 
         print(
             f"  {name:<28} warm {m['warm_mb']:>8.1f} MB  end {m['end_mb']:>8.1f} MB  growth {m['growth_pct']:>5.1f}%  over {m['lived_s']} s"
         )
+
+
+def main(out: str, cache_dir: str, load: SoakLoad, calm_first: bool = False) -> int:
+    """``calm_first``: the same soak without the hostile clients, held-open connections and
+    flood first, as the baseline of the ordinary requests' p90 (and time to first token)."""
+    model = str(demo_model(Path(cache_dir)))
+    result = {
+        "benchmark": "soak",
+        "duration_s": load.duration,
+        "replicas": load.replicas,
+        "clients": load.clients,
+        "kill_every_s": load.kill_every,
+        "hostile_clients": load.hostile_clients,
+        "held_open": {"idle": load.idle, "slowloris": load.slowloris},
+        "flood_clients": load.flood,
+        "max_queue_delay_s": load.max_queue_delay_s,
+        "max_num_seqs": load.max_num_seqs,
+        "flow_control": load.flow_control,
+        "environment": environment(),
+    }
+    if calm_first:
+        calm = asyncio.run(run(model, load.calm()))
+        keep = ("p90_ms", "ttft_p90_ms", "requests", "errors", "minutes", "memory")
+        result["calm"] = {k: calm[k] for k in keep}
+    result.update(asyncio.run(run(model, load)))
+    result["targets"] = soak_targets(result, load, calm_first)
+    _print_report(result, load, calm_first)
     write_result(out, result)
     return 0

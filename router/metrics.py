@@ -51,6 +51,13 @@ class ReplicaGauges:
 class RouterMetrics(ServerMetrics):
     def __init__(self, model_name: str = "", registry: MetricsRegistry | None = None) -> None:
         super().__init__(model_name, registry)
+        self._declare_requests()
+        self._declare_flow()
+        self._declare_index_truth()
+        self.set_overall_state(STATES[0])
+
+    def _declare_requests(self) -> None:
+        """What happens to the requests: outcomes, latency, decisions, failovers."""
         self.requests = self.counter(
             "kvmesh_router_requests", "Generate requests by outcome", ("policy", "outcome")
         )
@@ -73,6 +80,9 @@ class RouterMetrics(ServerMetrics):
             ("policy", "branch"),
         )
         self.retries = self.counter("kvmesh_router_failovers", "Requests retried on another replica")
+
+    def _declare_flow(self) -> None:
+        """Flow control and migration, the index entries skipped, relayed streams."""
         self.flow_queued = self.counter(
             "kvmesh_router_flow_queued",
             "Requests that waited at the router for a saturated fleet, by band and tenant",
@@ -103,6 +113,9 @@ class RouterMetrics(ServerMetrics):
             "kvmesh_router_relayed_streams",
             "Streamed HTTP requests relayed from their replica's own OpenAI port, byte for byte",
         )
+
+    def _declare_index_truth(self) -> None:
+        """What the index predicted against what replicas reused, trust, the shared load."""
         self.fleet_best_cached = self.counter(
             "kvmesh_router_fleet_best_cached_tokens", "Prompt tokens the best-holding replica had cached"
         )
@@ -164,7 +177,6 @@ class RouterMetrics(ServerMetrics):
             "kvmesh_router_share_alarms",
             "Share alarms turned on: a replica took far over its fair share of new prefixes",
         )
-        self.set_overall_state(STATES[0])
 
     def count_share_alarm(self, change: Change) -> None:
         """A share alarm listener (``registry.alarm_listeners``): counts those turned on."""

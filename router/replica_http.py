@@ -2,8 +2,7 @@
 SSE streams byte for byte.
 
 Why not gRPC for HTTP clients: a streamed token read through gRPC's Python API costs the router
-~0.3 ms of CPU (gRPC core's threads and the aio read path), and re-encoding it as SSE costs
-more; the replica already writes the exact SSE the client wants. Here a token costs one
+CPU in gRPC core's threads and the aio read path, and re-encoding it as SSE costs more; the replica already writes the exact SSE the client wants. Here a token costs one
 ``data_received`` parsed by httptools' C parser and one write. Only what the router needs is
 read: the status, and (``relay.py``) the one trailer event the replica adds for it.
 

@@ -23,8 +23,8 @@ _PHASE_S = random.random()
 def until_next_tick(period: float, now: float | None = None) -> float:
     """Seconds from ``now`` (the loop's clock) to the next multiple of ``period`` on this
     process's grid. Why a grid rather than ``sleep(period)``: on an idle server each wake-up
-    runs on cold caches (a read of the live replicas, ~0.3 ms of CPU back to back, cost
-    ~0.5-1 ms there), and loops sleeping their own period drift apart into a wake-up each;
+    runs on cold caches (a read of the live replicas costs several times what it does back to
+    back), and loops sleeping their own period drift apart into a wake-up each;
     loops on one grid whose periods divide each other wake together."""
     if now is None:
         now = asyncio.get_running_loop().time()

@@ -81,8 +81,8 @@ async def start_http_server(
 
 class SecondTickServer(uvicorn.Server):
     """uvicorn's server with its tick once a second instead of ten times. The tick only
-    refreshes the Date header (whole seconds) and checks whether to exit; each wake-up cost
-    ~0.13 ms of CPU here, so uvicorn's own 10 Hz tick was a third of an idle router's CPU.
+    refreshes the Date header (whole seconds) and checks whether to exit, and at 10 Hz those wake-ups were a large share of
+    an idle router's CPU (docs/benchmarks.md, the router's CPU).
     Exiting does not wait for the tick: ``exit_now`` (and a signal uvicorn caught) wakes it."""
 
     def __init__(self, config: uvicorn.Config):

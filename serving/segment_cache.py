@@ -1,8 +1,8 @@
 """Exact tokenization of prompts that share text, from cached segments.
 
 Prompts that share a system prompt, a document or a conversation's earlier turns were
-tokenized again in full on every request (~0.8 us a token on a 2-core VM: the largest part of
-a router's own work on a 600-token prompt). For the tokenizers whose every step is local to
+tokenized again in full on every request (the largest part of a router's own work on a
+prompt of a few hundred tokens). For the tokenizers whose every step is local to
 its pre-tokens, a text cut where an ASCII non-space character is followed by " " and an
 ASCII letter tokenizes as the concatenation of its parts' tokens:
 

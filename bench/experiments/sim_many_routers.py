@@ -1,8 +1,8 @@
 """``kvmesh experiments --routers-grid``: many routers in the simulator.
 
 Routers {1, 4, 16, 64} x replicas {64, 256} x {Mooncake synthetic trace, shared prefix} x
-{shared load, each router on its own counts}, 20k requests each, with the index 20 ms behind
-the replicas and heartbeats every second (what a deployed kvmesh sees: KV events batched per
+{shared load, each router on its own counts}, 20k requests each, with the index a set lag
+(``EVENT_LAG_S``) behind the replicas and heartbeats every second (what a deployed kvmesh sees: KV events batched per
 step and published through Redis; replicas' default heartbeat). The offered load grows 4x with the fleet (the trace
 sped up, the shared-prefix rate raised); calibrated on short runs to ~65% busy at 64
 replicas, the full 20k-request runs end up heavier there (queues build over the run).

@@ -13,7 +13,7 @@ Routers: request i goes to router i mod ``routers``. Each router runs its own po
 and keeps its own counts of what it sent, its own recent-work tie-breaks and its own share
 alarm (``ShareAlarm``, judged every ``fit_every_s``). With
 ``shared_load`` every router sees the fleet's in-flight work and every router's speculative
-entries (what the index carries; the reservation's round trip, ~1 ms, is not modelled);
+entries (what the index carries; the reservation's round trip to Redis is not modelled);
 without it, each sees only its own.
 
 Hardware: every replica runs the one cost model unless ``speeds``, ``fit_noise`` or ``drift``
@@ -258,45 +258,13 @@ class Simulation:
         self._next_tick = 0.0
         self.block_size = block_size
         self.seed_hash = namespace_seed("simulated-model", block_size)
-        num_blocks = blocks_per_replica or max(1, cost.kv_tokens_per_replica // block_size)
-        self.replicas = []
-        for i in range(replicas):
-            bm = BlockManager(num_blocks, block_size, seed=self.seed_hash)
-            limits = (bm, cost.max_num_seqs, cost.max_num_batched_tokens)
-            lazy = lazy_decode and cost.max_num_seqs < cost.max_num_batched_tokens
-            scheduler = LazyDecodeScheduler(*limits, self._sampled) if lazy else Scheduler(*limits)
-            self.replicas.append(SimReplica(i, bm, scheduler, cost.step_costs))
+        self._num_blocks = blocks_per_replica or max(1, cost.kv_tokens_per_replica // block_size)
+        self.replicas = [self._replica(i, lazy_decode) for i in range(replicas)]
         self._ids = [str(i) for i in range(replicas)]
-        self._num_blocks = num_blocks
         self.index = MemoryPrefixIndex()  # fed by every replica's events, read by every router
-        shared_overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
         self.fleet = [ReplicaLoad() for _ in range(replicas)] if shared_load else None
         self.fleet_inflight = 0
-        self.routers = []
-        for k in range(routers):
-            p = (
-                make_policy(policy, block_size, seed + k, balance.saturation_steps)
-                if isinstance(policy, str)
-                else policy
-            )
-            # Exactness of the load order: costs of power-of-two block sizes are exact binary
-            # fractions, so adding the prefix term never merges two distinct loads into a tie.
-            fast = (
-                isinstance(p, PrefixAware)
-                and not rank_all
-                and self.hardware is None
-                and block_size & (block_size - 1) == 0
-            )
-            self.routers.append(
-                RouterView(
-                    k,
-                    p,
-                    [ReplicaLoad() for _ in range(replicas)],
-                    shared_overlay if shared_load else SpeculativeOverlay(ttl_s=speculative_ttl_s),
-                    LoadOrder(replicas) if fast else None,
-                    balance.alarm(),
-                )
-            )
+        self.routers = self._routers(routers, policy, seed, balance, speculative_ttl_s, shared_load, rank_all)
         self.event_lag_s = event_lag_s
         self.heartbeat_s = heartbeat_s
         self._lagged: deque[tuple[float, int, list]] = deque()  # (visible at, replica, KV events)
@@ -318,6 +286,43 @@ class Simulation:
         self.events = 0  # arrivals, steps (or windows), index deliveries and heartbeats handled
         for r in range(replicas):  # an idle replica's score is not 0: one step
             self._reorder(r, self.routers)
+
+    def _replica(self, i: int, lazy_decode: bool) -> SimReplica:
+        cost = self.cost
+        bm = BlockManager(self._num_blocks, self.block_size, seed=self.seed_hash)
+        limits = (bm, cost.max_num_seqs, cost.max_num_batched_tokens)
+        lazy = lazy_decode and cost.max_num_seqs < cost.max_num_batched_tokens
+        scheduler = LazyDecodeScheduler(*limits, self._sampled) if lazy else Scheduler(*limits)
+        return SimReplica(i, bm, scheduler, cost.step_costs)
+
+    def _routers(
+        self, count, policy, seed, balance, speculative_ttl_s, shared_load, rank_all
+    ) -> list[RouterView]:
+        """``count`` routers' views: each its own policy (seeded apart), load and share alarm;
+        one speculative overlay for all where they share load."""
+        replicas, block_size = len(self.replicas), self.block_size
+        shared_overlay = SpeculativeOverlay(ttl_s=speculative_ttl_s)
+        views = []
+        for k in range(count):
+            p = (
+                make_policy(policy, block_size, seed + k, balance.saturation_steps)
+                if isinstance(policy, str)
+                else policy
+            )
+            # Exactness of the load order: costs of power-of-two block sizes are exact binary
+            # fractions, so adding the prefix term never merges two distinct loads into a tie.
+            fast = (
+                isinstance(p, PrefixAware)
+                and not rank_all
+                and self.hardware is None
+                and block_size & (block_size - 1) == 0
+            )
+            overlay = shared_overlay if shared_load else SpeculativeOverlay(ttl_s=speculative_ttl_s)
+            load = [ReplicaLoad() for _ in range(replicas)]
+            views.append(
+                RouterView(k, p, load, overlay, LoadOrder(replicas) if fast else None, balance.alarm())
+            )
+        return views
 
     # ------------------------------------------------------------------ main loop
 

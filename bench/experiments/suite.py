@@ -392,6 +392,60 @@ def _fmt(value) -> str:
     )
 
 
+def workload_sections(results: dict) -> list[str]:
+    """W2 to W5: one table each (W3 one per rate, and its plot)."""
+    lines: list[str] = []
+    lines += [
+        f"## W2: shared prefix, SGLang defaults, 8 replicas, {results['W2']['rate']}/s (ceiling {results['W2']['hit_rate_ceiling']})",
+        "",
+        _table(results["W2"]),
+        "",
+    ]
+    lines += [
+        "## W3: cache pressure (150 groups x 5, 6000 + 1200 tokens), 8 replicas",
+        "",
+        "![W3](img/w3_ttft_p90.png)",
+        "",
+    ]
+    for rate, data in results["W3"].items():
+        lines += [f"### {rate} requests/s (ceiling {data['hit_rate_ceiling']})", "", _table(data), ""]
+    lines += [f"## W4: no sharing (control), {results['W4']['rate']}/s", "", _table(results["W4"]), ""]
+    lines += [
+        f"## W5: Zipf(1.1) hot spot, {results['W5']['rate']}/s (ceiling {results['W5']['hit_rate_ceiling']})",
+        "",
+        _table(results["W5"]),
+        "",
+    ]
+    return lines
+
+
+def real_cluster_section(real: dict) -> list[str]:
+    """The scaled-down real cluster: medians over seeds, and how far one seed moves a ratio."""
+    cols = (
+        "hit_rate",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "output_tokens_per_s",
+        "load_imbalance_max_over_mean",
+    )
+    return [
+        "## Real cluster, scaled down (4 CPU replicas, tiny model, 512-token shared prefixes, 20 req/s)",
+        "",
+        f"Medians over seeds {', '.join(map(str, real['seeds']))} (one run each, shuffled order; "
+        f"the prefix policy was tuned on other seeds). Ceiling hit rate {real['hit_rate_ceiling']}.",
+        "",
+        _table(real, cols),
+        "",
+        *(
+            f"Per seed, prefix's p90 TTFT over {other}'s: {_spread(per_seed_ratios(real['runs'], other))}."
+            for other in sorted(real["policies"])
+            if other != "prefix"
+        ),
+        "How far one seed moves the ratio is the noise any single run of this section carries.",
+        "",
+    ]
+
+
 def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
     img = out_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -428,53 +482,11 @@ def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
             _table(data),
             "",
         ]
-    lines += [
-        f"## W2: shared prefix, SGLang defaults, 8 replicas, {results['W2']['rate']}/s (ceiling {results['W2']['hit_rate_ceiling']})",
-        "",
-        _table(results["W2"]),
-        "",
-    ]
-    lines += [
-        "## W3: cache pressure (150 groups x 5, 6000 + 1200 tokens), 8 replicas",
-        "",
-        "![W3](img/w3_ttft_p90.png)",
-        "",
-    ]
-    for rate, data in results["W3"].items():
-        lines += [f"### {rate} requests/s (ceiling {data['hit_rate_ceiling']})", "", _table(data), ""]
-    lines += [f"## W4: no sharing (control), {results['W4']['rate']}/s", "", _table(results["W4"]), ""]
-    lines += [
-        f"## W5: Zipf(1.1) hot spot, {results['W5']['rate']}/s (ceiling {results['W5']['hit_rate_ceiling']})",
-        "",
-        _table(results["W5"]),
-        "",
-    ]
+    lines += workload_sections(results)
     if results.get("pricing"):
         lines += pricing_section(results["pricing"])
     if results.get("real"):
-        cols = (
-            "hit_rate",
-            "ttft_p50_ms",
-            "ttft_p90_ms",
-            "output_tokens_per_s",
-            "load_imbalance_max_over_mean",
-        )
-        lines += [
-            "## Real cluster, scaled down (4 CPU replicas, tiny model, 512-token shared prefixes, 20 req/s)",
-            "",
-            f"Medians over seeds {', '.join(map(str, results['real']['seeds']))} (one run each, shuffled order; "
-            f"the prefix policy was tuned on other seeds). Ceiling hit rate {results['real']['hit_rate_ceiling']}.",
-            "",
-            _table(results["real"], cols),
-            "",
-            *(
-                f"Per seed, prefix's p90 TTFT over {other}'s: {_spread(per_seed_ratios(results['real']['runs'], other))}."
-                for other in sorted(results["real"]["policies"])
-                if other != "prefix"
-            ),
-            "How far one seed moves the ratio is the noise any single run of this section carries.",
-            "",
-        ]
+        lines += real_cluster_section(results["real"])
     path = out_dir / "experiments.md"
     old = path.read_text() if path.exists() else ""
     kept = [

@@ -283,60 +283,8 @@ def _soak(benches) -> None:
     soak.add_argument("--out", default="results/bench_soak.json")
     soak.add_argument("--cache-dir", default=".cache/tiny-models")
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument(
-        "--hostile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="N more clients that mix bad, oversized, slow and vanishing requests into the load",
-    )
-    soak.add_argument(
-        "--hostile-idle",
-        type=int,
-        metavar="N",
-        help=f"N connections held open on the router's HTTP port without a byte sent, each opened "
-        f"again when dropped [default {HELD_IDLE} with --hostile, else 0]",
-    )
-    soak.add_argument(
-        "--hostile-slowloris",
-        type=int,
-        metavar="N",
-        help=f"N connections that send a header line every few seconds and never end their head, "
-        f"each opened again when dropped [default {HELD_SLOWLORIS} with --hostile, else 0]",
-    )
-    soak.add_argument(
-        "--calm-first",
-        action="store_true",
-        help="first the same soak without hostile clients, held-open connections or flood: the "
-        "baseline of the ordinary requests' p90 and time to first token (twice the time)",
-    )
-    soak.add_argument(
-        "--flood",
-        type=int,
-        default=0,
-        metavar="N",
-        help="N more closed-loop clients of a second tenant (e.g. 10x --clients), half of them in the "
-        "sheddable band: flow control must keep the ordinary (steady) tenant's time to first token",
-    )
-    soak.add_argument(
-        "--no-flow-control",
-        dest="flow_control",
-        action="store_false",
-        help="the router's --flow-control off: every request goes to a replica at once (the contender "
-        "of a --flood run)",
-    )
-    soak.add_argument(
-        "--max-num-seqs",
-        type=int,
-        metavar="N",
-        help="each replica's running slots (the engine's --max-num-seqs) [default: the engine's]",
-    )
-    soak.add_argument(
-        "--max-queue-delay",
-        type=float,
-        metavar="S",
-        help="the router's --max-queue-delay (when the fleet counts as saturated) [default: the router's]",
-    )
+    _soak_attack_flags(soak)
+    _soak_flow_flags(soak)
 
     def run(args):
         from kvmesh.cli.logs import setup_logging
@@ -371,6 +319,68 @@ def _soak(benches) -> None:
         return main(args.out, args.cache_dir, load, args.calm_first)
 
     soak.set_defaults(handler=run)
+
+
+def _soak_attack_flags(parser) -> None:
+    """The soak's hostile clients and held-open connections, and its calm baseline."""
+    parser.add_argument(
+        "--hostile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more clients that mix bad, oversized, slow and vanishing requests into the load",
+    )
+    parser.add_argument(
+        "--hostile-idle",
+        type=int,
+        metavar="N",
+        help=f"N connections held open on the router's HTTP port without a byte sent, each opened "
+        f"again when dropped [default {HELD_IDLE} with --hostile, else 0]",
+    )
+    parser.add_argument(
+        "--hostile-slowloris",
+        type=int,
+        metavar="N",
+        help=f"N connections that send a header line every few seconds and never end their head, "
+        f"each opened again when dropped [default {HELD_SLOWLORIS} with --hostile, else 0]",
+    )
+    parser.add_argument(
+        "--calm-first",
+        action="store_true",
+        help="first the same soak without hostile clients, held-open connections or flood: the "
+        "baseline of the ordinary requests' p90 and time to first token (twice the time)",
+    )
+
+
+def _soak_flow_flags(parser) -> None:
+    """The soak's flood of a second tenant and the flow control it meets."""
+    parser.add_argument(
+        "--flood",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more closed-loop clients of a second tenant (e.g. 10x --clients), half of them in the "
+        "sheddable band: flow control must keep the ordinary (steady) tenant's time to first token",
+    )
+    parser.add_argument(
+        "--no-flow-control",
+        dest="flow_control",
+        action="store_false",
+        help="the router's --flow-control off: every request goes to a replica at once (the contender "
+        "of a --flood run)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="each replica's running slots (the engine's --max-num-seqs) [default: the engine's]",
+    )
+    parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        metavar="S",
+        help="the router's --max-queue-delay (when the fleet counts as saturated) [default: the router's]",
+    )
 
 
 def _http_door(benches) -> None:

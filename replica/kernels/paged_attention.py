@@ -44,39 +44,55 @@ def _find_sequence(query_start_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+# fmt: off
+@triton.jit
+def _attend(
+    q, k_cache_ptr, v_cache_ptr, table_ptr, kv_offset, stride_cb, stride_cs,
+    lo, hi, sees_upto, row_ok, dims, dim_ok, scale,
+    ROWS: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_KEYS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # fmt: on
+    """The rows' online softmax over keys ``lo..hi`` of one sequence (its block table row at
+    ``table_ptr``), each key read in place: (row max, row sum, unnormalized output)."""
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
+    start = lo
+    while start < hi:  # not range(): the interpreter cannot index with a runtime bound on numpy 2.4
+        pos = start + tl.arange(0, TILE_KEYS)
+        pos_ok = pos < hi
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        at = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_offset
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        seen = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= sees_upto[:, None])
+        s = tl.where(seen, s, float("-inf"))
+        max_new = tl.maximum(row_max, tl.max(s, 1))
+        max_safe = tl.where(max_new > float("-inf"), max_new, 0.0)  # rows that saw nothing yet stay 0
+        p = tl.exp(s - max_safe[:, None])
+        alpha = tl.exp(row_max - max_safe)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        row_max = max_new
+        start += TILE_KEYS
+    return row_max, row_sum, acc
+
+
+# fmt: off
 @triton.jit
 def _attention_kernel(
-    out_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    query_start_ptr,
-    context_lens_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    part_acc_ptr,
-    scale,
-    num_seqs,
-    num_heads,
-    table_stride,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    TILE_KEYS: tl.constexpr,
-    SEGMENTS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr,  # flash-decoding's partial results (SEGMENTS > 1)
+    scale, num_seqs, num_heads, table_stride,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, TILE_KEYS: tl.constexpr,
+    SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # fmt: on
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -109,29 +125,11 @@ def _attention_kernel(
     lo = segment * per_segment
     hi = tl.minimum(lo + per_segment, keys)
 
-    row_max = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
-    start = lo
-    while start < hi:  # not range(): the interpreter cannot index with a runtime bound on numpy 2.4
-        pos = start + tl.arange(0, TILE_KEYS)
-        pos_ok = pos < hi
-        block = tl.load(block_tables_ptr + seq * table_stride + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        at = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        seen = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= sees_upto[:, None])
-        s = tl.where(seen, s, float("-inf"))
-        max_new = tl.maximum(row_max, tl.max(s, 1))
-        max_safe = tl.where(max_new > float("-inf"), max_new, 0.0)  # rows that saw nothing yet stay 0
-        p = tl.exp(s - max_safe[:, None])
-        alpha = tl.exp(row_max - max_safe)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        row_max = max_new
-        start += TILE_KEYS
+    row_max, row_sum, acc = _attend(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, kv_head * stride_ch,
+        stride_cb, stride_cs, lo, hi, sees_upto, row_ok, dims, dim_ok, scale,
+        BLOCK_Q * GROUP_P, HEAD_DIM_P, BLOCK_SIZE, TILE_KEYS, PRECISION,
+    )  # fmt: skip
 
     if SEGMENTS == 1:
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]

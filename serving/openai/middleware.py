@@ -22,8 +22,8 @@ class HotRoutes:
     """POST ``/v1/completions`` and ``/v1/chat/completions``, the routes nearly every request
     takes, called from here: FastAPI's way there (a path match per route in turn, the
     dependency solver, the exception and exit-stack middlewares, the response serializer)
-    cost ~0.3 ms of CPU a request, for handlers that take the raw request and use none of
-    it. A ``ServingError`` gets the body the app's handler gives it; anything else goes on
+    cost more CPU than the rest of the request's handling, for handlers that take the raw
+    request and use none of it. A ``ServingError`` gets the body the app's handler gives it; anything else goes on
     to the app's 500, as from FastAPI's routes. Sits inside the token check and body limit."""
 
     def __init__(self, app, routes: dict[str, Callable[[Request], Awaitable]]):
