@@ -156,6 +156,7 @@ def test_a_request_failure_reaches_the_async_caller_as_its_own(engine, monkeypat
     assert results[1:] == ["length"] * 3 and health is None
 
 
+@pytest.mark.slow  # waits out a stall timeout
 def test_a_stalled_step_loop_is_unhealthy_until_it_turns_again(engine):
     async def main():
         runner = AsyncLLMEngine(engine, stall_s=0.3)

@@ -153,6 +153,7 @@ def test_guidellm_command_is_offline_local_and_seeded(tmp_path):
     assert "kind=static,value=7" in joined and "count=40" in joined
 
 
+@pytest.mark.slow  # a kvmesh process per case
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -24,6 +24,7 @@ def test_help_lists_commands():
     assert "bench" in out.stdout
 
 
+@pytest.mark.slow  # a kvmesh process per case
 @pytest.mark.parametrize(
     "args",
     [

@@ -569,6 +569,7 @@ def test_simulate_cli_routers_lag_and_heartbeats(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_simulate_cli_fleets_of_other_speeds_noisy_fits_and_bursts(tmp_path):
     out = tmp_path / "sim.json"
     fleet = [
@@ -617,6 +618,7 @@ def test_mooncake_shrunk_keeps_the_traces_sharing():
         next(wl.iter_mooncake(block_tokens=0))
 
 
+@pytest.mark.slow
 def test_a_mix_of_models_is_each_models_own_fleet_fed_its_share_of_the_rate(tmp_path):
     """``kvmesh simulate --model A,share=3 --model B,workload=...``: each model's results are
     exactly a simulation of that model alone at its share of ``--rate`` (its own seed: its own

@@ -125,6 +125,7 @@ def test_the_probe_takes_whole_groups_and_copies_them_with_new_content():
         assert r.tokens()[:2048] == next(c for c in copy if c.group == r.group).tokens()[:2048]
 
 
+@pytest.mark.slow
 def test_capacity_separates_a_stable_load_from_an_overload():
     """At 0.7 of the measured capacity the queue stays short to the end of the run; at 1.4
     it grows all the way: the last tenth of the requests wait far longer than the first."""
@@ -143,6 +144,7 @@ def test_capacity_separates_a_stable_load_from_an_overload():
     assert waits[1.4][1] > 10 * waits[1.4][0]
 
 
+@pytest.mark.slow
 def test_simulate_cli_load(tmp_path):
     out = tmp_path / "sim.json"
     run = subprocess.run(

@@ -30,6 +30,8 @@ from kvmesh.bench.pileup import (
 )
 from kvmesh.router.config import BalanceConfig
 
+pytestmark = pytest.mark.slow  # whole simulations, seconds each (make test runs them)
+
 RATES = (5.0, 6.0)
 SEEDS = range(20)
 

@@ -17,6 +17,7 @@ reusing sequence's prefix (tracked by a shadow of what each block was computed f
 
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -238,6 +239,7 @@ class LedgerVsArticle(LedgerMachine):
 
 
 settings_ = settings(max_examples=150, stateful_step_count=40, deadline=None)
+pytestmark = pytest.mark.slow  # hundreds of generated histories: seconds (make test runs them)
 TestChunkedLedger = ChunkedLedger.TestCase
 TestChunkedLedger.settings = settings_
 TestLedgerVsArticle = LedgerVsArticle.TestCase

@@ -36,6 +36,7 @@ def graphed(qwen3_dir):
     return engine
 
 
+@pytest.mark.slow
 def test_replayed_decode_gives_the_eager_engines_tokens(graphed, qwen3_dir):
     """Three requests of different lengths: the batch shrinks 3 -> 2 -> 1 as they end, each
     step in a bucket with padding rows, and the tokens are the eager engine's."""

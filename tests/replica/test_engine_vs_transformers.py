@@ -16,6 +16,7 @@ def model_dir(request):
     return request.getfixturevalue(f"{request.param}_dir")
 
 
+@pytest.mark.slow
 def test_batch_of_8_prompts_matches_transformers(model_dir):
     engine = LLMEngine(model_dir, num_kv_blocks=256, max_num_seqs=8)
     outputs = engine.generate(BATCH, GREEDY)

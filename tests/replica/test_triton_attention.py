@@ -22,7 +22,9 @@ CPU = torch.device("cpu")
 # Compiled on a GPU (`make gpu-check` runs this file there, bf16 too), interpreted elsewhere.
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+# fp16 and bf16 cases are the `slow` tier's (make test runs them; make test-fast the fp32 ones)
+DTYPES = [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow)]
+DTYPES += [pytest.param(torch.bfloat16, marks=pytest.mark.slow)] if DEVICE.type == "cuda" else []
 
 # (query_lens, cached tokens before them, block size, heads, kv heads, head dim, segments)
 CASES = {
@@ -86,6 +88,7 @@ def test_triton_matches_the_torch_backend_and_plain_attention(name, dtype):
     torch.testing.assert_close(case.k_cache, reference.k_cache)  # the same slots written, and only them
 
 
+@pytest.mark.slow
 def test_a_split_context_equals_the_unsplit_one():
     case = paged_case([1, 1, 1], [1000, 31, 64], 16, 8, 2, 64, num_blocks=80)
     whole = run(case, 1)
@@ -124,6 +127,7 @@ def test_decode_splits_only_where_programs_would_be_too_few():
     assert kernels.decode_segments(4, 8, 40, programs_wanted=264) == 1  # under two tiles: no split
 
 
+@pytest.mark.slow
 def test_the_engine_on_the_triton_backend_generates_the_torch_backends_tokens(qwen3_dir):
     """A shared prefix (hits mid-block), a small token budget (chunked prefill) and decode: the
     real engine on Triton's kernels gives the torch backend's greedy tokens."""
