@@ -4,6 +4,7 @@ chart's README reaches a file that exists, every ``#anchor`` names a heading of 
 outside the repository. Reads files only; starts nothing."""
 
 import functools
+import json
 import re
 import subprocess
 import unicodedata
@@ -186,3 +187,19 @@ def test_the_benchmarks_page_shows_every_committed_runs_targets_as_its_json_has_
     assert page == render(page), "docs/benchmarks.md is stale: python -m kvmesh.bench.docs_page"
     for name in ("bench_router.json", "bench_peers.json", "bench_soak.json", "fidelity.json"):
         assert f"### [{name}]({name})" in page
+
+
+def test_the_readme_headline_is_rendered_from_the_committed_runs(tmp_path):
+    from kvmesh.bench.readme import BEGIN, README, render
+
+    readme = README.read_text()
+    assert BEGIN in readme, "the README lost its generated block's markers"
+    assert readme == render(readme), "README.md is stale: python -m kvmesh.bench.readme"
+    docs = tmp_path / "docs"  # a rerun's JSON changes what it renders
+    docs.mkdir()
+    for name in ("demo.json", "bench_engine.json", "bench_engine_cuda.json"):
+        (docs / name).write_text((README.parent / "docs" / name).read_text())
+    demo = json.loads((docs / "demo.json").read_text())
+    demo["prefix"]["summary"]["hit_rate"] = 0.123
+    (docs / "demo.json").write_text(json.dumps(demo))
+    assert "0.123" in render(readme, docs) and "0.123" not in readme
