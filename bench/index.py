@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 
 from kvmesh.bench.measure.common import environment, progress, target, write_result
 from kvmesh.bench.measure.stats import latency_ms
-from kvmesh.cluster.embedded_cluster import LocalCluster
+from kvmesh.cluster.embedded_cluster import EmbeddedRedisCluster
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.kvcache import BlockStored
 from kvmesh.kvcache.index.redis import RedisPrefixIndex, load_field
@@ -359,7 +359,7 @@ async def bench_cluster(
 ) -> dict:
     """The same decisions on a 3-primary cluster of the same server binary as on the single
     server, and how one model's keys spread over its shards."""
-    with LocalCluster(binary) as cluster:
+    with EmbeddedRedisCluster(binary) as cluster:
         url = cluster.url.replace("redis://", "redis+cluster://")
         single = (await bench_concurrent(single_url, entries, seconds, rng, (1,)))[0]
         clustered = (await bench_concurrent(url, entries, seconds, rng, (1,)))[0]

@@ -323,13 +323,13 @@ class _Bench:
             cpu_s = router.cpu_seconds() - cpu_before
             replicas_cpu_s = sum(map(process_cpu_seconds, replica_pids)) - replicas_cpu_before
             after = await counters(self.http, self.replicas)
-            truth = served(before, after)
+            served_counts = served(before, after)
             costs = {rid: round(1e6 * c["prefill_token_s"], 1) for rid, c in after.items()}
             if kvmesh:  # the router's own account of this run
                 account = {
                     k: int(v) for k, v in ((await router_account(self.http, router.url)) - account).items()
                 }
-        requests = max(1, sum(truth["requests_per_replica"].values()))
+        requests = max(1, sum(served_counts["requests_per_replica"].values()))
         cpu = {  # the replicas' too: kvmesh's router tokenizes for them, the peers leave it to them
             "router_cpu_ms_per_request": 1000 * cpu_s / requests,
             "replicas_cpu_ms_per_request": 1000 * replicas_cpu_s / requests,
@@ -343,7 +343,7 @@ class _Bench:
             "generator": generator,
             "router_pid": router.proc.pid,  # with one_router: which runs one process served
             **client,
-            **truth,
+            **served_counts,
             **overhead,
             **cpu,
             "replica_prefill_us_per_token": costs,

@@ -86,19 +86,19 @@ async def _one_run(
         for p in processes:
             p.stop()
     client = summarize(records)
-    truth = served(before, after)
+    served_counts = served(before, after)
     return {
         "routers": routers,
         "shared_load": shared,
-        "hit_rate": truth["hit_rate"],
+        "hit_rate": served_counts["hit_rate"],
         "ttft_p50": client["ttft_p50_ms"],
         "ttft_p90": client["ttft_p90_ms"],
         "ttft_p99": client["ttft_p99_ms"],
         "errors": client["errors"],
-        "requests_per_replica": list(truth["requests_per_replica"].values()),
-        "uncached_prefill_per_replica": truth["uncached_prefill_per_replica"],
-        "prefill_max_over_mean": truth["prefill_max_over_mean"],
-        "requests_max_over_mean": truth["requests_max_over_mean"],
+        "requests_per_replica": list(served_counts["requests_per_replica"].values()),
+        "uncached_prefill_per_replica": served_counts["uncached_prefill_per_replica"],
+        "prefill_max_over_mean": served_counts["prefill_max_over_mean"],
+        "requests_max_over_mean": served_counts["requests_max_over_mean"],
         "race_window": window,
     }
 

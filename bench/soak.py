@@ -286,11 +286,11 @@ async def run(model_dir: str, load: SoakLoad) -> dict:
             }
         restarts = cluster.supervisor.restarts
         metrics = cluster.router.core.render_metrics().decode()
-        truth = index_truth_report(metrics)
+        trust = index_trust_report(metrics)
         samples = read_samples(metrics)
         series = sum(1 for (name, _) in samples if name == "kvmesh_router_requests_total")
     result = {
-        "index_truth": truth,
+        "index_trust": trust,
         "minutes": _per_minute(log, files),
         "memory": _memory_report(memory),
         "kills": len(kill_times),
@@ -346,7 +346,7 @@ def _start_hostile(cluster: LocalCluster, load: SoakLoad):
     return running
 
 
-def index_truth_report(metrics_text: str) -> dict:
+def index_trust_report(metrics_text: str) -> dict:
     """The router's verdicts on its index over the run: every time it stopped trusting a
     replica's entries (no index fault is injected here, so each one is a false alarm), the
     misses by cause, the resyncs asked and the restarts seen."""
@@ -452,7 +452,7 @@ def soak_targets(result: dict, load: SoakLoad, calm_first: bool) -> list[dict]:
         ),
         target("ordinary requests failed", errors, "<=", 0),
         target(
-            "index false alarms (no index fault injected)", result["index_truth"]["false_alarms"], "<=", 0
+            "index false alarms (no index fault injected)", result["index_trust"]["false_alarms"], "<=", 0
         ),
     ]
     if load.hostile_clients:
@@ -510,7 +510,7 @@ def _print_report(result: dict, load: SoakLoad, calm_first: bool) -> None:
             f"{hostile['total_surprises']} not answered as they must be; "
             f"router request series: {result['request_series']}"
         )
-    print(f"index truth: {json.dumps(result['index_truth'])}")
+    print(f"index trust: {json.dumps(result['index_trust'])}")
     for name, m in sorted(result["memory"].items()):
         print(
             f"  {name:<28} warm {m['warm_mb']:>8.1f} MB  end {m['end_mb']:>8.1f} MB  growth {m['growth_pct']:>5.1f}%  over {m['lived_s']} s"

@@ -10,7 +10,7 @@ In the tests, the session fixture ``valkey_cluster`` shares one cluster. A test 
 a node must start its own instead, so later tests still find three primaries with a
 replica each::
 
-    with LocalCluster() as cluster:
+    with EmbeddedRedisCluster() as cluster:
         promoted = cluster.kill_primary(cluster.primary_for_key(b"{tag}key"))
 """
 
@@ -38,8 +38,8 @@ def _client(port: int) -> redis.Redis:
     return redis.Redis(host=HOST, port=port, socket_timeout=2, socket_connect_timeout=2)
 
 
-class LocalCluster:
-    """``with LocalCluster() as cluster: RedisCluster.from_url(cluster.url)``."""
+class EmbeddedRedisCluster:
+    """``with EmbeddedRedisCluster() as cluster: RedisCluster.from_url(cluster.url)``."""
 
     def __init__(self, binary: str | None = None, timeout: float = 20.0):
         self.binary = binary or default_server_binary()
@@ -68,7 +68,7 @@ class LocalCluster:
         slot = key_slot(key)
         return next(port for port, (lo, hi) in self._slots.items() if lo <= slot <= hi)
 
-    def start(self) -> LocalCluster:
+    def start(self) -> EmbeddedRedisCluster:
         try:
             self._launch()
             self._form()
@@ -211,7 +211,7 @@ class LocalCluster:
         self._nodes.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> EmbeddedRedisCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -15,14 +15,13 @@ from kvmesh.replica.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineOverloadedError,
-    RequestFailedError,
 )
 from kvmesh.replica.engine.request import PrefixFacts, RequestOutput
 from kvmesh.replica.engine.sampler import TokenLogprob
 from kvmesh.replica.metrics import ReplicaMetrics
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket, admit
-from kvmesh.serving.errors import InvalidRequest, Overloaded, RequestFailed, ServingError, Unavailable
+from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unavailable
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
@@ -217,7 +216,7 @@ class EngineBackend:
                         incarnation=self.incarnation(),
                     )
                     if out.prefix is not None:
-                        index_truth(complete, out.prefix, request)
+                        prediction_facts(complete, out.prefix, request)
                     if index == 0:
                         _trace_phases(span, out, request)
                     yield pb.GenerateResponse(request_id=request_id, complete=complete)
@@ -228,8 +227,8 @@ def _engine_ids(own_id: str, n: int) -> list[str]:
     return [own_id] if n == 1 else [f"{own_id}/{i}" for i in range(n)]
 
 
-def index_truth(complete: pb.Complete, facts: PrefixFacts, request: pb.GenerateRequest) -> None:
-    """What the router needs to tell a lagging index from a lying one (``router/index_truth``)."""
+def prediction_facts(complete: pb.Complete, facts: PrefixFacts, request: pb.GenerateRequest) -> None:
+    """What the router needs to tell a lagging index from a lying one (``router/index_trust/predictions.py``)."""
     if request.first_block_hash and facts.first_block_hash is not None:
         complete.hash_mismatch = request.first_block_hash != facts.first_block_hash
     if facts.miss_evicted_at is not None:
@@ -284,5 +283,3 @@ def _engine_errors():
         raise Overloaded(str(exc)) from None
     except EngineDeadError as exc:
         raise Unavailable(str(exc)) from None
-    except RequestFailedError as exc:
-        raise RequestFailed(str(exc)) from None

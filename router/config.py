@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.flow import FlowConfig
-from kvmesh.router.index_trust.states import IndexHealthConfig
+from kvmesh.router.index_trust.states import IndexTrustConfig
 from kvmesh.router.policies import POLICIES, SATURATION_STEPS
 from kvmesh.router.pricing import FleetPrices
 from kvmesh.router.share_alarm import ShareAlarm
@@ -164,8 +164,8 @@ class RouterConfig:
     balance: BalanceConfig = option(
         factory=BalanceConfig, help="how the prefix policy keeps one replica from taking too much"
     )
-    index_health: IndexHealthConfig = option(
-        factory=IndexHealthConfig, help="when the router stops trusting the index for a replica"
+    index_health: IndexTrustConfig = option(
+        factory=IndexTrustConfig, help="when the router stops trusting the index for a replica"
     )
     flow: FlowConfig = option(
         factory=FlowConfig, help="flow control: tenants, priority bands and the queue of a saturated fleet"

@@ -16,7 +16,7 @@ from kvmesh.protos import pb
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.flow import FlowConfig
 from kvmesh.router.index_trust.predictions import Prediction
-from kvmesh.router.index_trust.states import IndexHealthConfig
+from kvmesh.router.index_trust.states import IndexTrustConfig
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import POLICIES, SATURATION_STEPS, Policy, ReplicaState, RouteRequest, make_policy
 from kvmesh.router.registry import ReplicaRegistry
@@ -95,7 +95,7 @@ class RoutingOptions:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's sampling defaults
     lookup_timeout_s: float = 0.25  # an index lookup slower than this routes by load alone
     speculative_ttl_s: float = 2.0  # how long this router's own speculative entries last
-    index_health: IndexHealthConfig = field(default_factory=IndexHealthConfig)
+    index_health: IndexTrustConfig = field(default_factory=IndexTrustConfig)
     saturation_steps: float = SATURATION_STEPS  # the prefix policy's (``PrefixAware``)
     flow: FlowConfig = field(default_factory=FlowConfig)  # tenants, bands, when the fleet is saturated
 

@@ -14,7 +14,7 @@ from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.router.flow import FLOW_KEY
 from kvmesh.router.metrics import heartbeat_age
-from kvmesh.router.models import ModelRoute, ModelRoutes
+from kvmesh.router.routes import ModelRoute, ModelRoutes
 from kvmesh.serving import tracing
 from kvmesh.serving.background import failing_loops
 from kvmesh.serving.connections import ClientStalled, end_call, send_all

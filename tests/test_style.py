@@ -58,3 +58,30 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         (tmp_path / part).mkdir(exist_ok=True)
     assert long_functions(tmp_path) == ["serving/long.py:1 long (82 lines)"]
     assert measured_docstrings(tmp_path) == ["serving/long.py:1 '0.3 ms'", "serving/long.py:1 '1,454 tok/s'"]
+
+
+# The glossary's retired words (docs/design.md#glossary): none may come back into the package.
+RETIRED = re.compile(
+    r"IndexHealthConfig|RequestFailedError|index[ _-]truth|index's truth|kvmesh\.router\.models"
+)
+
+
+def retired_words(root: Path) -> list[str]:
+    return [
+        f"{path.relative_to(root)}:{number}: {match.group(0)}"
+        for part in PARTS
+        for path in sorted((root / part).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        for match in RETIRED.finditer(line)
+    ]
+
+
+def test_no_retired_word_is_back():
+    assert retired_words(ROOT) == []
+
+
+def test_the_glossary_names_what_was_retired():
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert "## Glossary" in design
+    for word in ("index truth", "IndexHealthConfig", "RequestFailedError", "two `LocalCluster` classes"):
+        assert word in design

@@ -26,7 +26,7 @@ from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
-from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexHealthConfig
+from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexTrustConfig
 from kvmesh.router.policies import ReplicaState, RouteRequest, make_policy
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples
@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 BS = 32  # vLLM's CPU backend caches blocks in multiples of 32
-HEALTH = IndexHealthConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
+HEALTH = IndexTrustConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
 SETTLE_S = 1.3  # past the lag tolerance and the speculative entries' life
 VLLM_IDS = ("vllm-0", "vllm-1")
 rng = random.Random(11)

@@ -91,7 +91,7 @@ class LazyDecodeScheduler(Scheduler):
         super().finish(request, reason)
         self._admitted.pop(id(request), None)
 
-    def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
+    def schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
         scheduled: list[Request] = []
         preempted = False
         for request in self._pop_due():  # in admission order, as the engine walks them
@@ -113,14 +113,14 @@ class LazyDecodeScheduler(Scheduler):
             scheduled.append(last)
         return scheduled, budget, preempted
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
         self._catch_up(request)
         self._admitted.pop(id(request), None)
-        super()._preempt(request)
+        super().preempt(request)
 
-    def _admit(self, scheduled: list[Request], budget: int) -> None:
+    def admit(self, scheduled: list[Request], budget: int) -> None:
         before = len(self.running)
-        super()._admit(scheduled, budget)
+        super().admit(scheduled, budget)
         for request in self.running[before:]:
             self._admitted[id(request)] = next(self._admissions)
 

@@ -7,7 +7,7 @@ asyncio queues. Closing or cancelling a stream aborts its request, which frees i
 blocks at once. KV events and a stats snapshot are published after every step for the
 index publisher and the metrics.
 
-A request that fails alone in a step gets ``RequestFailedError``; a step that fails for
+A request that fails alone in a step gets ``serving.errors.RequestFailed``; a step that fails for
 every request gets its requests ``EngineDeadError`` (the caller may retry elsewhere). An
 engine that cannot step any more (``LLMEngine.broken``) fails what it holds and refuses new
 work, and ``health()`` says so, as it does for a step loop that stopped making progress
@@ -32,6 +32,7 @@ from kvmesh.kvcache import KVEvent
 from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from kvmesh.replica.engine.request import RequestOutput
+from kvmesh.serving.errors import RequestFailed
 from kvmesh.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full: refused at once instead of queueing without bound."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed in the engine by itself; the requests beside it went on."""
 
 
 # A step loop with work that has not finished a loop turn for this long is stalled. A step on
@@ -330,7 +327,7 @@ class AsyncLLMEngine:
 
 def _failure(out: RequestOutput) -> Exception:
     """A failed request's error: the engine's fault may be retried elsewhere, its own not."""
-    return EngineDeadError(out.error) if out.engine_fault else RequestFailedError(out.error)
+    return EngineDeadError(out.error) if out.engine_fault else RequestFailed(out.error)
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

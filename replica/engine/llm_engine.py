@@ -27,7 +27,7 @@ from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from kvmesh.replica.engine.model_runner import ModelRunner
 from kvmesh.replica.engine.request import Request, RequestOutput, Status
-from kvmesh.replica.engine.sampler import Pick, RequestFailed, TokenLogprob
+from kvmesh.replica.engine.sampler import FailedPick, Pick, TokenLogprob
 from kvmesh.replica.engine.scheduler import Scheduler
 from kvmesh.replica.engine.step_costs import StepCostFit, step_features
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
@@ -214,25 +214,25 @@ class LLMEngine:
         picks = self._run(scheduled)
         self.step_costs.observe(*features, self.clock() - started)
         for request, pick in zip(scheduled, picks, strict=True):
-            if isinstance(pick, RequestFailed):  # nothing it computed in this step is kept
+            if isinstance(pick, FailedPick):  # nothing it computed in this step is kept
                 outputs.append(self._fail(request, pick))
         self.scheduler.step_done([r for r in scheduled if r.status is Status.RUNNING])
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         for request, pick in zip(scheduled, picks, strict=True):
-            if pick is None or isinstance(pick, RequestFailed):
+            if pick is None or isinstance(pick, FailedPick):
                 continue
             try:
                 text = self._append_token(request, *pick)
             except Exception as exc:  # its detokenizer or stop check: its own failure
-                outputs.append(self._fail(request, RequestFailed(f"output failed: {exc}")))
+                outputs.append(self._fail(request, FailedPick(f"output failed: {exc}")))
                 continue
             outputs.append(request.output(text))
             if request.status is Status.FINISHED:
                 del self.requests[request.request_id]
         return outputs
 
-    def _run(self, scheduled: list[Request]) -> list[Pick | RequestFailed | None]:
+    def _run(self, scheduled: list[Request]) -> list[Pick | FailedPick | None]:
         """The step's picks. A forward that fails for the batch runs again for each request
         alone, so only a request that fails by itself fails (rewriting the same KV slots
         with the same values); when every one fails, the fault is the engine's."""
@@ -244,17 +244,17 @@ class LLMEngine:
                 extra={"error": str(exc), "requests": len(scheduled)},
             )
             picks = [self._run_alone(r) for r in scheduled]
-            if all(isinstance(p, RequestFailed) for p in picks):
+            if all(isinstance(p, FailedPick) for p in picks):
                 self.note_failed_step(exc)
-                return [RequestFailed(f"engine step failed: {exc}", engine_fault=True) for _ in scheduled]
+                return [FailedPick(f"engine step failed: {exc}", engine_fault=True) for _ in scheduled]
         self.failed_steps = 0
         return picks
 
-    def _run_alone(self, request: Request) -> Pick | RequestFailed | None:
+    def _run_alone(self, request: Request) -> Pick | FailedPick | None:
         try:
             return self.runner.run([request])[0]
         except Exception as exc:
-            return RequestFailed(f"step failed: {exc}")
+            return FailedPick(f"step failed: {exc}")
 
     def note_failed_step(self, exc: Exception) -> None:
         """A step failed for every request: the engine is broken after a device error, or
@@ -264,7 +264,7 @@ class LLMEngine:
         if device_error or self.failed_steps >= BROKEN_AFTER_FAILED_STEPS:
             self.broken = f"{'device error' if device_error else f'{self.failed_steps} steps failed'}: {exc}"
 
-    def _fail(self, request: Request, failure: RequestFailed) -> RequestOutput:
+    def _fail(self, request: Request, failure: FailedPick) -> RequestOutput:
         """End a failed request now: its blocks are freed, nothing it computed is reused."""
         self.requests.pop(request.request_id, None)
         request.error, request.engine_fault = str(failure), failure.engine_fault

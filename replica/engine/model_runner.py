@@ -16,7 +16,7 @@ import torch
 from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
 from kvmesh.replica.engine.request import Request
-from kvmesh.replica.engine.sampler import Pick, RequestFailed, sample
+from kvmesh.replica.engine.sampler import FailedPick, Pick, sample
 from kvmesh.replica.models.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
@@ -216,7 +216,7 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def run(self, requests: list[Request]) -> list[Pick | RequestFailed | None]:
+    def run(self, requests: list[Request]) -> list[Pick | FailedPick | None]:
         """Compute this step's tokens: for each request that reached its end, the sampled token
         (and its log-probability, if asked), or its own failure. Prompt log-probabilities, where
         asked, are recorded on the request as its prefill chunks go by."""
@@ -233,7 +233,7 @@ class ModelRunner:
             for r, c, n in zip(requests, chunks, need, strict=True)
         ]
         logits = self._forward_layout(chunks, starts, [r.block_table for r in requests], rows)
-        failed: dict[int, RequestFailed] = {}
+        failed: dict[int, FailedPick] = {}
         sample_rows, offset = [], 0
         for i, (r, start, chunk_rows, n) in enumerate(zip(requests, starts, rows, need, strict=True)):
             if r.wants_prompt_logprobs:
@@ -242,7 +242,7 @@ class ModelRunner:
                         logits[offset : offset + len(chunk_rows)].log_softmax(dim=-1), start
                     )
                 except Exception as exc:  # this request's own stage: the batch goes on
-                    failed[i] = RequestFailed(f"prompt logprobs failed: {exc}")
+                    failed[i] = FailedPick(f"prompt logprobs failed: {exc}")
             offset += len(chunk_rows)
             if n and i not in failed:
                 sample_rows.append(offset - 1)

@@ -10,7 +10,7 @@
 Only rows that need a stage pay for it.
 
 A request whose own stage fails (its adjustments raise, or they leave no token to pick, as
-``min_tokens`` does when every token is a stop id) gets a ``RequestFailed`` in its row
+``min_tokens`` does when every token is a stop id) gets a ``FailedPick`` in its row
 instead of a token: it ends alone and every other row is picked as it would have been.
 """
 
@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from kvmesh.replica.engine.request import Request
 
 
-class RequestFailed(Exception):
-    """A request that failed in a step: it ends alone, the rest of the batch goes on.
+class FailedPick(Exception):
+    """A request that failed in a step, in its row where its pick would be: it ends alone, the
+    rest of the batch goes on.
     ``engine_fault``: the step failed for every request, so the engine is at fault, not it."""
 
     def __init__(self, message: str, engine_fault: bool = False):
@@ -103,9 +104,9 @@ def _constant(request: Request, name: str, build):
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | RequestFailed]:
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | FailedPick]:
     """One pick per row of ``logits`` ([rows, vocab], float32), or the row's own failure."""
-    failed: dict[int, RequestFailed] = {}
+    failed: dict[int, FailedPick] = {}
     wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1) if wants else None
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
@@ -133,12 +134,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | Request
     return [failed.get(i) or (token_list[i], scored[i]) for i in range(len(requests))]
 
 
-def _isolated(failed: dict[int, RequestFailed], row: int, fn, *args, **kwargs):
+def _isolated(failed: dict[int, FailedPick], row: int, fn, *args, **kwargs):
     """``fn(*args)``, or None with the row's failure recorded when it raises."""
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # this request's stage failed: the batch goes on without it
-        failed[row] = RequestFailed(f"sampling failed: {exc}")
+        failed[row] = FailedPick(f"sampling failed: {exc}")
         return None
 
 
@@ -150,7 +151,7 @@ def _fail_rows_without_tokens(logits: torch.Tensor, rows: list[int], failed: dic
     has_token = torch.isfinite(logits[rows]).any(dim=-1).tolist()
     for i, ok in zip(rows, has_token, strict=True):
         if not ok:
-            failed[i] = RequestFailed("no token is left to sample: min_tokens rules out every token id")
+            failed[i] = FailedPick("no token is left to sample: min_tokens rules out every token id")
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

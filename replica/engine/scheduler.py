@@ -8,6 +8,11 @@ only the uncached rest of a prompt is computed. When a running request needs a b
 none is free, the most recently admitted request is preempted: its blocks are freed
 (their hashes stay hittable) and it waits at the head of the queue to be recomputed,
 usually from its own cached blocks.
+
+Hooks a subclass may override (the simulator's ``LazyDecodeScheduler``,
+``bench/experiments/lazy_scheduler.py``, does, to touch only the requests at a boundary):
+``schedule_running`` (the running requests' share of a step), ``preempt`` and ``admit``; the
+rest (``add``, ``schedule``, ``step_done``, ``finish``) is the engine's interface.
 """
 
 from __future__ import annotations
@@ -33,12 +38,12 @@ class Scheduler:
 
     def schedule(self) -> list[Request]:
         """Pick this step's requests and set each one's ``num_scheduled_tokens``."""
-        scheduled, budget, preempted = self._schedule_running(self.max_num_batched_tokens)
+        scheduled, budget, preempted = self.schedule_running(self.max_num_batched_tokens)
         if not preempted:  # memory is tight after a preemption: no admissions this step
-            self._admit(scheduled, budget)
+            self.admit(scheduled, budget)
         return scheduled
 
-    def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
+    def schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
         """The running requests' share of the step, in admission order: (scheduled, budget
         left, whether any was preempted)."""
         scheduled: list[Request] = []
@@ -60,13 +65,13 @@ class Scheduler:
         (it may be preempted itself); whether any was."""
         preempted = False
         while not self.block_manager.can_append(request):
-            self._preempt(self.running.pop())
+            self.preempt(self.running.pop())
             preempted = True
             if request.status is not Status.RUNNING:
                 break
         return preempted
 
-    def _admit(self, scheduled: list[Request], budget: int) -> None:
+    def admit(self, scheduled: list[Request], budget: int) -> None:
         """Admit waiting requests, oldest first, while the budget, ``max_num_seqs`` and the
         free blocks allow (each reuses its cached prefix blocks)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -97,7 +102,8 @@ class Scheduler:
         request.num_scheduled_tokens = n
         return n
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks (their hashes stay hittable) and put it at the head of the queue."""
         self.block_manager.deallocate(request)
         request.status = Status.WAITING
         request.num_preemptions += 1

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.kvcache import AllBlocksCleared, KVCacheError, KVCacheStats, KVEvent, block_hashes
 from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from kvmesh.replica.engine.async_engine import EngineDeadError, EngineOverloadedError
 from kvmesh.replica.engine.llm_engine import EngineStats
 from kvmesh.replica.engine.request import PrefixFacts, RequestOutput, RequestTimes
 from kvmesh.replica.engine.sampler import TokenLogprob
@@ -36,6 +36,7 @@ from kvmesh.replica.vllm.cache_view import CacheView
 from kvmesh.replica.vllm.server import VllmServer
 from kvmesh.replica.vllm.subscriber import EventSubscriber
 from kvmesh.serving.background import BackgroundLoops, cancel
+from kvmesh.serving.errors import RequestFailed
 from kvmesh.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class VllmEngine:
                         self._generation_tokens += len(delta.new_token_ids)
                         queue.put_nowait(delta)
             if not out.finished:
-                raise RequestFailedError("vLLM ended the stream without a finish reason")
+                raise RequestFailed("vLLM ended the stream without a finish reason")
             self._learn_costs(out, len(self._tasks))
             queue.put_nowait(out.last(started, time.monotonic()))
         except asyncio.CancelledError:
@@ -163,8 +164,8 @@ class VllmEngine:
             raise
         except httpx.HTTPError as exc:
             queue.put_nowait(EngineDeadError(f"vLLM unreachable: {exc}"))
-        except (ValueError, EngineOverloadedError, EngineDeadError, RequestFailedError) as exc:
-            if isinstance(exc, RequestFailedError):
+        except (ValueError, EngineOverloadedError, EngineDeadError, RequestFailed) as exc:
+            if isinstance(exc, RequestFailed):
                 self._failed += 1
             queue.put_nowait(exc)
 
@@ -333,7 +334,7 @@ class _Progress:
     def read(self, chunk: dict) -> RequestOutput | None:
         """A chunk's delta (None for the usage chunk, which ends the stream)."""
         if "error" in chunk:
-            raise RequestFailedError(str(chunk["error"].get("message", chunk["error"]))[:500])
+            raise RequestFailed(str(chunk["error"].get("message", chunk["error"]))[:500])
         if usage := chunk.get("usage"):
             self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             self.metrics = chunk.get("metrics") or {}
@@ -436,7 +437,7 @@ def _refusal(status: int, body: str) -> Exception:
         return EngineOverloadedError(message)
     if status == 401:
         return EngineDeadError("vLLM refused the replica's token")
-    return RequestFailedError(f"vLLM answered {status}: {message}")
+    return RequestFailed(f"vLLM answered {status}: {message}")
 
 
 _GAUGES = {

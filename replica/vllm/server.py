@@ -3,7 +3,7 @@
 It listens on loopback only, behind the deployment's token (``VLLM_API_KEY``: vLLM guards
 ``/v1``); its KV events go to ipc sockets in a private folder. Prefix caching, KV events,
 the cached-token count in usage and per-request timings are always on: the replica needs
-them to publish its blocks, check the index's truth and price its steps. The process dies
+them to publish its blocks, keep the routers' index trust and price its steps. The process dies
 with the replica (``dying_with_parent``) and its output goes to the replica's log.
 """
 

@@ -1,4 +1,4 @@
-"""Index truth, per request: what the router predicted a replica would reuse, what it
+"""Prediction checks, per request: what the router predicted a replica would reuse, what it
 reused, and why the two differ.
 
 At decision time the router records, for the replica it sends a request to, the fleet's

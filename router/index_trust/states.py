@@ -1,7 +1,7 @@
 """How far a router trusts the index, per replica and overall: EXACT, DEGRADED or LOAD_ONLY.
 
 Each replica keeps a sliding window of its last requests' outcomes (exact, or a miss cause
-from ``index_truth``). Only the causes that say the index is wrong count against it
+from ``predictions.py``). Only the causes that say the index is wrong count against it
 (``stale_index``, ``hash_mismatch``); evictions, lag and unrealized speculation are
 normal. The state follows the window:
 
@@ -30,9 +30,9 @@ STATES = (EXACT, DEGRADED, LOAD_ONLY)
 
 
 @dataclass(frozen=True)
-class IndexHealthConfig:
+class IndexTrustConfig:
     window: int = option(
-        20, flag="index-health-window", help="requests per replica the index's truth is judged on"
+        20, flag="index-health-window", help="requests per replica the index trust is judged on"
     )
     window_s: float = option(
         60.0, flag="index-health-window-s", help="seconds an outcome stays in that window"
@@ -70,7 +70,7 @@ class IndexHealthConfig:
 
 @dataclass
 class ReplicaIndexHealth:
-    config: IndexHealthConfig
+    config: IndexTrustConfig
     incarnation: int = 0
     state: str = EXACT
     cause: str = ""  # the lie behind a state other than EXACT

@@ -1,4 +1,4 @@
-"""The router's watch on the index's truth: every prediction checked against the replica's
+"""The router's watch that keeps its index trust: every prediction checked against the replica's
 answer, each replica's trust state kept (``index_health``), resyncs asked for, one log line
 per change, metrics for the dashboard."""
 
@@ -17,7 +17,7 @@ from kvmesh.router.index_trust.predictions import Prediction, miss_cause
 from kvmesh.router.index_trust.states import (
     EXACT,
     LOAD_ONLY,
-    IndexHealthConfig,
+    IndexTrustConfig,
     ReplicaIndexHealth,
     overall_state,
 )
@@ -34,13 +34,13 @@ class IndexWatch:
         index: PrefixIndex,
         metrics: RouterMetrics,
         block_size: int,
-        config: IndexHealthConfig | None = None,
+        config: IndexTrustConfig | None = None,
     ):
         self.registry = registry
         self.index = index
         self.metrics = metrics
         self.block_size = block_size
-        self.config = config or IndexHealthConfig()
+        self.config = config or IndexTrustConfig()
         self.health: dict[str, ReplicaIndexHealth] = {}
         self._tasks: set[asyncio.Task] = set()
         self._started: dict[str, str] = {}  # replica -> its process's start time (a restart changes it)

@@ -7,7 +7,7 @@ ids (the replica does not tokenize or render it again), its own request id, the 
 the client sees, and the prediction the replica checks (``predicted_cached_blocks``,
 ``first_block_hash``). The replica streams exactly what a direct client would get, plus,
 before ``data: [DONE]``, an SSE comment ``: kvmesh-complete <base64 Complete>`` carrying
-the index-truth fields and usage the router accounts for (an SSE comment: a client that
+the prediction-check fields and usage the router accounts for (an SSE comment: a client that
 somehow saw it would ignore it; the router takes it out). A router that may move the stream
 (a migration, ``SseRequest.continued``) asks for each event's token ids as one more comment
 line in that event.

@@ -1,6 +1,6 @@
 """``kvmesh bench peers``: guidellm's report is read right, bad flags are one-line errors, and
 the kvmesh contenders run end to end (a real ``kvmesh router`` process over real replicas)
-with the truth about cached tokens taken from the replicas. The peers themselves (sglang-router,
+with the cached tokens counted by the replicas themselves. The peers themselves (sglang-router,
 vllm-router, guidellm) are a 1.7 GB venv: `make peers`, then `kvmesh bench peers`."""
 
 import dataclasses

@@ -7,7 +7,7 @@ import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster
 
-from kvmesh.cluster.embedded_cluster import HOST, LocalCluster
+from kvmesh.cluster.embedded_cluster import HOST, EmbeddedRedisCluster
 from kvmesh.cluster.embedded_redis import default_server_binary
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh process
 REDIS_SERVER = shutil.which("redis-server")  # Debian's 7.0 in CI
 
 
-def key_per_primary(cluster: LocalCluster) -> dict[int, bytes]:
+def key_per_primary(cluster: EmbeddedRedisCluster) -> dict[int, bytes]:
     """A key hashing to each primary, told apart by hash tag."""
     keys: dict[int, bytes] = {}
     for i in range(100):
@@ -49,7 +49,7 @@ async def test_keys_land_on_every_primary(valkey_cluster):
     ],
 )
 async def test_a_replicated_key_survives_its_primary(binary):
-    with LocalCluster(binary) as cluster:
+    with EmbeddedRedisCluster(binary) as cluster:
         # on the primary behind cluster.url: the client must find the cluster again through the others
         port = cluster.primaries()[0][1]
         key = key_per_primary(cluster)[port]

@@ -8,7 +8,7 @@ import random
 import pytest
 import redis
 
-from kvmesh.cluster.embedded_cluster import LocalCluster
+from kvmesh.cluster.embedded_cluster import EmbeddedRedisCluster
 from kvmesh.kvcache import BlockStored
 from kvmesh.kvcache.index.redis import RedisPrefixIndex
 
@@ -76,7 +76,7 @@ async def test_publish_lookup_decide_and_sweep_across_shards(valkey_cluster):
 async def test_the_index_is_exact_again_after_a_primary_fails_over():
     """A primary dies (what it had not replicated yet is lost); the replica publishers
     notice nothing until they resync, and after a resync every lookup is exact again."""
-    with LocalCluster() as cluster:
+    with EmbeddedRedisCluster() as cluster:
         index = RedisPrefixIndex.from_url(cluster_url(cluster), "failover-model", 16, 1)
         await index.ensure_settings()
         held = chains(60, 6, seed=2)

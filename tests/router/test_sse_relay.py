@@ -1,7 +1,7 @@
 """A streamed HTTP request goes from the router to its replica's own OpenAI port and back
 byte for byte (``router/replica_http.py``, ``serving/openai/relay.py``): the client gets
 what the replica wrote, without the trailer the replica adds for the router; the router still
-accounts for every request (cached tokens, index truth); a replica that cannot take it moves
+accounts for every request (cached tokens, prediction checks); a replica that cannot take it moves
 the request once, one that fails midway ends it in band; a client that leaves frees its
 replica's work. Real replicas, a real router, real sockets; a hand-written upstream only to
 inject the faults a real replica does not make on purpose."""

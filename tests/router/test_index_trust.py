@@ -28,7 +28,7 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.index_trust.predictions import LIES
-from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexHealthConfig
+from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexTrustConfig
 from kvmesh.router.policies import ReplicaState, RouteRequest, make_policy
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples
@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 BS = 16
 DETECT_S = 10.0
-HEALTH = IndexHealthConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
+HEALTH = IndexTrustConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
 SETTLE_S = 1.3  # longer than the lag tolerance and the speculative entries' life (0.5 s)
 rng = random.Random(7)
 
@@ -51,7 +51,7 @@ def replica_config(model_dir, redis_url: str, replica_id: str) -> ReplicaConfig:
 async def fleet(qwen3_dir):
     redis = EmbeddedRedis().start()
     replicas = {}
-    for rid in ("truth-0", "truth-1"):
+    for rid in ("trust-0", "trust-1"):
         replicas[rid] = ReplicaServer(replica_config(qwen3_dir, redis.url, rid))
         await replicas[rid].start()
     router = RouterServer(
@@ -199,7 +199,7 @@ async def test_steady_load_raises_no_alarm(fleet):
 
 
 async def test_a_replica_hashing_with_another_seed_is_routed_by_load_only(fleet):
-    rid = "truth-0"
+    rid = "trust-0"
     engine = fleet["replicas"][rid].engine
     seed = await engine.call(lambda e: e.block_manager.seed)
     await engine.call(lambda e: setattr(e.block_manager, "seed", seed ^ 0x5EED))
@@ -231,7 +231,7 @@ async def test_a_replica_hashing_with_another_seed_is_routed_by_load_only(fleet)
 
 
 async def test_dropped_kv_events_are_found_stale_and_resynced(fleet, monkeypatch):
-    rid = "truth-0"
+    rid = "trust-0"
     publisher = fleet["replicas"][rid].publisher
 
     async def drop() -> None:  # the fault: events lost between the replica and Redis
@@ -265,7 +265,7 @@ async def test_dropped_kv_events_are_found_stale_and_resynced(fleet, monkeypatch
 
 
 async def test_a_cache_reset_without_events_is_found_stale(fleet):
-    rid = "truth-1"
+    rid = "trust-1"
     before = alarms(fleet, rid, "stale_index")
     prefixes = [prompt(4, fleet, rid) for _ in range(5)]
     for p in prefixes:
@@ -319,12 +319,12 @@ async def test_a_flushed_redis_is_reported_and_recovered(fleet):
 
 
 async def test_a_restarted_replica_is_seen_and_starts_afresh(fleet):
-    rid = "truth-1"
+    rid = "trust-1"
     before = metric(fleet["router"].core, "kvmesh_router_replica_restarts_total", replica=rid)
     await fleet["replicas"][rid].stop(grace=0.5)
     gauge = "kvmesh_router_replica_running_requests"
     assert await eventually(
-        lambda: asyncio.sleep(0, result=metric_labels(fleet, gauge) == {"truth-0"})
+        lambda: asyncio.sleep(0, result=metric_labels(fleet, gauge) == {"trust-0"})
     )  # gone
     fleet["replicas"][rid] = ReplicaServer(replica_config(fleet["dir"], fleet["redis"].url, rid))
     await fleet["replicas"][rid].start()
