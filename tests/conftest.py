@@ -165,3 +165,25 @@ def valkey_cluster():
 
     with EmbeddedRedisCluster() as cluster:
         yield cluster
+
+
+# The Helm chart (tests/deploy/test_chart_*.py): loaded once a module, rendered per CI values file.
+def _ci_values():
+    from helm_chart import CI_VALUES
+
+    return CI_VALUES
+
+
+@pytest.fixture(scope="module")
+def chart():
+    import helm_python as helm
+    from helm_chart import CHART
+
+    return helm.Chart.load(str(CHART))
+
+
+@pytest.fixture(scope="module", params=_ci_values(), ids=lambda p: p.stem)
+def rendered(request, chart):
+    from helm_chart import render, values_of
+
+    return request.param, render(chart, values_of(request.param))
