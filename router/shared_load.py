@@ -73,7 +73,7 @@ class FleetLoad:
 
     async def start(self) -> None:
         await self._renew()
-        self._loops.start(self._heartbeat_loop, "kvmesh-fleet-load")
+        self._loops.start(self._heartbeat_loop, "kvmesh-shared-load")
 
     async def stop(self) -> None:
         await self._loops.stop()
@@ -146,7 +146,7 @@ class FleetLoad:
                 if self.on_synced is not None and since is not None:
                     self.on_synced(time.perf_counter() - since)
             except INDEX_ERRORS as exc:
-                log.warning("fleet load not sent, routing on this router's counts", extra={"error": str(exc)})
+                log.warning("shared load not sent, routing on this router's counts", extra={"error": str(exc)})
                 self.incarnation = None
                 return
 
@@ -187,4 +187,4 @@ class FleetLoad:
                 elif self._unsent:  # changed while registering
                     self._flush = asyncio.get_running_loop().create_task(self._send())
         except INDEX_ERRORS as exc:
-            log.warning("fleet load unavailable, routing on this router's counts", extra={"error": str(exc)})
+            log.warning("shared load unavailable, routing on this router's counts", extra={"error": str(exc)})

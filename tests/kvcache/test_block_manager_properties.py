@@ -54,6 +54,10 @@ class PrefixClosedReference(ReferenceBlockManager):
     def _register(self, block, h, token_ids, parent):
         if parent == -1 or parent in self.hash_to_block_id:
             super()._register(block, h, token_ids, parent)
+        else:  # not hittable (its parent is not), but still its chain's link: the next block
+            # hashes on it (left at -1, the next block would be hashed as a first block, and a
+            # later prompt starting with the same tokens would "hit" KV of another position)
+            block.hash, block.parent, block.token_ids = h, parent, token_ids
 
 
 class LedgerMachine(RuleBasedStateMachine):
