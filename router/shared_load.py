@@ -146,7 +146,9 @@ class FleetLoad:
                 if self.on_synced is not None and since is not None:
                     self.on_synced(time.perf_counter() - since)
             except INDEX_ERRORS as exc:
-                log.warning("shared load not sent, routing on this router's counts", extra={"error": str(exc)})
+                log.warning(
+                    "shared load not sent, routing on this router's counts", extra={"error": str(exc)}
+                )
                 self.incarnation = None
                 return
 
