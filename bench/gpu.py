@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from kvmesh.bench.measure.common import environment, progress, target, write_result
-from kvmesh.bench.step_stages import step_stages
-from kvmesh.replica import LLMEngine, SamplingParams
+from kvmesh.bench.step_stages import decoding, step_stages
+from kvmesh.replica import LLMEngine
 
 # A random model with Qwen3-1.7B's shape and a 1k vocabulary: its weights are the real one's
 # less the embedding (what a decode step reads of them is the same).
@@ -164,32 +164,22 @@ def _busy_seconds(profile) -> float:
 def decode(engine: LLMEngine, batch: int, context: int, steps: int, limits_: dict) -> dict:
     """A decode step of ``batch`` rows at about ``context`` tokens: median wall time, GPU busy
     time (profiled over separate steps), the roofline."""
-    rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 4, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(3, engine.vocab_size) for _ in range(context)], params)
-    while not all(r.num_completion_tokens for r in engine.requests.values()):
-        engine.step()  # every row prefilled
     cuda = engine.runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    walls = []
-    for _ in range(steps):
-        sync()
-        started = time.perf_counter()
-        engine.step()
-        sync()
-        walls.append(time.perf_counter() - started)
-    busy = None
-    if cuda:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            for _ in range(steps):
-                engine.step()
+    walls, busy = [], None
+    with decoding(engine, batch, context, 2 * steps):  # timed steps, then profiled ones
+        for _ in range(steps):
             sync()
-        busy = _busy_seconds(profile) / steps
-    for rid in list(engine.requests):
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+            started = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append(time.perf_counter() - started)
+        if cuda:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                for _ in range(steps):
+                    engine.step()
+                sync()
+            busy = _busy_seconds(profile) / steps
     wall = statistics.median(walls)
     roof = step_roofline(engine, batch, context + steps, limits_)
     return {

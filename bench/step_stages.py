@@ -14,6 +14,7 @@ function that does it, on a live engine, over the steps of a decode batch:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -25,15 +26,42 @@ from kvmesh.replica.engine import model_runner as runner_module
 STAGES = ("schedule", "prepare", "model", "logits", "sample", "outputs")
 
 
-def step_stages(engine: LLMEngine, batch: int, context: int, steps: int) -> dict:
-    """Median milliseconds per stage of a decode step of ``batch`` rows at ``context``
-    tokens, and the step's total."""
+@contextlib.contextmanager
+def decoding(engine: LLMEngine, batch: int, context: int, steps: int):
+    """``batch`` requests of ``context`` random tokens, every one prefilled, with at least
+    ``steps`` decode steps left; aborted and drained at the end, so the engine is idle again."""
     rng = random.Random(batch)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(3, engine.vocab_size) for _ in range(context)], params)
-    while not all(r.num_completion_tokens for r in engine.requests.values()):
-        engine.step()
+    try:
+        while not all(r.num_completion_tokens for r in engine.requests.values()):
+            engine.step()
+        yield
+    finally:
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def step_stages(engine: LLMEngine, batch: int, context: int, steps: int) -> dict:
+    """Median milliseconds per stage of a decode step of ``batch`` rows at ``context``
+    tokens, and the step's total."""
+    with decoding(engine, batch, context, steps):
+        rows = _timed_stages(engine, steps)
+    return {
+        "batch": batch,
+        "context": context,
+        **{
+            f"{stage}_ms": round(statistics.median(r[stage] for r in rows) * 1e3, 3)
+            for stage in (*STAGES, "step")
+        },
+    }
+
+
+def _timed_stages(engine: LLMEngine, steps: int) -> list[dict]:
+    """Each of ``steps`` steps' seconds by stage, the engine's functions wrapped meanwhile."""
     spent: dict[str, float] = defaultdict(float)
     runner, scheduler = engine.runner, engine.scheduler
     originals = {
@@ -83,15 +111,4 @@ def step_stages(engine: LLMEngine, batch: int, context: int, steps: int) -> dict
                 setattr(owner, attr, saved[name])
             else:
                 delattr(owner, attr)
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return {
-        "batch": batch,
-        "context": context,
-        **{
-            f"{stage}_ms": round(statistics.median(r[stage] for r in rows) * 1e3, 3)
-            for stage in (*STAGES, "step")
-        },
-    }
+    return rows

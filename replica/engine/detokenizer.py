@@ -25,9 +25,9 @@ def token_decoder(tokenizer) -> Callable[[list[int]], str]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], decode=None):
+    def __init__(self, decode: Callable[[list[int]], str], prompt_token_ids: list[int], stop: list[str]):
         """``decode``: ``token_decoder(tokenizer)``, made once per tokenizer by the engine."""
-        self._decode = decode or token_decoder(tokenizer)
+        self._decode = decode
         self.tokens = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1) :])
         self.prefix_offset = max(len(self.tokens) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.tokens)

@@ -176,7 +176,7 @@ class LLMEngine:
             # A continued stream's detokenizer replays the output already sent, so the text it
             # releases next is what the first attempt's would have (held-back text included).
             sent = params.continued_tokens
-            detok = IncrementalDetokenizer(self.tokenizer, ids[: len(ids) - sent], params.stop, self._decode)
+            detok = IncrementalDetokenizer(self._decode, ids[: len(ids) - sent], params.stop)
             for token in ids[len(ids) - sent :]:
                 detok.push(token)
         if params.stop and detok is None:

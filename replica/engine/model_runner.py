@@ -250,15 +250,6 @@ class ModelRunner:
         picks = dict(zip(sampling, sample(logits[sample_rows], [requests[i] for i in sampling]), strict=True))
         return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 
-    def _replays(self, chunks: list[list[int]], rows: list[list[int]]) -> bool:
-        """A decode step (one token and its logits per sequence) that a captured graph holds."""
-        return (
-            self.graphs is not None
-            and len(chunks) <= self.max_num_seqs
-            and all(len(c) == 1 for c in chunks)
-            and all(r == [0] for r in rows)
-        )
-
     def _forward_layout(
         self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], rows: list[list[int]]
     ) -> torch.Tensor:
@@ -266,6 +257,7 @@ class ModelRunner:
         chunk, in order."""
         bs = self.block_size
         decode = all(len(c) == 1 for c in chunks)
+        every_row_sampled = decode and all(r == [0] for r in rows)  # a plain decode step
         if decode:  # one token a sequence: plain lists beat numpy at these sizes
             token_ids, positions = [c[0] for c in chunks], starts
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts, strict=True)]
@@ -276,7 +268,7 @@ class ModelRunner:
             slots = np.concatenate(
                 [np.asarray(t)[p // bs] * bs + p % bs for t, p in zip(tables, per_seq, strict=True)]
             ).tolist()
-        if self._replays(chunks, rows):
+        if every_row_sampled and self.graphs is not None and len(chunks) <= self.max_num_seqs:
             return self.model.compute_logits(self.graphs.run(token_ids, positions, tables, slots))
         layout = BatchLayout(
             query_lens=[len(c) for c in chunks],
@@ -291,8 +283,8 @@ class ModelRunner:
             self.backend,
             self.backend.plan(layout),
         )
-        if decode and all(r == [0] for r in rows):
-            return self.model.compute_logits(hidden)  # every row's one token is sampled
+        if every_row_sampled:
+            return self.model.compute_logits(hidden)
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
         return self.model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=self.device)])

@@ -217,14 +217,6 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def rows_per_program(decode_only: bool) -> int:
-    return DECODE_ROWS if decode_only else PREFILL_ROWS
-
-
-def queries_per_program(rows: int, group: int) -> int:
-    return max(1, rows // triton.next_power_of_2(group))
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -248,7 +240,8 @@ def paged_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // kv_heads
-    block_q = queries_per_program(rows_per_program(decode_only), group)
+    rows = DECODE_ROWS if decode_only else PREFILL_ROWS
+    block_q = max(1, rows // triton.next_power_of_2(group))  # queries a program takes
     dim_p = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty_like(q) if out is None else out
     if segments > 1:
