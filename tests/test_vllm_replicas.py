@@ -9,6 +9,7 @@ the later ones restart what the earlier ones leave behind.
 
 import asyncio
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -249,8 +250,12 @@ async def test_bench_engines_vllm_measures_throughput_and_cached_ttft(fleet):
         return await index_of(fleet, "vllm-0") == set()
 
     assert await eventually(index_cleared)
-    cold = await time_to_first_token(engine, shared + [1])
-    cached = await time_to_first_token(engine, shared + [2])
+    colds, warms = [], []
+    for _ in range(3):  # one pair is noise on 2 shared cores: medians of three
+        colds.append(await time_to_first_token(engine, shared + [1]))
+        warms.append(await time_to_first_token(engine, shared + [2]))
+        shared = prompt(12)  # a prefix nobody computed yet: the next pair starts cold
+    cold, cached = statistics.median(colds), statistics.median(warms)
     assert 0 < cached < cold
 
 
