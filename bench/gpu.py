@@ -7,7 +7,8 @@ out, each part written as it finishes:
    (bytes read and written) and a bf16 matrix product's rate.
 2. ``tests``: the CUDA tests (the engine against the CPU path, the Triton kernels compiled,
    the decode graphs captured), by pytest in a subprocess.
-3. ``decode``: a decode step at several batch sizes, with and without CUDA graphs: wall time,
+3. ``decode``: a decode step at several batch sizes, with CUDA graphs and async scheduling,
+   with graphs alone, and with neither: wall time,
    GPU busy time (the profiler's kernel time), the step's roofline (its bytes, weights and
    the KV it reads, over the copy bandwidth; its FLOPs over the matmul rate; whichever is
    longer; ``share_of_limit`` is that floor over the wall time), and its host time by stage.
@@ -58,6 +59,7 @@ CUDA_TESTS = [
     "tests/replica/test_cuda.py",
     "tests/replica/test_triton_attention.py",
     "tests/replica/test_cuda_graphs.py",
+    "tests/replica/test_async_scheduling.py",
 ]
 
 
@@ -168,11 +170,10 @@ def decode(engine: LLMEngine, batch: int, context: int, steps: int, limits_: dic
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     walls, busy = [], None
     with decoding(engine, batch, context, 2 * steps):  # timed steps, then profiled ones
-        for _ in range(steps):
-            sync()
+        sync()
+        for _ in range(steps):  # no sync between steps: async scheduling overlaps them
             started = time.perf_counter()
             engine.step()
-            sync()
             walls.append(time.perf_counter() - started)
         if cuda:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -186,6 +187,7 @@ def decode(engine: LLMEngine, batch: int, context: int, steps: int, limits_: dic
         "batch": batch,
         "context": context,
         "graphs": engine.runner.graphs is not None,
+        "async_scheduling": engine.async_scheduling,
         "step_ms": round(wall * 1e3, 3),
         "gpu_busy_ms": None if busy is None else round(busy * 1e3, 3),
         "gpu_busy_share": None if busy is None else round(busy / wall, 3),
@@ -314,15 +316,16 @@ class Report:
 
 
 def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, report: Report) -> None:
-    """Decode steps at each batch size, with graphs and then without (on a GPU), each with its
-    host stages; TTFT on the eager engine."""
+    """Decode steps at each batch size, each with its host stages: on a GPU with graphs and
+    async scheduling, with graphs alone, and with neither; TTFT on the last engine."""
     from kvmesh.bench.engine import bench_ttft
 
     cuda = device == "cuda"
     batches, context, steps = ([1, 16, 64, 256], 512, 20) if cuda else ([1, 4], 64, 3)
     limits_, save = report.result["limits"], report.save
     rows = []
-    for graphs in (True, False) if cuda else (False,):
+    passes = [(True, True), (True, False), (False, False)] if cuda else [(False, True), (False, False)]
+    for graphs, overlap in passes:
         engine = LLMEngine(
             model_dir,
             device=device,
@@ -330,10 +333,11 @@ def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, repor
             max_num_seqs=max(batches),
             max_num_batched_tokens=8192,
             enforce_eager=not graphs,
+            async_scheduling=overlap,
             **({"gpu_memory_utilization": 0.5} if cuda else {"num_kv_blocks": 256}),
         )
         for batch in batches:
-            progress(f"decode steps: batch {batch}, graphs {graphs}")
+            progress(f"decode steps: batch {batch}, graphs {graphs}, async scheduling {overlap}")
             stages = step_stages(engine, batch, context, steps)
             rows.append(
                 {
@@ -342,7 +346,7 @@ def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, repor
                     "host_stages_ms": {k: v for k, v in stages.items() if k.endswith("_ms")},
                 }
             )
-        if graphs:
+        if graphs and overlap:
             capture = engine.runner.graph_capture
             save(
                 "graph_capture",
@@ -353,7 +357,7 @@ def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, repor
                 },
             )
         save("decode", rows)
-        if not graphs:
+        if not graphs and not overlap:
             progress("time to first token")
             lengths = [2048, 8192] if cuda else [128]
             cases = {
@@ -409,7 +413,7 @@ def main(
 def targets(result: dict) -> list[dict]:
     """Issue 51's targets, where this run measured them."""
     found = []
-    at64 = [r for r in result.get("decode", []) if r["batch"] == 64 and r["graphs"]]
+    at64 = [r for r in result.get("decode", []) if r["batch"] == 64 and r["graphs"] and r["async_scheduling"]]
     if at64:
         row = at64[0]
         found.append(

@@ -8,7 +8,10 @@ function that does it, on a live engine, over the steps of a decode batch:
 - ``prepare``: the step's layout built on the host (token ids, positions, slot mapping, the
   backend's plan or the graph buffers' refill), everything in the forward call but the model;
 - ``model``: the model's forward (on a GPU: launching it, unless a sync waits inside);
-- ``logits``, ``sample``: the LM head and the sampler (its one host sync: the sampled ids);
+- ``logits``, ``sample``: the LM head and the sampler (without async scheduling, its one host
+  sync: the sampled ids);
+- ``land``: with async scheduling, waiting for the previous step's tokens (the step's one
+  sync: the device time the host's work did not hide);
 - ``outputs``: the rest of the step (appending tokens, detokenizing, block bookkeeping).
 """
 
@@ -22,8 +25,9 @@ from collections import defaultdict
 
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.engine import model_runner as runner_module
+from kvmesh.replica.engine.launched import LaunchedStep
 
-STAGES = ("schedule", "prepare", "model", "logits", "sample", "outputs")
+STAGES = ("schedule", "prepare", "model", "logits", "sample", "land", "outputs")
 
 
 @contextlib.contextmanager
@@ -70,6 +74,8 @@ def _timed_stages(engine: LLMEngine, steps: int) -> list[dict]:
         "model": (runner.model, "forward"),
         "logits": (runner.model, "compute_logits"),
         "sample": (runner_module, "sample"),
+        "draw": (runner_module, "draw"),  # the sampler without its sync (async scheduling)
+        "land": (LaunchedStep, "land"),
     }
     saved = {name: getattr(owner, attr) for name, (owner, attr) in originals.items()}
     own = {name for name, (owner, attr) in originals.items() if attr in vars(owner)}  # else the class's
@@ -100,8 +106,14 @@ def _timed_stages(engine: LLMEngine, steps: int) -> list[dict]:
                     "prepare": spent["forward"] - spent["model"] - spent["logits"],
                     "model": spent["model"],
                     "logits": spent["logits"],
-                    "sample": spent["sample"],
-                    "outputs": total - spent["schedule"] - spent["forward"] - spent["sample"],
+                    "sample": spent["sample"] + spent["draw"],
+                    "land": spent["land"],
+                    "outputs": total
+                    - spent["schedule"]
+                    - spent["forward"]
+                    - spent["sample"]
+                    - spent["draw"]
+                    - spent["land"],
                     "step": total,
                 }
             )

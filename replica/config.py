@@ -49,6 +49,11 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, help="CUDA: run decode steps kernel by kernel, without capturing CUDA graphs"
     )
+    async_scheduling: bool | None = option(
+        None,
+        help="plan and launch step N+1 before reading step N's tokens, so the host's work runs "
+        "while the device computes (default: on CUDA; a CPU forward leaves nothing to hide)",
+    )
     check_invariants: bool = option(False, help="debug: check the block ledger after every step (slow)")
 
     @classmethod

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmesh.replica.engine.launched import Pending, read_pending
+
 log = logging.getLogger(__name__)
 
 
@@ -92,11 +94,15 @@ class DecodeGraphs:
         self.slots, self._slots = pair(rows, torch.long)
         self.context_lens, self._context_lens = pair(rows, torch.int32)
         self.block_tables, self._block_tables = pair((rows, max_blocks_per_seq), torch.int32)
+        self.sources, self._sources = pair(rows, torch.long)  # rows reading a pending token
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one query a row
         self.hidden = torch.zeros(
             rows, model.spec.hidden_size, dtype=model.lm_head.weight.dtype, device=device
         )
         self._replay = replay
+        # Set once the host buffers' last copy is queued; waited on before they are refilled,
+        # since with async scheduling that copy may not have run yet.
+        self._copied = torch.cuda.Event() if pinned else None
         self._graphs: dict[int, Callable[[], None]] = {}
         self.replays = 0
         self._pad(0, rows)
@@ -138,12 +144,22 @@ class DecodeGraphs:
 
         return forward
 
-    def run(self, token_ids: list[int], positions: list[int], tables: list[list[int]], slots: list[int]):
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        slots: list[int],
+        pending: Pending | None = None,
+    ):
         """This step's hidden states, one row per decode sequence (``len(token_ids)`` rows,
-        at most the largest bucket): the buffers refilled, the bucket's graph replayed."""
+        at most the largest bucket): the buffers refilled, the bucket's graph replayed.
+        ``pending``: rows whose token a launched step is still sampling, read on the device."""
         rows = len(token_ids)
         bucket = self.bucket(rows)
         width = max(len(t) for t in tables)
+        if self._copied is not None:
+            self._copied.synchronize()
         self._token_ids.numpy()[:rows] = token_ids
         self._positions.numpy()[:rows] = positions
         self._slots.numpy()[:rows] = slots
@@ -153,6 +169,13 @@ class DecodeGraphs:
             host_tables[row, : len(table)] = table
         self._pad(rows, bucket)
         self._copy_in(bucket, width)
+        if pending is not None:
+            self._sources.numpy()[:rows] = pending[0]
+            self.sources[:bucket].copy_(self._sources[:bucket], non_blocking=True)
+            ids = self.token_ids[:bucket]
+            ids.copy_(read_pending(ids, self.sources[:bucket], pending[1]))
+        if self._copied is not None:
+            self._copied.record()
         self._graphs[bucket]()
         self.replays += 1
         return self.hidden[:rows]
@@ -173,6 +196,7 @@ class DecodeGraphs:
         """Rows ``start:end`` as padding: token 0 at position 0, one visible key in block 0,
         and slot -1, so their KV goes nowhere."""
         self._token_ids.numpy()[start:end] = 0
+        self._sources.numpy()[start:end] = -1
         self._positions.numpy()[start:end] = 0
         self._slots.numpy()[start:end] = -1
         self._context_lens.numpy()[start:end] = 1

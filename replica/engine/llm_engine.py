@@ -25,9 +25,10 @@ import torch
 from kvmesh.kvcache import BlockManager, KVCacheStats, KVEvent, namespace_seed
 from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine.detokenizer import IncrementalDetokenizer, token_decoder
+from kvmesh.replica.engine.launched import LaunchedStep
 from kvmesh.replica.engine.model_runner import ModelRunner
 from kvmesh.replica.engine.request import Request, RequestOutput, Status
-from kvmesh.replica.engine.sampler import FailedPick, Pick, TokenLogprob
+from kvmesh.replica.engine.sampler import FailedPick, Pick, TokenLogprob, drawn_on_device
 from kvmesh.replica.engine.scheduler import Scheduler
 from kvmesh.replica.engine.step_costs import StepCostFit, step_features
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
@@ -71,6 +72,15 @@ class EngineStats:
     graph_replays: int = 0  # decode steps replayed from a graph
 
 
+@dataclass
+class _InFlight:
+    """A batch launched and not yet landed, with what its cost is measured against."""
+
+    step: LaunchedStep
+    features: tuple[int, int, int]
+    started: float
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -98,6 +108,13 @@ class LLMEngine:
         self.num_failed_requests = 0
         self.failed_steps = 0  # steps in a row whose forward failed for every request
         self.broken: str | None = None  # why this engine can no longer step, once it cannot
+        self.async_scheduling = (
+            self.runner.device.type == "cuda"
+            if self.config.async_scheduling is None
+            else self.config.async_scheduling
+        )
+        self._in_flight: _InFlight | None = None  # the launched batch not yet landed
+        self._landed_at = 0.0
 
     def _load(self, model_dir: str | Path, model_id: str | None, tokenizer_dir: str | Path | None) -> None:
         """Everything read from the model folder: config, weights, tokenizer, eos ids."""
@@ -205,11 +222,32 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled batch computed. A request that fails in it (its sampling, its
         detokenizing, or a forward that fails with it alone) ends with finish reason
-        "error"; the others go on as if it had not been there."""
+        "error"; the others go on as if it had not been there.
+
+        With async scheduling the batch is launched before the previous one lands, so this
+        step returns the previous batch's outputs while the device computes this one."""
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return outputs
+        launched = self._launch(scheduled) if self.async_scheduling else None
+        if self._in_flight is not None:
+            self._land(self._in_flight, outputs)
+            self._in_flight = None
+        scheduled = [r for r in scheduled if r.status is Status.RUNNING]  # some may end as it lands
+        if launched is not None:
+            for row, request in enumerate(launched.step.requests):
+                if request.status is Status.RUNNING:
+                    request.expect_token(row)
+            self.scheduler.step_done(scheduled)
+            self._in_flight = launched
+        elif scheduled:
+            self._compute(scheduled, outputs)
+        if self.config.check_invariants:
+            self.block_manager.check_invariants()
+        return outputs
+
+    def _compute(self, scheduled: list[Request], outputs: list[RequestOutput]) -> None:
+        """Run the batch and read its tokens before returning (without async scheduling, or
+        for a batch whose tokens need the host: log-probabilities, penalties)."""
         features, started = step_features(scheduled), self.clock()
         picks = self._run(scheduled)
         self.step_costs.observe(*features, self.clock() - started)
@@ -217,20 +255,52 @@ class LLMEngine:
             if isinstance(pick, FailedPick):  # nothing it computed in this step is kept
                 outputs.append(self._fail(request, pick))
         self.scheduler.step_done([r for r in scheduled if r.status is Status.RUNNING])
-        if self.config.check_invariants:
-            self.block_manager.check_invariants()
         for request, pick in zip(scheduled, picks, strict=True):
-            if pick is None or isinstance(pick, FailedPick):
-                continue
-            try:
-                text = self._append_token(request, *pick)
-            except Exception as exc:  # its detokenizer or stop check: its own failure
-                outputs.append(self._fail(request, FailedPick(f"output failed: {exc}")))
-                continue
-            outputs.append(request.output(text))
+            if pick is not None and not isinstance(pick, FailedPick):
+                self._emit(request, pick, outputs)
+
+    def _launch(self, scheduled: list[Request]) -> _InFlight | None:
+        """Launch the batch without waiting for it, where every row's token is drawn on the
+        device; None where it must run the other way (or its launch failed: then it runs
+        again, after the previous batch lands, with the failure handling of ``_run``)."""
+        if not scheduled or not all(drawn_on_device(r.params) for r in scheduled):
+            return None
+        features, started = step_features(scheduled), self.clock()
+        try:
+            step = self.runner.launch(scheduled, self._in_flight.step if self._in_flight else None)
+        except Exception as exc:
+            log.warning(
+                "launching a step failed, running it once the last one lands", extra={"error": str(exc)}
+            )
+            return None
+        return _InFlight(step, features, started)
+
+    def _land(self, flight: _InFlight, outputs: list[RequestOutput]) -> None:
+        """Read a launched batch's tokens and hand them out. Its cost is the wall time from
+        its launch, or the previous landing if later, to now: what it added to the run."""
+        picks = flight.step.land()
+        now = self.clock()
+        self.step_costs.observe(*flight.features, now - max(flight.started, self._landed_at))
+        self._landed_at = now
+        self.failed_steps = 0
+        for request, pick in zip(flight.step.requests, picks, strict=True):
             if request.status is Status.FINISHED:
-                del self.requests[request.request_id]
-        return outputs
+                continue  # it ended while the batch ran (aborted): its token is nobody's
+            if isinstance(pick, FailedPick):
+                outputs.append(self._fail(request, pick))
+            else:
+                self._emit(request, pick, outputs)
+
+    def _emit(self, request: Request, pick: Pick, outputs: list[RequestOutput]) -> None:
+        """Append a request's sampled token and its output (or its own failure) to ``outputs``."""
+        try:
+            text = self._append_token(request, *pick)
+        except Exception as exc:  # its detokenizer or stop check: its own failure
+            outputs.append(self._fail(request, FailedPick(f"output failed: {exc}")))
+            return
+        outputs.append(request.output(text))
+        if request.status is Status.FINISHED:
+            del self.requests[request.request_id]
 
     def _run(self, scheduled: list[Request]) -> list[Pick | FailedPick | None]:
         """The step's picks. A forward that fails for the batch runs again for each request

@@ -15,8 +15,9 @@ import torch
 
 from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
+from kvmesh.replica.engine.launched import LaunchedStep, Pending, read_pending
 from kvmesh.replica.engine.request import Request
-from kvmesh.replica.engine.sampler import FailedPick, Pick, sample
+from kvmesh.replica.engine.sampler import FailedPick, Pick, draw, sample
 from kvmesh.replica.models.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
@@ -220,22 +221,13 @@ class ModelRunner:
         """Compute this step's tokens: for each request that reached its end, the sampled token
         (and its log-probability, if asked), or its own failure. Prompt log-probabilities, where
         asked, are recorded on the request as its prefill chunks go by."""
-        chunks = [
-            r.token_ids[r.num_computed_tokens : r.num_computed_tokens + r.num_scheduled_tokens]
-            for r in requests
-        ]
-        starts = [r.num_computed_tokens for r in requests]
-        need = [r.num_computed_tokens + r.num_scheduled_tokens == len(r) for r in requests]
-        # Positions (within each chunk) whose logits are needed: the last to sample from, and
-        # every prompt position of a request that asked for prompt log-probabilities.
-        rows = [
-            list(range(len(c))) if r.wants_prompt_logprobs else ([len(c) - 1] if n else [])
-            for r, c, n in zip(requests, chunks, need, strict=True)
-        ]
-        logits = self._forward_layout(chunks, starts, [r.block_table for r in requests], rows)
+        step = _StepRows(requests)
+        logits = self._forward_layout(step.chunks, step.starts, [r.block_table for r in requests], step.rows)
         failed: dict[int, FailedPick] = {}
         sample_rows, offset = [], 0
-        for i, (r, start, chunk_rows, n) in enumerate(zip(requests, starts, rows, need, strict=True)):
+        for i, (r, start, chunk_rows, n) in enumerate(
+            zip(requests, step.starts, step.rows, step.need, strict=True)
+        ):
             if r.wants_prompt_logprobs:
                 try:
                     r.record_prompt_logprobs(
@@ -246,15 +238,45 @@ class ModelRunner:
             offset += len(chunk_rows)
             if n and i not in failed:
                 sample_rows.append(offset - 1)
-        sampling = [i for i, n in enumerate(need) if n and i not in failed]
+        sampling = [i for i, n in enumerate(step.need) if n and i not in failed]
         picks = dict(zip(sampling, sample(logits[sample_rows], [requests[i] for i in sampling]), strict=True))
         return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 
+    @torch.inference_mode()
+    def launch(self, requests: list[Request], previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue this step's forward and token draws on the device and return without waiting
+        for them (async scheduling). A request whose last token is still pending in
+        ``previous`` reads it there, on the device. Every request's tokens must be drawn on
+        the device (``sampler.drawn_on_device``); none may want prompt log-probabilities."""
+        step = _StepRows(requests)
+        sources = [  # per token: a pending token is a decode row's one token
+            s
+            for r, c in zip(requests, step.chunks, strict=True)
+            for s in ([-1] * len(c) if r.pending_row is None else [r.pending_row])
+        ]
+        logits = self._forward_layout(
+            step.chunks,
+            step.starts,
+            [r.block_table for r in requests],
+            step.rows,
+            previous.pending(sources) if previous is not None else None,
+        )
+        sampling = [r for r, n in zip(requests, step.need, strict=True) if n]
+        failed: dict[int, FailedPick] = {}
+        tokens = draw(logits, sampling, failed) if sampling else logits.new_empty(0, dtype=torch.long)
+        return LaunchedStep(sampling, tokens, failed)
+
     def _forward_layout(
-        self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], rows: list[list[int]]
+        self,
+        chunks: list[list[int]],
+        starts: list[int],
+        tables: list[list[int]],
+        rows: list[list[int]],
+        pending: Pending | None = None,
     ) -> torch.Tensor:
         """Run the model over this step's chunks; logits of the ``rows`` positions of each
-        chunk, in order."""
+        chunk, in order. ``pending``: decode rows whose token a launched step is still
+        sampling, read from its tokens on the device."""
         bs = self.block_size
         decode = all(len(c) == 1 for c in chunks)
         every_row_sampled = decode and all(r == [0] for r in rows)  # a plain decode step
@@ -269,7 +291,7 @@ class ModelRunner:
                 [np.asarray(t)[p // bs] * bs + p % bs for t, p in zip(tables, per_seq, strict=True)]
             ).tolist()
         if every_row_sampled and self.graphs is not None and len(chunks) <= self.max_num_seqs:
-            return self.model.compute_logits(self.graphs.run(token_ids, positions, tables, slots))
+            return self.model.compute_logits(self.graphs.run(token_ids, positions, tables, slots, pending))
         layout = BatchLayout(
             query_lens=[len(c) for c in chunks],
             context_lens=[s + len(c) for s, c in zip(starts, chunks, strict=True)],
@@ -277,6 +299,9 @@ class ModelRunner:
             slot_mapping=slots,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if pending is not None:
+            sources, tokens = pending
+            input_ids = read_pending(input_ids, torch.tensor(sources, device=self.device), tokens)
         hidden = self.model(
             input_ids,
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -288,3 +313,22 @@ class ModelRunner:
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
         return self.model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=self.device)])
+
+
+class _StepRows:
+    """What each request computes in a step: its chunk of tokens, where the chunk starts,
+    whether it reaches the request's end (then a token is sampled), and which of the chunk's
+    positions need logits (the last to sample from; every prompt position of a request that
+    asked for prompt log-probabilities)."""
+
+    def __init__(self, requests: list[Request]):
+        self.chunks = [
+            r.token_ids[r.num_computed_tokens : r.num_computed_tokens + r.num_scheduled_tokens]
+            for r in requests
+        ]
+        self.starts = [r.num_computed_tokens for r in requests]
+        self.need = [r.num_computed_tokens + r.num_scheduled_tokens == len(r) for r in requests]
+        self.rows = [
+            list(range(len(c))) if r.wants_prompt_logprobs else ([len(c) - 1] if n else [])
+            for r, c, n in zip(requests, self.chunks, self.need, strict=True)
+        ]

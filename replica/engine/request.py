@@ -17,6 +17,11 @@ if TYPE_CHECKING:  # the simulator schedules these without torch
     from kvmesh.replica.engine.sampler import TokenLogprob
 
 
+# Holds a sampled token's place until its step lands; outside the vocabulary, so a stand-in
+# read by mistake fails loudly instead of passing for a token.
+PENDING_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -97,6 +102,9 @@ class Request(Sequence):
         self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1.., when asked
         self.prompt_logprobs_sent = False
         self.sampling_tensors: dict[str, object] = {}  # its stop ids and bias as tensors, built once
+        # Its row in the tokens of a launched step not yet landed (async scheduling): a stand-in
+        # token holds the place of the one that step samples, so the next step can be planned.
+        self.pending_row: int | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -119,10 +127,25 @@ class Request(Sequence):
             ids = [self.prompt_token_ids[t] for t in targets]
             self.prompt_logprobs += logprobs_of(rows, ids, self.params.prompt_logprobs)
 
+    def expect_token(self, row: int) -> None:
+        """A launched step samples this request's next token in ``row``: its place is held by
+        ``PENDING_TOKEN`` until the step lands (the device reads the real one in the meantime)."""
+        self.append_token(PENDING_TOKEN)
+        self.pending_row = row
+
+    def forget_pending(self) -> None:
+        """Drop the held place (the request ended before its pending token landed)."""
+        if self.pending_row is not None:
+            self.token_ids.pop()
+            self.pending_row = None
+
     def add_token(self, token: int, logprob: TokenLogprob | None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        self.append_token(token)
+        if self.pending_row is not None:  # the landed token takes its held place
+            self.token_ids[-1], self.pending_row = token, None
+        else:
+            self.append_token(token)
         if logprob is not None:
             self.logprobs.append(logprob)
 

@@ -109,6 +109,27 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | FailedP
     failed: dict[int, FailedPick] = {}
     wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1) if wants else None
+    token_list = draw(logits, requests, failed).tolist()
+    scored: list[TokenLogprob | None] = [None] * len(requests)
+    if raw is not None:
+        for j, i in enumerate(wants):
+            if i not in failed:
+                k = requests[i].params.logprobs
+                found = _isolated(failed, i, logprobs_of, raw[j : j + 1], [token_list[i]], k)
+                scored[i] = found[0] if found else None
+    return [failed.get(i) or (token_list[i], scored[i]) for i in range(len(requests))]
+
+
+def drawn_on_device(params: SamplingParams) -> bool:
+    """Whether a request's tokens are drawn with no host sync (async scheduling needs that):
+    no log-probabilities to read back, no adjustment that reads its tokens so far."""
+    return params.logprobs is None and params.prompt_logprobs is None and not params.adjusts_logits
+
+
+def draw(logits: torch.Tensor, requests: list[Request], failed: dict[int, FailedPick]) -> torch.Tensor:
+    """The rows' tokens, on the device; a row whose own stage fails is recorded in ``failed``
+    (its entry in the result is then meaningless). Syncs with the host only for rows that
+    adjust their logits."""
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if adjusted:
         logits = logits.clone()
@@ -123,15 +144,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | FailedP
             drawn = _isolated(failed, i, torch.multinomial, probs[j], 1, generator=requests[i].generator)
             if drawn is not None:
                 tokens[i] = drawn[0]
-    token_list = tokens.tolist()
-    scored: list[TokenLogprob | None] = [None] * len(requests)
-    if raw is not None:
-        for j, i in enumerate(wants):
-            if i not in failed:
-                k = requests[i].params.logprobs
-                found = _isolated(failed, i, logprobs_of, raw[j : j + 1], [token_list[i]], k)
-                scored[i] = found[0] if found else None
-    return [failed.get(i) or (token_list[i], scored[i]) for i in range(len(requests))]
+    return tokens
 
 
 def _isolated(failed: dict[int, FailedPick], row: int, fn, *args, **kwargs):
@@ -157,17 +170,17 @@ def _fail_rows_without_tokens(logits: torch.Tensor, rows: list[int], failed: dic
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of temperature-scaled logits after per-row min-p, top-k and top-p filtering."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = _per_row([p.temperature for p in params], device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):  # decided on the host: no device sync
+        min_p = _per_row([p.min_p for p in params], device)
         probs = logits.softmax(dim=-1)
         too_unlikely = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(too_unlikely, float("-inf"))
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_ks) or any(p.top_p < 1 for p in params):
+        top_k, top_p = _per_row(top_ks, device), _per_row([p.top_p for p in params], device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         drop = rank >= top_k[:, None]
@@ -177,3 +190,12 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(dim=-1)
+
+
+def _per_row(values: list, device: torch.device) -> torch.Tensor:
+    """Host values as a device tensor without waiting for the device: a copy from pageable
+    memory would first drain the stream (and undo async scheduling), one from pinned does not."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

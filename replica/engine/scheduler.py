@@ -118,7 +118,9 @@ class Scheduler:
             self.block_manager.hash_blocks(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Remove ``request`` wherever it is and free its blocks now."""
+        """Remove ``request`` wherever it is and free its blocks now (a token a launched step
+        is still sampling for it will never be its: the place held for it goes too)."""
+        request.forget_pending()
         if request.status is Status.RUNNING:
             self.running.remove(request)
             self.block_manager.deallocate(request)

@@ -23,7 +23,9 @@ def test_the_device_run_runs_end_to_end_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["limits"]["copy_bytes_per_s"] > 0 and result["limits"]["matmul_flops_per_s"] > 0
-    assert [r["batch"] for r in result["decode"]] == [1, 4]
+    passes = [(r["async_scheduling"], r["batch"]) for r in result["decode"]]
+    assert passes == [(True, 1), (True, 4), (False, 1), (False, 4)]  # async on and off
+    assert all(r["host_stages_ms"]["land_ms"] > 0 for r in result["decode"] if r["async_scheduling"])
     assert all(0 < r["share_of_limit"] < 1 and r["roofline"]["floor_ms"] > 0 for r in result["decode"])
     assert result["ttft"]["all_but_last_block"][0]["cached_tokens"] == 128 - 16
     serving = result["serving"]
@@ -57,17 +59,24 @@ def test_a_steps_roofline_counts_its_weights_once_and_its_kv_per_row(qwen3_dir):
     assert one["floor_ms"] == pytest.approx((one["weight_bytes"] + per_row_kv) / 1e9 * 1e3, abs=1e-3)
 
 
-def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir, overlap):
     from kvmesh.bench.step_stages import STAGES, step_stages
     from kvmesh.replica.engine import model_runner, sampler
+    from kvmesh.replica.engine.launched import LaunchedStep
 
-    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8)
+    land = LaunchedStep.land
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8, async_scheduling=overlap)
     row = step_stages(engine, 4, 40, 3)
     parts = sum(row[f"{s}_ms"] for s in STAGES)
     # each step's stages sum to it; their medians to about the median step
     assert (
         row["batch"] == 4 and row["model_ms"] > 0 and 0.75 * row["step_ms"] <= parts <= 1.25 * row["step_ms"]
     )
-    assert model_runner.sample is sampler.sample and "_forward_layout" not in vars(engine.runner)
+    assert row["sample_ms"] > 0 and (row["land_ms"] > 0) is overlap
+    assert model_runner.sample is sampler.sample and model_runner.draw is sampler.draw
+    assert LaunchedStep.land is land and "_forward_layout" not in vars(engine.runner)
     assert "forward" not in vars(engine.runner.model) and "schedule" not in vars(engine.scheduler)
-    assert not engine.has_unfinished_requests()
+    while engine.has_unfinished_requests() or engine._in_flight:
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0

@@ -83,6 +83,7 @@ VALUES = {
     "seed": ("5", 5),
     "attention-backend": ("torch", "torch"),
     "enforce-eager": (None, True),
+    "async-scheduling": (None, True),
     "check-invariants": (None, True),
     "served-model-name": ("roundtrip-served", "roundtrip-served"),
     "generation-config": ("vllm", "vllm"),

@@ -1,0 +1,194 @@
+"""Async scheduling: step N+1 is planned and launched before step N's tokens are read.
+
+Whatever the overlap, a request's tokens, finish reason and text are what the engine gives
+without it: through chunked prefill, stops that leave a launched row nobody owns, aborts
+while a step is in flight, preemption, and the decode graphs reading pending tokens on the
+device. On CPU the forward is synchronous, so these tests prove correctness, not speed; on a
+GPU (`make gpu-check`) they run on the device with the graphs the engine captured.
+"""
+
+import pytest
+import torch
+
+from kvmesh.replica import LLMEngine, SamplingParams
+from kvmesh.replica.engine.cuda_graphs import EagerReplay
+from kvmesh.replica.engine.launched import LaunchedStep, read_pending
+from kvmesh.replica.engine.request import PENDING_TOKEN
+
+OPTIONS = dict(
+    block_size=16, max_num_seqs=4, max_num_batched_tokens=48, dtype="float32", check_invariants=True
+)
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 19, 33, 40, 70, 12])]
+
+
+def workload(qwen3_dir) -> list[SamplingParams]:
+    """Greedy and seeded sampling rows; three requests stop on a token they reach early (a
+    step already launched for them then computes a row nobody owns), the rest by length."""
+    first = LLMEngine(qwen3_dir, num_kv_blocks=64, dtype="float32", async_scheduling=False).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    stops = [o.token_ids[k] for o, k in zip(first, [2, 5, 1, 8, 3, 0], strict=True)]
+    return [
+        SamplingParams(
+            temperature=0 if i % 2 else 0.8,
+            seed=i,
+            max_tokens=n,
+            ignore_eos=True,
+            stop_token_ids=[stops[i]] if i % 2 else [],
+        )
+        for i, n in enumerate((3, 6, 9, 20, 30, 1))
+    ]
+
+
+def launch_only(engine: LLMEngine) -> dict:
+    """Count the engine's synchronous runs: a batch that could launch but fell back shows."""
+    calls = {"run": 0}
+    run = engine.runner.run
+
+    def counted(requests):
+        calls["run"] += 1
+        return run(requests)
+
+    engine.runner.run = counted
+    return calls
+
+
+def outcome(outputs) -> list:
+    return [(o.token_ids, o.finish_reason, o.text) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def params(qwen3_dir):
+    return workload(qwen3_dir)
+
+
+def test_async_scheduling_gives_the_synchronous_engines_outputs(qwen3_dir, params):
+    sync = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=False, **OPTIONS)
+    expected = outcome(sync.generate(PROMPTS, params))
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
+    calls = launch_only(engine)
+    assert outcome(engine.generate(PROMPTS, params)) == expected
+    assert calls["run"] == 0  # every batch was launched ahead, none fell back
+    assert engine.step_costs.steps > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # lands the last launched batch, whose rows all belong to ended requests
+    assert engine._in_flight is None and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_preempted_request_keeps_the_token_its_launched_step_samples(qwen3_dir):
+    """Four requests outgrow eight blocks: the newest are preempted while their next token is
+    in flight, and recomputed later, with the tokens the synchronous engine gives."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([30, 34, 38, 28])]
+    params = [
+        SamplingParams(temperature=i % 2 * 0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(4)
+    ]
+    options = {**OPTIONS, "num_kv_blocks": 8, "max_num_batched_tokens": 64}
+    sync = LLMEngine(qwen3_dir, async_scheduling=False, **options)
+    expected = outcome(sync.generate(prompts, params))
+    engine = LLMEngine(qwen3_dir, async_scheduling=True, **options)
+    assert outcome(engine.generate(prompts, params)) == expected
+    assert sync.stats().num_preemptions and engine.stats().num_preemptions
+
+
+def test_the_next_batch_is_launched_before_the_last_one_lands(qwen3_dir, monkeypatch):
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
+    order = []
+    launch, land = engine.runner.launch, LaunchedStep.land
+
+    def launching(requests, previous):
+        order.append("launch")
+        return launch(requests, previous)
+
+    def landing(step):
+        order.append("land")
+        return land(step)
+
+    monkeypatch.setattr(engine.runner, "launch", launching)
+    monkeypatch.setattr(LaunchedStep, "land", landing)
+    rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert engine.step() == []  # the prefill is launched; its token is not read yet
+    request = engine.requests[rid]
+    assert request.token_ids[-1] == PENDING_TOKEN and request.pending_row == 0
+    first = engine.step()  # the first decode launched, then the prefill landed
+    assert [o.new_token_ids for o in first] == [[request.token_ids[-2]]]
+    assert order == ["launch", "launch", "land"]
+
+
+def test_an_abort_while_its_token_is_in_flight_leaves_no_pending_place(qwen3_dir):
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    gone, kept = engine.add_request(PROMPTS[1], greedy), engine.add_request(PROMPTS[2], greedy)
+    engine.step()
+    engine.step()
+    assert engine.requests[gone].pending_row is not None
+    engine.abort(gone)
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs[gone].finish_reason == "abort" and PENDING_TOKEN not in outputs[gone].new_token_ids
+    kept_tokens = outputs[kept].new_token_ids if kept in outputs else []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            kept_tokens += o.new_token_ids
+    expected = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=False, **OPTIONS).generate(
+        [PROMPTS[2]], greedy
+    )
+    assert kept_tokens == expected[0].token_ids
+    assert engine.requests == {} and engine.block_manager.num_used_blocks == 0
+
+
+def test_batches_that_need_the_host_run_synchronously(qwen3_dir):
+    """Log-probabilities and penalties read the host: such a batch is not launched ahead,
+    and its outputs are the synchronous engine's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    ]
+    sync = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=False, **OPTIONS)
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
+    calls = launch_only(engine)
+    got = engine.generate(PROMPTS[:3], params)
+    assert outcome(got) == outcome(sync.generate(PROMPTS[:3], params))
+    assert [lp.token_id for lp in got[0].logprobs] == got[0].token_ids
+    assert calls["run"] > 0
+
+
+def test_a_failed_launch_runs_the_batch_after_the_last_one_lands(qwen3_dir, params):
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
+    launch, failures = engine.runner.launch, iter([True, False, True])
+
+    def flaky(requests, previous):
+        if next(failures, False):
+            raise RuntimeError("launch failed")
+        return launch(requests, previous)
+
+    engine.runner.launch = flaky
+    expected = outcome(
+        LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=False, **OPTIONS).generate(PROMPTS, params)
+    )
+    assert outcome(engine.generate(PROMPTS, params)) == expected
+
+
+def test_async_scheduling_is_on_where_a_device_runs_ahead(qwen3_dir):
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=16, **OPTIONS)
+    assert engine.async_scheduling is (engine.runner.device.type == "cuda")
+
+
+def test_a_pending_token_is_read_from_the_launched_steps_tokens():
+    ids = torch.tensor([5, PENDING_TOKEN, 7, PENDING_TOKEN])
+    tokens = torch.tensor([40, 41, 42])
+    assert read_pending(ids, torch.tensor([-1, 2, -1, 0]), tokens).tolist() == [5, 42, 7, 40]
+
+
+@pytest.mark.slow
+def test_decode_graphs_read_pending_tokens_on_the_device(qwen3_dir, params):
+    """Decode batches replay the graphs (on CPU through ``EagerReplay``, Triton's kernels in
+    its interpreter), each row's token taken from the launched step's tokens."""
+    options = {**OPTIONS, "attention_backend": "triton", "num_kv_blocks": 64}
+    expected = outcome(LLMEngine(qwen3_dir, async_scheduling=False, **options).generate(PROMPTS, params))
+    engine = LLMEngine(qwen3_dir, async_scheduling=True, **options)
+    if engine.runner.graphs is None:
+        engine.runner.capture_decode_graphs(EagerReplay())
+    calls = launch_only(engine)
+    assert outcome(engine.generate(PROMPTS, params)) == expected
+    assert engine.runner.graphs.replays > 0 and calls["run"] == 0
