@@ -40,7 +40,7 @@ class EngineConfig:
     max_model_len: int | None = option(None, help="longest prompt + output (default: the model's)")
     dtype: str | None = option(None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, half on CUDA)")
     device: str | None = option(None, help="cpu | cuda (default: cuda if available)")
-    seed: int = option(0, help="engine RNG: seeds requests that carry no seed of their own")
+    seed: int = option(0, help="seeds the generator that requests without a seed of their own share")
     attention_backend: str | None = option(
         None,
         choices=ATTENTION_BACKENDS,

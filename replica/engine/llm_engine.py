@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import random
 import time
 import uuid
 from collections.abc import Sequence as SequenceABC
@@ -100,7 +99,6 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
-        self._rng = random.Random(self.config.seed)
         self.step_costs = StepCostFit()
         self.clock = time.perf_counter  # what step costs are measured with
         self._prompt_tokens = 0
@@ -183,8 +181,9 @@ class LLMEngine:
             raise ValueError(
                 f"request needs {blocks} KV blocks, the pool has {self.block_manager.num_blocks}"
             )
-        generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        generator = None  # without a seed of its own it draws from the batch's generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )

@@ -94,6 +94,8 @@ class ModelRunner:
             spec.num_kv_heads,
         )
         self.num_blocks = self._pool_size(config)
+        # What requests without a seed of their own draw from (``sampler._race``).
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.kv_cache = torch.zeros(
             2,
             spec.num_layers,
@@ -239,7 +241,8 @@ class ModelRunner:
             if n and i not in failed:
                 sample_rows.append(offset - 1)
         sampling = [i for i, n in enumerate(step.need) if n and i not in failed]
-        picks = dict(zip(sampling, sample(logits[sample_rows], [requests[i] for i in sampling]), strict=True))
+        picked = sample(logits[sample_rows], [requests[i] for i in sampling], self.generator)
+        picks = dict(zip(sampling, picked, strict=True))
         return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 
     @torch.inference_mode()
@@ -263,7 +266,11 @@ class ModelRunner:
         )
         sampling = [r for r, n in zip(requests, step.need, strict=True) if n]
         failed: dict[int, FailedPick] = {}
-        tokens = draw(logits, sampling, failed) if sampling else logits.new_empty(0, dtype=torch.long)
+        tokens = (
+            draw(logits, sampling, failed, self.generator)
+            if sampling
+            else logits.new_empty(0, dtype=torch.long)
+        )
         return LaunchedStep(sampling, tokens, failed)
 
     def _forward_layout(

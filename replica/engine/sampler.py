@@ -5,8 +5,9 @@
 2. Logit adjustments: ``min_tokens`` (EOS and stop token ids forbidden until then),
    ``logit_bias``, then the repetition, frequency and presence penalties.
 3. Greedy rows take the argmax; the rest are divided by their temperature, filtered by
-   ``min_p``, top-k and top-p, and drawn from their own ``torch.Generator`` (a request with
-   a seed gets the same tokens whatever else shares its batch).
+   ``min_p``, top-k and top-p, and drawn all at once (``_race``): a request with a seed
+   draws from its own ``torch.Generator``, so it gets the same tokens whatever else shares
+   its batch; the rest share the engine's generator.
 Only rows that need a stage pay for it.
 
 A request whose own stage fails (its adjustments raise, or they leave no token to pick, as
@@ -104,12 +105,15 @@ def _constant(request: Request, name: str, build):
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[Pick | FailedPick]:
-    """One pick per row of ``logits`` ([rows, vocab], float32), or the row's own failure."""
+def sample(
+    logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None
+) -> list[Pick | FailedPick]:
+    """One pick per row of ``logits`` ([rows, vocab], float32), or the row's own failure;
+    rows without a seed of their own draw from ``generator``."""
     failed: dict[int, FailedPick] = {}
     wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1) if wants else None
-    token_list = draw(logits, requests, failed).tolist()
+    token_list = draw(logits, requests, failed, generator).tolist()
     scored: list[TokenLogprob | None] = [None] * len(requests)
     if raw is not None:
         for j, i in enumerate(wants):
@@ -126,10 +130,15 @@ def drawn_on_device(params: SamplingParams) -> bool:
     return params.logprobs is None and params.prompt_logprobs is None and not params.adjusts_logits
 
 
-def draw(logits: torch.Tensor, requests: list[Request], failed: dict[int, FailedPick]) -> torch.Tensor:
+def draw(
+    logits: torch.Tensor,
+    requests: list[Request],
+    failed: dict[int, FailedPick],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """The rows' tokens, on the device; a row whose own stage fails is recorded in ``failed``
-    (its entry in the result is then meaningless). Syncs with the host only for rows that
-    adjust their logits."""
+    (its entry in the result is then meaningless). Rows without a seed of their own draw from
+    ``generator``. Syncs with the host only for rows that adjust their logits."""
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if adjusted:
         logits = logits.clone()
@@ -140,11 +149,23 @@ def draw(logits: torch.Tensor, requests: list[Request], failed: dict[int, Failed
     rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in failed]
     if rows:
         probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
-        for j, i in enumerate(rows):
-            drawn = _isolated(failed, i, torch.multinomial, probs[j], 1, generator=requests[i].generator)
-            if drawn is not None:
-                tokens[i] = drawn[0]
+        drawn = _race(probs, [requests[i].generator for i in rows], generator)
+        tokens.index_copy_(0, _per_row(rows, tokens.device), drawn)
     return tokens
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None):
+    """One token per row drawn from ``probs``, all rows at once: the token whose probability
+    over an exponential draw is largest is a draw from the distribution (the Gumbel-max
+    trick in its exponential form, as vLLM samples). A row with its own generator (a request
+    with a seed) draws its noise from it, so a seed gives the same tokens whatever shares the
+    batch; the rest share ``shared``."""
+    uniform = torch.empty_like(probs).uniform_(generator=shared)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row].uniform_(generator=generator)
+    # -log(u) for u in [0, 1) is an exponential draw in (0, inf]: a ruled-out token stays at 0.
+    return probs.div_(uniform.log_().neg_()).argmax(dim=-1)
 
 
 def _isolated(failed: dict[int, FailedPick], row: int, fn, *args, **kwargs):

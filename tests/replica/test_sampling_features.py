@@ -157,3 +157,33 @@ def test_adjust_logits_is_exactly_the_formula():
     adjust_logits(logits, request)
     expected = [1.0, 2.0 / 2.0, -2.0 * 2.0 - 0.5 - 0.25, 1.5, float("-inf"), 4.0 / 2.0 - 0.5 - 0.25, 1.0]
     assert logits.tolist() == expected
+
+
+def test_rows_drawn_at_once_follow_their_filtered_distribution():
+    """``draw`` samples every row in one race: over many rows the frequencies are the
+    distribution's (within five standard errors), a token filtered out never comes, and
+    a seeded row draws the same token whatever its neighbours are."""
+    from types import SimpleNamespace
+
+    from kvmesh.replica.engine.sampler import draw
+
+    rows = 20_000
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(rows, -1).clone()
+    plain = SimpleNamespace(params=SamplingParams(temperature=1.0, top_k=3), generator=None)
+    tokens = draw(logits, [plain] * rows, {}, torch.Generator().manual_seed(7))
+    counts = torch.bincount(tokens, minlength=4).double() / rows
+    kept = probs[:3] / probs[:3].sum()  # top_k=3 rules out the last token
+    assert counts[3] == 0
+    assert ((counts[:3] - kept).abs() <= 5 * (kept * (1 - kept) / rows).sqrt()).all(), counts
+
+    def seeded():
+        return SimpleNamespace(
+            params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(11)
+        )
+
+    alone = draw(logits[:1], [seeded()], {}, torch.Generator().manual_seed(1))
+    crowded = draw(
+        logits[:64], [plain] * 40 + [seeded()] + [plain] * 23, {}, torch.Generator().manual_seed(2)
+    )
+    assert crowded[40] == alone[0] and len(set(crowded.tolist())) > 1
