@@ -305,21 +305,21 @@ class ModelRunner:
             block_tables=tables,
             slot_mapping=slots,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        input_ids = self._to_device(token_ids)
         if pending is not None:
             sources, tokens = pending
-            input_ids = read_pending(input_ids, torch.tensor(sources, device=self.device), tokens)
-        hidden = self.model(
-            input_ids,
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.backend,
-            self.backend.plan(layout),
-        )
+            input_ids = read_pending(input_ids, self._to_device(sources), tokens)
+        hidden = self.model(input_ids, self._to_device(positions), self.backend, self.backend.plan(layout))
         if every_row_sampled:
             return self.model.compute_logits(hidden)
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
-        return self.model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=self.device)])
+        return self.model.compute_logits(hidden[self._to_device(picked)])
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 ids on the device without draining its stream (a blocking copy would, and
+        async scheduling would then wait for the step before)."""
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
 
 class _StepRows:

@@ -214,9 +214,6 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def _per_row(values: list, device: torch.device) -> torch.Tensor:
-    """Host values as a device tensor without waiting for the device: a copy from pageable
-    memory would first drain the stream (and undo async scheduling), one from pinned does not."""
-    host = torch.tensor(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """Host values as a device tensor without waiting for the device: a blocking copy first
+    drains the stream (undoing async scheduling); a non-blocking one is staged at once."""
+    return torch.tensor(values).to(device, non_blocking=True)

@@ -250,16 +250,18 @@ class FlashPlan:
 def flash_plan(layout: BatchLayout, device: torch.device) -> FlashPlan:
     """flash-attn's varlen arguments: cumulative query/key lengths and padded block tables."""
 
-    def i32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+    def i32(values: list[int]) -> torch.Tensor:  # non-blocking: the stream is not drained
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
     cu_q, cu_k = [0], [0]
     for q, c in zip(layout.query_lens, layout.context_lens, strict=True):
         cu_q.append(cu_q[-1] + q)
         cu_k.append(cu_k[-1] + c)
     return FlashPlan(
-        slots=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
-        block_tables=torch.from_numpy(padded_tables(layout.block_tables, np.int32)).to(device),
+        slots=torch.tensor(layout.slot_mapping, dtype=torch.long).to(device, non_blocking=True),
+        block_tables=torch.from_numpy(padded_tables(layout.block_tables, np.int32)).to(
+            device, non_blocking=True
+        ),
         context_lens=i32(layout.context_lens),
         cu_seqlens_q=i32(cu_q),
         cu_seqlens_k=i32(cu_k),
