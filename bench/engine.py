@@ -6,7 +6,7 @@
 2. Time to first token of a 2k-token prompt whose first 1.75k tokens are cached, against
    the same prompt on a cold cache.
 3. Where a decode step's host time goes, stage by stage (``step_stages.py``), at 1, 16 and 64
-   rows.
+   rows greedy, and at 64 rows sampled.
 With ``--device cuda`` (``make gpu-check`` runs it first on a GPU machine): the CUDA path's
 greedy tokens against the CPU path's (on the small bench model, per attention backend and
 dtype), the pool sized by profiling, and the same throughput comparison with transformers on
@@ -210,6 +210,7 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
     stages = [step_stages(engine, batch, 512, 5 if quick else 20) for batch in (1, 16, 64)]
+    stages.append(step_stages(engine, 64, 512, 5 if quick else 20, temperature=0.8))  # the sampler's share
     progress(f"host stages of a 64-row decode step: {stages[-1]}")
     cost_model = calibrate(engine, random.Random(2), model_label(model_dir))
     progress(

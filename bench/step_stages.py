@@ -31,11 +31,11 @@ STAGES = ("schedule", "prepare", "model", "logits", "sample", "land", "outputs")
 
 
 @contextlib.contextmanager
-def decoding(engine: LLMEngine, batch: int, context: int, steps: int):
+def decoding(engine: LLMEngine, batch: int, context: int, steps: int, temperature: float = 0.0):
     """``batch`` requests of ``context`` random tokens, every one prefilled, with at least
     ``steps`` decode steps left; aborted and drained at the end, so the engine is idle again."""
     rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(3, engine.vocab_size) for _ in range(context)], params)
     try:
@@ -49,14 +49,15 @@ def decoding(engine: LLMEngine, batch: int, context: int, steps: int):
             engine.step()
 
 
-def step_stages(engine: LLMEngine, batch: int, context: int, steps: int) -> dict:
+def step_stages(engine: LLMEngine, batch: int, context: int, steps: int, temperature: float = 0.0) -> dict:
     """Median milliseconds per stage of a decode step of ``batch`` rows at ``context``
-    tokens, and the step's total."""
-    with decoding(engine, batch, context, steps):
+    tokens (greedy, or sampled at ``temperature``), and the step's total."""
+    with decoding(engine, batch, context, steps, temperature):
         rows = _timed_stages(engine, steps)
     return {
         "batch": batch,
         "context": context,
+        "temperature": temperature,
         **{
             f"{stage}_ms": round(statistics.median(r[stage] for r in rows) * 1e3, 3)
             for stage in (*STAGES, "step")
