@@ -14,7 +14,9 @@ that model alone; ``build_models`` builds one set of configs per model. ``KVMESH
 holds the same, the models separated by ``;`` or new lines.
 
 Precedence: the flag, then ``KVMESH_<FLAG>`` (``kvmesh.serving.options`` has the one rule
-for reading it), then the field's default. No flag carries a secret: tokens and passwords
+for reading it), then the field's default. A renamed flag's former name (``option(former=)``)
+is still read, flag and variable, in the unit it had, with a warning; giving both names is a
+usage error. No flag carries a secret: tokens and passwords
 are files, and their flags name the file (``--api-key-file``).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -32,6 +35,7 @@ from typing import Any
 from kvmesh.cluster.errors import UsageError
 from kvmesh.serving.options import env_name, parse_bool, read_env
 
+log = logging.getLogger(__name__)
 Path = tuple[object, ...]  # (root index, field name, field name, ...)
 
 
@@ -46,6 +50,8 @@ class Flag:
     choices: tuple[str, ...] | None
     per_model: bool = False  # each model may override it in its --model spec
     targets: list[Path] = field(default_factory=list)
+    former: str | None = None  # its earlier name, still read
+    former_unit: int = 1  # one of the former name's units, in this flag's
 
     @property
     def env(self) -> str:
@@ -54,6 +60,10 @@ class Flag:
     @property
     def dest(self) -> str:
         return "cfg_" + self.name.replace("-", "_")
+
+    @property
+    def former_dest(self) -> str:
+        return f"{self.dest}__former"
 
     def parse(self, text: str) -> Any:
         """One rule for flag and environment values; ValueError names the flag."""
@@ -73,6 +83,11 @@ class Flag:
         if self.choices and text not in self.choices:
             raise ValueError(f"--{self.name} must be one of {', '.join(self.choices)}, got {text!r}")
         return text
+
+    def parse_former(self, text: str) -> Any:
+        """A value given under the former name, in this flag's unit."""
+        value = self.parse(text)
+        return value * self.former_unit if self.former_unit != 1 and value is not None else value
 
 
 def _unwrap(annotation: Any) -> tuple[Any, bool]:
@@ -122,6 +137,8 @@ class FlagTable:
                     f.default if has_default else None,
                     meta["help"],
                     meta["choices"],
+                    former=meta["former"],
+                    former_unit=meta["former_unit"],
                 )
                 self.flags[name] = flag
             elif flag.kind != kind:
@@ -138,8 +155,22 @@ class FlagTable:
             shown = (
                 "required; " if flag.required else "" if flag.default is None else f"default {flag.default}; "
             )
-            text = f"{flag.help} [{shown}env {flag.env}]".replace("%", "%%")
+            was = f"; formerly --{flag.former}" if flag.former else ""
+            text = f"{flag.help} [{shown}env {flag.env}{was}]".replace("%", "%%")
             names = [f"--{flag.name}"] + (["-v"] if flag.name == "verbose" else [])
+            if flag.former:  # read, not shown
+                kind = (
+                    {"action": argparse.BooleanOptionalAction}
+                    if flag.kind is bool
+                    else {"type": _argparse_type(flag, former=True)}
+                )
+                parser.add_argument(
+                    f"--{flag.former}",
+                    dest=flag.former_dest,
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                    **kind,
+                )
             if flag.name == MODEL_FLAG and self.several_models:
                 parser.add_argument(
                     *names,
@@ -187,20 +218,29 @@ class FlagTable:
             raise UsageError(f"--{MODEL_FLAG}: a model folder is given twice ({', '.join(folders)})")
         return built
 
-    def _model_spec(self, spec: str) -> dict[str, str]:
-        """``DIR[,KEY=VALUE...]`` as flag overrides: {"model": DIR, KEY: VALUE, ...}."""
+    def _model_spec(self, spec: str) -> dict[str, Any]:
+        """``DIR[,KEY=VALUE...]`` as flag overrides, parsed: {"model": DIR, KEY: value, ...}
+        (a KEY may be a flag's former name)."""
         folder, *pairs = spec.split(",")
-        overrides = {MODEL_FLAG: folder}
+        overrides: dict[str, Any] = {MODEL_FLAG: folder}
+        formers = {f.former: f for f in self.flags.values() if f.former}
         for pair in pairs:
             key, sep, value = pair.partition("=")
-            flag = self.flags.get(key)
+            flag = self.flags.get(key) or formers.get(key)
             if not sep or flag is None or not flag.per_model or key == MODEL_FLAG:
                 per_model = sorted(n for n, f in self.flags.items() if f.per_model and n != MODEL_FLAG)
                 raise UsageError(
                     f"--{MODEL_FLAG} {spec}: {pair!r} is not KEY=VALUE with a per-model KEY "
                     f"({', '.join(per_model)})"
                 )
-            overrides[key] = value
+            try:
+                overrides[flag.name] = (
+                    flag.parse(value)
+                    if key == flag.name
+                    else self._former(flag, value, f"{flag.former}=", f"{flag.name}=")
+                )
+            except ValueError as exc:
+                raise UsageError(f"--{MODEL_FLAG} {spec}: {exc}") from None
         if not folder:
             raise UsageError(f"--{MODEL_FLAG} {spec}: the model folder comes first")
         return overrides
@@ -217,17 +257,9 @@ class FlagTable:
         values: dict[Path, Any] = {}
         for flag in self.flags.values():
             if overrides and flag.name in overrides:
-                try:
-                    value = flag.parse(overrides[flag.name])
-                except ValueError as exc:
-                    raise UsageError(f"--{MODEL_FLAG} {overrides[MODEL_FLAG]},{flag.name}=: {exc}") from None
-            elif hasattr(args, flag.dest):
-                value = getattr(args, flag.dest)
-            elif (text := read_env(flag.name)) is not None:
-                try:
-                    value = flag.parse(text)
-                except ValueError as exc:
-                    raise UsageError(f"{flag.env}: {exc}") from None
+                value = overrides[flag.name]
+            elif (found := self._given(flag, args)) is not None:
+                value = found[0]
             elif flag.required:
                 raise UsageError(f"--{flag.name} is required (or set {flag.env})")
             else:
@@ -238,6 +270,39 @@ class FlagTable:
             return [self._construct(root, (i,), values) for i, root in enumerate(self.roots)]
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+
+    def _given(self, flag: Flag, args: argparse.Namespace) -> tuple[Any] | None:
+        """``flag``'s value from the command line, else its variable, under its name or its
+        former one ((value,); None: not given)."""
+        named = hasattr(args, flag.dest)
+        if flag.former and hasattr(args, flag.former_dest):
+            if named:
+                raise UsageError(f"--{flag.name} and its former name --{flag.former} are both given")
+            self._warn_former(f"--{flag.former}", f"--{flag.name}", flag)
+            return (getattr(args, flag.former_dest),)
+        if named:
+            return (getattr(args, flag.dest),)
+        text, former_text = read_env(flag.name), read_env(flag.former) if flag.former else None
+        if text is not None and former_text is not None:
+            raise UsageError(f"{flag.env} and its former name {env_name(flag.former)} are both set")
+        try:
+            if text is not None:
+                return (flag.parse(text),)
+            if former_text is not None:
+                return (self._former(flag, former_text, env_name(flag.former), flag.env),)
+        except ValueError as exc:
+            raise UsageError(f"{flag.env}: {exc}") from None
+        return None
+
+    def _former(self, flag: Flag, text: str, given: str, now: str) -> Any:
+        """A value given under ``flag``'s former name (``given``; ``now``: the name it has)."""
+        self._warn_former(given, now, flag)
+        return flag.parse_former(text)
+
+    @staticmethod
+    def _warn_former(given: str, now: str, flag: Flag) -> None:
+        unit = f" (its value times {flag.former_unit})" if flag.former_unit != 1 else ""
+        log.warning(f"{given} is now {now}{unit}; the former name still works, for now")
 
     def _construct(self, cls: type, path: Path, values: dict[Path, Any]) -> Any:
         hints = typing.get_type_hints(cls)
@@ -252,10 +317,10 @@ class FlagTable:
         return cls(**kwargs)
 
 
-def _argparse_type(flag: Flag):
+def _argparse_type(flag: Flag, former: bool = False):
     def parse(text: str) -> Any:
         try:
-            return flag.parse(text)
+            return flag.parse_former(text) if former else flag.parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--{flag.name} ")) from None
 

@@ -164,7 +164,7 @@ class RouterConfig:
     balance: BalanceConfig = option(
         factory=BalanceConfig, help="how the prefix policy keeps one replica from taking too much"
     )
-    index_health: IndexTrustConfig = option(
+    index_trust: IndexTrustConfig = option(
         factory=IndexTrustConfig, help="when the router stops trusting the index for a replica"
     )
     flow: FlowConfig = option(

@@ -77,7 +77,7 @@ class RouterCore:
         self.overlay = SpeculativeOverlay(ttl_s=options.speculative_ttl_s)
         self.metrics = metrics or RouterMetrics(model.api_name)
         self.limits = options.limits
-        self.watch = IndexWatch(registry, index, self.metrics, model.block_size, options.index_health)
+        self.watch = IndexWatch(registry, index, self.metrics, model.block_size, options.index_trust)
         self.metrics.watch_replicas(registry.gauges, lambda: registry.index_ok)
         self.decider = Decider(
             model, tokenizer, (index, registry, self.overlay), self.metrics, options, self.watch.untrusted

@@ -95,7 +95,7 @@ class RoutingOptions:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's sampling defaults
     lookup_timeout_s: float = 0.25  # an index lookup slower than this routes by load alone
     speculative_ttl_s: float = 2.0  # how long this router's own speculative entries last
-    index_health: IndexTrustConfig = field(default_factory=IndexTrustConfig)
+    index_trust: IndexTrustConfig = field(default_factory=IndexTrustConfig)
     saturation_steps: float = SATURATION_STEPS  # the prefix policy's (``PrefixAware``)
     flow: FlowConfig = field(default_factory=FlowConfig)  # tenants, bands, when the fleet is saturated
 

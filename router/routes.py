@@ -95,7 +95,7 @@ class ModelRoute:
             c.limits,
             self.defaults,
             speculative_ttl_s=c.speculative_ttl_s,
-            index_health=c.index_health,
+            index_trust=c.index_trust,
             saturation_steps=c.balance.saturation_steps,
             flow=c.flow,
         )

@@ -23,9 +23,11 @@ class APIConfig:
     chat_template: str | None = option(
         None, help="chat template: a file, or the template itself (default: the tokenizer's)"
     )
-    tokenizer_cache_mb: int = option(
-        64,
-        help="MiB of shared prompt text kept tokenized, so a shared prefix is tokenized once (0: off)",
+    tokenizer_cache_bytes: int = option(
+        64 << 20,
+        former="tokenizer-cache-mb",
+        former_unit=1 << 20,
+        help="bytes of shared prompt text kept tokenized, so a shared prefix is tokenized once (0: off)",
     )
     generation_config: str = option(
         "auto",
@@ -36,8 +38,8 @@ class APIConfig:
         # Paths are checked where they are read: a replica's folders are on its own node.
         if self.served_model_name == "":
             raise ValueError("served_model_name must not be empty")
-        if self.tokenizer_cache_mb < 0:
-            raise ValueError("tokenizer_cache_mb must be >= 0")
+        if self.tokenizer_cache_bytes < 0:
+            raise ValueError("tokenizer_cache_bytes must be >= 0")
         if not self.generation_config:
             raise ValueError(f"generation_config must be one of {', '.join(SOURCES)} or a folder")
 
@@ -49,7 +51,7 @@ class APIConfig:
         folder = Path(self.tokenizer_dir(model_dir))
         if self.tokenizer is None and not (folder / "tokenizer.json").is_file():
             return None
-        return PromptTokenizer(folder, self.template_text(), self.tokenizer_cache_mb << 20)
+        return PromptTokenizer(folder, self.template_text(), self.tokenizer_cache_bytes)
 
     def load_defaults(self, model_dir: str) -> GenerationDefaults:
         return GenerationDefaults.load(self.generation_config, model_dir)

@@ -34,12 +34,25 @@ def option(
     cli: bool = True,
     per_model: bool = False,
     factory: Any = dataclasses.MISSING,
+    former: str | None = None,
+    former_unit: int = 1,
 ) -> Any:
     """A config field: ``flag`` overrides the flag name derived from the field name (and so
     its ``KVMESH_<FLAG>`` variable); ``cli=False`` keeps it off the command line (set by the
     launcher); ``per_model``: each model of a several-model deployment may set its own
-    (``--model DIR,KEY=VALUE``; on a nested config, every field in it)."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli, "per_model": per_model}
+    (``--model DIR,KEY=VALUE``; on a nested config, every field in it). ``former``: the
+    flag's earlier name, still accepted (flag and variable) with a warning, so no deployment
+    that sets it breaks; ``former_unit``: what one of its units is in this flag's (a MiB
+    flag that became bytes: ``1 << 20``)."""
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "cli": cli,
+        "per_model": per_model,
+        "former": former,
+        "former_unit": former_unit,
+    }
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

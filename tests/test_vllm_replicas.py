@@ -41,7 +41,7 @@ pytestmark = [
 ]
 
 BS = 32  # vLLM's CPU backend caches blocks in multiples of 32
-HEALTH = IndexTrustConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
+HEALTH = IndexTrustConfig(window=20, max_age_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
 SETTLE_S = 1.3  # past the lag tolerance and the speculative entries' life
 VLLM_IDS = ("vllm-0", "vllm-1")
 rng = random.Random(11)
@@ -74,7 +74,7 @@ async def fleet(qwen3_dir):
     try:
         await asyncio.gather(*(r.start() for r in replicas.values()))
         print(f"\nvLLM replicas started in {time.monotonic() - started:.1f} s (two at once, 2 cores)")
-        alike = {"index_health": HEALTH, "speculative_ttl_s": 0.5}
+        alike = {"index_trust": HEALTH, "speculative_ttl_s": 0.5}
         router = RouterServer(
             [
                 local_router_config(vllm_model, redis.url, block_size=BS, **alike),

@@ -32,13 +32,22 @@ STATES = (EXACT, DEGRADED, LOAD_ONLY)
 @dataclass(frozen=True)
 class IndexTrustConfig:
     window: int = option(
-        20, flag="index-health-window", help="requests per replica the index trust is judged on"
+        20,
+        flag="index-trust-window",
+        former="index-health-window",
+        help="requests per replica the index trust is judged on",
     )
-    window_s: float = option(
-        60.0, flag="index-health-window-s", help="seconds an outcome stays in that window"
+    max_age_s: float = option(
+        60.0,
+        flag="index-trust-max-age",
+        former="index-health-window-s",
+        help="seconds an outcome stays in that window",
     )
     min_samples: int = option(
-        4, flag="index-health-min-samples", help="outcomes needed before a state changes"
+        4,
+        flag="index-trust-min-samples",
+        former="index-health-min-samples",
+        help="outcomes needed before a state changes",
     )
     degraded_rate: float = option(
         0.25,
@@ -62,14 +71,14 @@ class IndexTrustConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.min_samples < 1 or self.window_s <= 0 or self.lag_tolerance_s < 0:
-            raise ValueError("index health: window, min_samples and window_s must be positive")
+        if self.window < 1 or self.min_samples < 1 or self.max_age_s <= 0 or self.lag_tolerance_s < 0:
+            raise ValueError("index trust: window, min_samples and max_age_s must be positive")
         if not 0 < self.degraded_rate <= self.load_only_rate <= 1:
-            raise ValueError("index health: need 0 < degraded_rate <= load_only_rate <= 1")
+            raise ValueError("index trust: need 0 < degraded_rate <= load_only_rate <= 1")
 
 
 @dataclass
-class ReplicaIndexHealth:
+class ReplicaTrust:
     config: IndexTrustConfig
     incarnation: int = 0
     state: str = EXACT
@@ -94,7 +103,7 @@ class ReplicaIndexHealth:
 
     def _evaluate(self, now: float) -> None:
         c = self.config
-        while self.outcomes and (len(self.outcomes) > c.window or now - self.outcomes[0][0] > c.window_s):
+        while self.outcomes and (len(self.outcomes) > c.window or now - self.outcomes[0][0] > c.max_age_s):
             self.outcomes.popleft()
         lies = collections.Counter(cause for _, cause in self.outcomes if cause in LIES)
         state, cause = EXACT, ""

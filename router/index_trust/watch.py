@@ -1,5 +1,5 @@
 """The router's watch that keeps its index trust: every prediction checked against the replica's
-answer, each replica's trust state kept (``index_health``), resyncs asked for, one log line
+answer, each replica's trust state kept (``index_trust``), resyncs asked for, one log line
 per change, metrics for the dashboard."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvmesh.router.index_trust.states import (
     EXACT,
     LOAD_ONLY,
     IndexTrustConfig,
-    ReplicaIndexHealth,
+    ReplicaTrust,
     overall_state,
 )
 from kvmesh.router.metrics import RouterMetrics
@@ -41,25 +41,25 @@ class IndexWatch:
         self.metrics = metrics
         self.block_size = block_size
         self.config = config or IndexTrustConfig()
-        self.health: dict[str, ReplicaIndexHealth] = {}
+        self.trust: dict[str, ReplicaTrust] = {}
         self._tasks: set[asyncio.Task] = set()
         self._started: dict[str, str] = {}  # replica -> its process's start time (a restart changes it)
         self._overall = (EXACT, "")
         self._asked: dict[str, float] = {}  # replica -> when this router last asked it to resync
         registry.on_change(self._refreshed)
 
-    def _of(self, replica_id: str) -> ReplicaIndexHealth:
-        if replica_id not in self.health:
-            self.health[replica_id] = ReplicaIndexHealth(self.config)
-        return self.health[replica_id]
+    def _of(self, replica_id: str) -> ReplicaTrust:
+        if replica_id not in self.trust:
+            self.trust[replica_id] = ReplicaTrust(self.config)
+        return self.trust[replica_id]
 
     def state(self, replica_id: str) -> tuple[str, str]:
-        h = self.health.get(replica_id)
+        h = self.trust.get(replica_id)
         return (h.state, h.cause) if h else (EXACT, "")
 
     def untrusted(self) -> set[str]:
         """Replicas whose index entries the router ignores (LOAD_ONLY)."""
-        return {rid for rid, h in self.health.items() if h.state == LOAD_ONLY}
+        return {rid for rid, h in self.trust.items() if h.state == LOAD_ONLY}
 
     def overall(self) -> tuple[str, str]:
         """(state, cause) over the live replicas and the index itself."""
@@ -79,12 +79,12 @@ class IndexWatch:
         if cause is not None:
             self.metrics.misses.labels(prediction.replica_id, cause).inc()
         incarnation = complete.incarnation or prediction.incarnation
-        health = self._of(prediction.replica_id)
-        change = health.record(cause, incarnation)
+        trust = self._of(prediction.replica_id)
+        change = trust.record(cause, incarnation)
         if change is not None:
             self._changed(prediction.replica_id, *change)
-        elif health.state != EXACT:
-            self._maybe_resync(prediction.replica_id, health.cause)
+        elif trust.state != EXACT:
+            self._maybe_resync(prediction.replica_id, trust.cause)
         return cause
 
     def _changed(self, replica_id: str, state: str, cause: str) -> None:
@@ -133,7 +133,7 @@ class IndexWatch:
         resync) starts a fresh window; departed replicas are forgotten; the overall state follows."""
         for rid, entry in self.registry.entries.items():
             record = entry.record
-            h = self.health.get(rid)
+            h = self.trust.get(rid)
             if h is None or h.incarnation != record.incarnation:
                 self._of(rid).restarted(record.incarnation)
                 self.metrics.set_index_state(rid, EXACT)
@@ -142,8 +142,8 @@ class IndexWatch:
                 self.metrics.restarts.labels(rid).inc()
                 log.info("replica restarted: its index entries start afresh", extra={"replica_id": rid})
             self._started[rid] = started
-        for rid in set(self.health) - set(self.registry.entries):
-            del self.health[rid]
+        for rid in set(self.trust) - set(self.registry.entries):
+            del self.trust[rid]
             self.metrics.forget_replica(rid)
         overall = self.overall()
         if overall != self._overall:

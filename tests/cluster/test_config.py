@@ -278,7 +278,7 @@ def test_the_models_may_come_from_the_environment(monkeypatch):
     [
         (["/m/a,port=1"], "'port=1' is not KEY=VALUE with a per-model KEY"),  # router-wide
         (["/m/a,replicas"], "'replicas' is not KEY=VALUE"),
-        (["/m/a,replicas=two"], "--model /m/a,replicas=: --replicas expects an integer, got 'two'"),
+        (["/m/a,replicas=two"], "--model /m/a,replicas=two: --replicas expects an integer, got 'two'"),
         (["/m/a", "/m/a,replicas=1"], "a model folder is given twice"),
         ([",replicas=1"], "the model folder comes first"),
     ],
@@ -295,3 +295,48 @@ def test_two_models_with_one_id_are_refused():
         ClusterConfig.together([config for (config,) in built])
     with pytest.raises(UsageError, match="one --model here, got 2"):
         build(TABLES["up"], "--model", "/a/m", "--model", "/b/m")
+
+
+def test_a_renamed_flag_still_reads_its_former_name_in_its_former_unit(monkeypatch, tmp_path, caplog):
+    """Deployments that set --index-health-window-s or --tokenizer-cache-mb (flag, variable
+    or per-model key) keep working, warned; both names at once are refused."""
+    model = str(tmp_path)
+    new = build(
+        TABLES["router"], "--model", model, "--tokenizer-cache-bytes", "1000", "--index-trust-max-age", "9"
+    )[0]
+    assert (new.api.tokenizer_cache_bytes, new.index_trust.max_age_s) == (1000, 9.0)
+    old = build(
+        TABLES["router"], "--model", model, "--tokenizer-cache-mb", "8", "--index-health-window-s", "9"
+    )[0]
+    assert (old.api.tokenizer_cache_bytes, old.index_trust.max_age_s) == (8 << 20, 9.0)
+    assert "--tokenizer-cache-mb is now --tokenizer-cache-bytes (its value times 1048576)" in caplog.text
+    assert "--index-health-window-s is now --index-trust-max-age;" in caplog.text
+    with pytest.raises(UsageError, match="--index-trust-window and its former name --index-health-window"):
+        build(TABLES["router"], "--model", model, "--index-trust-window", "5", "--index-health-window", "6")
+
+    monkeypatch.setenv("KVMESH_TOKENIZER_CACHE_MB", "2")
+    monkeypatch.setenv("KVMESH_INDEX_HEALTH_MIN_SAMPLES", "7")
+    from_env = build(TABLES["router"], "--model", model)[0]
+    assert (from_env.api.tokenizer_cache_bytes, from_env.index_trust.min_samples) == (2 << 20, 7)
+    assert "KVMESH_TOKENIZER_CACHE_MB is now KVMESH_TOKENIZER_CACHE_BYTES" in caplog.text
+    monkeypatch.setenv("KVMESH_TOKENIZER_CACHE_BYTES", "3")
+    with pytest.raises(
+        UsageError, match="KVMESH_TOKENIZER_CACHE_BYTES and its former name KVMESH_TOKENIZER_CACHE_MB"
+    ):
+        build(TABLES["router"], "--model", model)
+    monkeypatch.delenv("KVMESH_TOKENIZER_CACHE_BYTES")
+    monkeypatch.delenv("KVMESH_TOKENIZER_CACHE_MB")
+
+    [(cluster,)] = build_models(TABLES["up"], "--model", "/models/a,tokenizer-cache-mb=4")
+    assert cluster.router.api.tokenizer_cache_bytes == cluster.replica.api.tokenizer_cache_bytes == 4 << 20
+    assert "tokenizer-cache-mb= is now tokenizer-cache-bytes=" in caplog.text
+
+
+def test_a_former_name_is_read_but_not_shown(capsys):
+    parser = argparse.ArgumentParser()
+    TABLES["router"].add_to(parser)
+    shown = parser.format_help()
+    flat = " ".join(shown.split())  # argparse wraps the help
+    assert "--tokenizer-cache-bytes" in flat and "formerly --tokenizer-cache-mb]" in flat
+    assert "[--tokenizer-cache-mb" not in shown and "[--index-health-window" not in shown  # usage
+    assert not re.search(r"^  --(tokenizer-cache-mb|index-health)", shown, re.M)  # an option of its own

@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
 BS = 16
 DETECT_S = 10.0
-HEALTH = IndexTrustConfig(window=20, window_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
+HEALTH = IndexTrustConfig(window=20, max_age_s=4.0, min_samples=4, lag_tolerance_s=1.0, resync_interval_s=2.0)
 SETTLE_S = 1.3  # longer than the lag tolerance and the speculative entries' life (0.5 s)
 rng = random.Random(7)
 
@@ -55,7 +55,7 @@ async def fleet(qwen3_dir):
         replicas[rid] = ReplicaServer(replica_config(qwen3_dir, redis.url, rid))
         await replicas[rid].start()
     router = RouterServer(
-        local_router_config(qwen3_dir, redis.url, http_port=-1, speculative_ttl_s=0.5, index_health=HEALTH)
+        local_router_config(qwen3_dir, redis.url, http_port=-1, speculative_ttl_s=0.5, index_trust=HEALTH)
     )
     await router.start()
     assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 2))

@@ -10,7 +10,7 @@ from kvmesh.router.index_trust.states import (
     EXACT,
     LOAD_ONLY,
     IndexTrustConfig,
-    ReplicaIndexHealth,
+    ReplicaTrust,
     overall_state,
 )
 from kvmesh.router.policies import PrefixAware, ReplicaState, RouteRequest
@@ -53,7 +53,7 @@ def test_prediction_error_is_signed_in_blocks():
 
 def test_lies_degrade_then_stop_the_index_and_a_new_incarnation_clears_them():
     config = IndexTrustConfig(window=10, min_samples=4, degraded_rate=0.25, load_only_rate=0.6)
-    h = ReplicaIndexHealth(config, incarnation=1)
+    h = ReplicaTrust(config, incarnation=1)
     changes = [h.record(c, 1, now=float(i)) for i, c in enumerate([None, None, None, "stale_index"])]
     assert changes[:3] == [None, None, None] and changes[3] == (DEGRADED, "stale_index")
     for i in range(4):
@@ -63,14 +63,14 @@ def test_lies_degrade_then_stop_the_index_and_a_new_incarnation_clears_them():
 
 
 def test_normal_misses_never_raise_an_alarm():
-    h = ReplicaIndexHealth(IndexTrustConfig(), incarnation=1)
+    h = ReplicaTrust(IndexTrustConfig(), incarnation=1)
     for i, cause in enumerate(["evicted", "index_lag", "speculative_unrealized", "replica_restarted"] * 10):
         assert h.record(cause, 1, now=float(i)) is None
     assert h.state == EXACT
 
 
 def test_one_hash_mismatch_stops_the_index_until_it_leaves_the_window():
-    h = ReplicaIndexHealth(IndexTrustConfig(window_s=5.0), incarnation=1)
+    h = ReplicaTrust(IndexTrustConfig(max_age_s=5.0), incarnation=1)
     assert h.record("hash_mismatch", 1, now=0.0) == (LOAD_ONLY, "hash_mismatch")
     assert h.record(None, 1, now=3.0) is None
     assert h.record(None, 1, now=6.0) == (EXACT, "")

@@ -201,6 +201,6 @@ def test_servers_cache_by_default_within_the_flags_bound(tmp_path):
     FAMILIES["gpt2 byte-level"]().save(str(tmp_path / "tokenizer.json"))
     tokenizer = APIConfig().load_tokenizer(str(tmp_path))
     assert tokenizer.segments is not None and tokenizer.segments.max_bytes == 64 << 20
-    assert APIConfig(tokenizer_cache_mb=0).load_tokenizer(str(tmp_path)).segments is None
-    with pytest.raises(ValueError, match="tokenizer_cache_mb"):
-        APIConfig(tokenizer_cache_mb=-1)
+    assert APIConfig(tokenizer_cache_bytes=0).load_tokenizer(str(tmp_path)).segments is None
+    with pytest.raises(ValueError, match="tokenizer_cache_bytes"):
+        APIConfig(tokenizer_cache_bytes=-1)
