@@ -92,3 +92,23 @@ def test_the_glossary_names_what_was_retired():
         "two `LocalCluster` classes",
     ):
         assert word in design
+
+
+def folder_shares(root: Path) -> dict[str, float]:
+    """Each part's share of the package's lines (generated protobuf modules aside)."""
+    lines = {
+        part: sum(
+            len(path.read_text().splitlines())
+            for path in (root / part).rglob("*.py")
+            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+        )
+        for part in PARTS
+    }
+    total = sum(lines.values())
+    return {part: n / total for part, n in lines.items()}
+
+
+def test_no_folder_holds_more_than_30_percent_of_the_package():
+    shares = folder_shares(ROOT)
+    assert max(shares.values()) <= 0.30, shares
+    assert len(shares) == len(PARTS) and min(shares.values()) > 0
