@@ -67,6 +67,9 @@ _SWEEP_COUNT = 500  # keys one sweep step scans on each server
 MAX_SLOTS = 8192  # redis.lua's: bitmaps stay <= 1 KiB
 # redis.lua's check of an address, for records it did not write (raw writes by a replica's user)
 _HOST_PORT = re.compile(r"[A-Za-z0-9.\-\[\]:/]+:[0-9]+")
+# A record's names that readers turn into metric labels and log fields (replica id, hardware):
+# printable ASCII on one line, short, so a raw write cannot swell every scrape and log line.
+_NAME = re.compile(r"[ -~]{1,128}")
 
 
 T = TypeVar("T")
@@ -385,6 +388,8 @@ class RedisPrefixIndex(ShareHalves):
             )
             if not 0 <= record.slot < MAX_SLOTS or not _HOST_PORT.fullmatch(record.address):
                 raise ValueError("its slot or address is out of shape")
+            if not _NAME.fullmatch(record.replica_id) or not _NAME.fullmatch(fields.get("hardware", "-")):
+                raise ValueError("its replica id or hardware is not a short printable name")
         except (KeyError, ValueError, TypeError) as exc:
             named = dict(zip(flat[::2], flat[1::2], strict=False)).get(b"replica_id", b"?")
             self.untrusted.reject("record", _text(named, lenient=True), exc)

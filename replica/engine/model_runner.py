@@ -41,8 +41,10 @@ def resolve_device(name: str | None) -> torch.device:
 
 def hardware_name(device: torch.device) -> str:
     """What the router groups replicas by when it prices them (``router/pricing.py``): the
-    GPU's name, else the device type. Replicas on like hardware are priced alike."""
-    return (torch.cuda.get_device_name(device) if device.type == "cuda" else device.type)[:64]
+    GPU's name, else the device type. Replicas on like hardware are priced alike. Printable
+    ASCII and short: readers skip a record whose hardware is not (``kvcache/index/redis.py``)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return "".join(c if " " <= c <= "~" else "?" for c in name)[:64]
 
 
 def default_block_size(device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> int:

@@ -40,6 +40,9 @@ async def two_replicas(index: RedisPrefixIndex) -> dict[str, int]:
         ("address", "attacker.example:80 extra", 1),
         ("slot", "99999", 1),  # past every bitmap
         ("incarnation", "1e999", 0),  # no live incarnation has that number: not live, no error
+        ("hardware", "H" * 100_000, 1),  # a metric label on every scrape
+        ("hardware", "GPU\nforged log line", 1),
+        ("replica_id", "r1 " + "x" * 200, 1),  # a label and a log field too
     ],
 )
 async def test_a_malformed_record_is_skipped_and_counted_and_the_others_serve(index, field, value, skipped):

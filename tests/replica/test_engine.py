@@ -309,3 +309,19 @@ def test_the_fast_decoder_gives_transformers_text(arch):
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
     tokenizer.clean_up_tokenization_spaces = True  # then only transformers' decode is right
     assert token_decoder(tokenizer)([5, 6]) == tokenizer.decode([5, 6], skip_special_tokens=True)
+
+
+def test_the_hardware_a_replica_reports_is_a_name_its_readers_accept(monkeypatch):
+    """Readers skip a record whose hardware is not short printable ASCII: a GPU's own name
+    must never make its replica invisible."""
+    import torch
+
+    from kvmesh.kvcache.index.redis import _NAME
+    from kvmesh.replica.engine.model_runner import hardware_name
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_name", lambda device: "NVIDIA \uff28200\n" + "x" * 100
+    )  # a full-width H
+    name = hardware_name(torch.device("cuda", 0))
+    assert name.startswith("NVIDIA ?200?") and len(name) == 64 and _NAME.fullmatch(name)
+    assert hardware_name(torch.device("cpu")) == "cpu"
