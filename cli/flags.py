@@ -110,6 +110,7 @@ class FlagTable:
         self.roots = list(roots)
         self.several_models = several_models
         self.flags: dict[str, Flag] = {}
+        self._warned: set[str] = set()  # former names already warned about
         for i, root in enumerate(self.roots):
             self._collect(root, (i,))
 
@@ -233,6 +234,10 @@ class FlagTable:
                     f"--{MODEL_FLAG} {spec}: {pair!r} is not KEY=VALUE with a per-model KEY "
                     f"({', '.join(per_model)})"
                 )
+            if flag.name in overrides:
+                raise UsageError(
+                    f"--{MODEL_FLAG} {spec}: {flag.name} is given twice (once by its former name)"
+                )
             try:
                 overrides[flag.name] = (
                     flag.parse(value)
@@ -299,8 +304,10 @@ class FlagTable:
         self._warn_former(given, now, flag)
         return flag.parse_former(text)
 
-    @staticmethod
-    def _warn_former(given: str, now: str, flag: Flag) -> None:
+    def _warn_former(self, given: str, now: str, flag: Flag) -> None:
+        if given in self._warned:  # once, not once per model
+            return
+        self._warned.add(given)
         unit = f" (its value times {flag.former_unit})" if flag.former_unit != 1 else ""
         log.warning(f"{given} is now {now}{unit}; the former name still works, for now")
 

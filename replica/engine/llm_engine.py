@@ -214,7 +214,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._pending)
+        """Requests to step, outputs to hand out, or a launched batch to land."""
+        return bool(self.requests or self._pending or self._in_flight)
 
     # ------------------------------------------------------------------ stepping
 
@@ -228,9 +229,13 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         launched = self._launch(scheduled) if self.async_scheduling else None
-        if self._in_flight is not None:
-            self._land(self._in_flight, outputs)
-            self._in_flight = None
+        if self._in_flight is not None:  # taken first: a landing that fails is not retried
+            flight, self._in_flight = self._in_flight, None
+            try:
+                self._land(flight, outputs)
+            except Exception:
+                self._requeue(flight)
+                raise
         scheduled = [r for r in scheduled if r.status is Status.RUNNING]  # some may end as it lands
         if launched is not None:
             for row, request in enumerate(launched.step.requests):
@@ -279,7 +284,8 @@ class LLMEngine:
         its launch, or the previous landing if later, to now: what it added to the run."""
         picks = flight.step.land()
         now = self.clock()
-        self.step_costs.observe(*flight.features, now - max(flight.started, self._landed_at))
+        if any(r.status is not Status.FINISHED for r in flight.step.requests):  # else nobody waited
+            self.step_costs.observe(*flight.features, now - max(flight.started, self._landed_at))
         self._landed_at = now
         self.failed_steps = 0
         for request, pick in zip(flight.step.requests, picks, strict=True):
@@ -289,6 +295,16 @@ class LLMEngine:
                 outputs.append(self._fail(request, pick))
             else:
                 self._emit(request, pick, outputs)
+
+    def _requeue(self, flight: _InFlight) -> None:
+        """A launched batch whose tokens are lost (its landing failed, as a device error
+        makes it): its requests drop the places held for them and wait to be recomputed from
+        the tokens they have, so the engine's state stays whole for whoever steps it next."""
+        for request in flight.step.requests:
+            request.forget_pending()
+            if request.status is Status.RUNNING:
+                self.scheduler.running.remove(request)
+                self.scheduler.preempt(request)
 
     def _emit(self, request: Request, pick: Pick, outputs: list[RequestOutput]) -> None:
         """Append a request's sampled token and its output (or its own failure) to ``outputs``."""

@@ -164,8 +164,9 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator | None], shared:
     for row, generator in enumerate(generators):
         if generator is not None:
             uniform[row].uniform_(generator=generator)
-    # -log(u) for u in [0, 1) is an exponential draw in (0, inf]: a ruled-out token stays at 0.
-    return probs.div_(uniform.log_().neg_()).argmax(dim=-1)
+    # -log(u) is an exponential draw; u is kept off 0, where a row's only allowed token would
+    # score 0 like the ruled-out ones and argmax would take the first of those.
+    return probs.div_(uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_()).argmax(dim=-1)
 
 
 def _isolated(failed: dict[int, FailedPick], row: int, fn, *args, **kwargs):

@@ -281,6 +281,7 @@ def test_the_models_may_come_from_the_environment(monkeypatch):
         (["/m/a,replicas=two"], "--model /m/a,replicas=two: --replicas expects an integer, got 'two'"),
         (["/m/a", "/m/a,replicas=1"], "a model folder is given twice"),
         ([",replicas=1"], "the model folder comes first"),
+        (["/m/a,tokenizer-cache-mb=1,tokenizer-cache-bytes=2"], "tokenizer-cache-bytes is given twice"),
     ],
 )
 def test_a_bad_model_spec_is_a_usage_error_that_says_why(specs, message):
@@ -301,33 +302,37 @@ def test_a_renamed_flag_still_reads_its_former_name_in_its_former_unit(monkeypat
     """Deployments that set --index-health-window-s or --tokenizer-cache-mb (flag, variable
     or per-model key) keep working, warned; both names at once are refused."""
     model = str(tmp_path)
+    # fresh tables: a table warns about each former name once, and other tests use them too
+    tables = {name: FlagTable(t.roots, t.several_models) for name, t in TABLES.items()}
     new = build(
-        TABLES["router"], "--model", model, "--tokenizer-cache-bytes", "1000", "--index-trust-max-age", "9"
+        tables["router"], "--model", model, "--tokenizer-cache-bytes", "1000", "--index-trust-max-age", "9"
     )[0]
     assert (new.api.tokenizer_cache_bytes, new.index_trust.max_age_s) == (1000, 9.0)
     old = build(
-        TABLES["router"], "--model", model, "--tokenizer-cache-mb", "8", "--index-health-window-s", "9"
+        tables["router"], "--model", model, "--tokenizer-cache-mb", "8", "--index-health-window-s", "9"
     )[0]
     assert (old.api.tokenizer_cache_bytes, old.index_trust.max_age_s) == (8 << 20, 9.0)
     assert "--tokenizer-cache-mb is now --tokenizer-cache-bytes (its value times 1048576)" in caplog.text
+    build(tables["router"], "--model", model, "--tokenizer-cache-mb", "8")
+    assert caplog.text.count("--tokenizer-cache-mb is now") == 1  # once a process, not once a build
     assert "--index-health-window-s is now --index-trust-max-age;" in caplog.text
     with pytest.raises(UsageError, match="--index-trust-window and its former name --index-health-window"):
-        build(TABLES["router"], "--model", model, "--index-trust-window", "5", "--index-health-window", "6")
+        build(tables["router"], "--model", model, "--index-trust-window", "5", "--index-health-window", "6")
 
     monkeypatch.setenv("KVMESH_TOKENIZER_CACHE_MB", "2")
     monkeypatch.setenv("KVMESH_INDEX_HEALTH_MIN_SAMPLES", "7")
-    from_env = build(TABLES["router"], "--model", model)[0]
+    from_env = build(tables["router"], "--model", model)[0]
     assert (from_env.api.tokenizer_cache_bytes, from_env.index_trust.min_samples) == (2 << 20, 7)
     assert "KVMESH_TOKENIZER_CACHE_MB is now KVMESH_TOKENIZER_CACHE_BYTES" in caplog.text
     monkeypatch.setenv("KVMESH_TOKENIZER_CACHE_BYTES", "3")
     with pytest.raises(
         UsageError, match="KVMESH_TOKENIZER_CACHE_BYTES and its former name KVMESH_TOKENIZER_CACHE_MB"
     ):
-        build(TABLES["router"], "--model", model)
+        build(tables["router"], "--model", model)
     monkeypatch.delenv("KVMESH_TOKENIZER_CACHE_BYTES")
     monkeypatch.delenv("KVMESH_TOKENIZER_CACHE_MB")
 
-    [(cluster,)] = build_models(TABLES["up"], "--model", "/models/a,tokenizer-cache-mb=4")
+    [(cluster,)] = build_models(tables["up"], "--model", "/models/a,tokenizer-cache-mb=4")
     assert cluster.router.api.tokenizer_cache_bytes == cluster.replica.api.tokenizer_cache_bytes == 4 << 20
     assert "tokenizer-cache-mb= is now tokenizer-cache-bytes=" in caplog.text
 

@@ -7,6 +7,8 @@ device. On CPU the forward is synchronous, so these tests prove correctness, not
 GPU (`make gpu-check`) they run on the device with the graphs the engine captured.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -69,10 +71,12 @@ def test_async_scheduling_gives_the_synchronous_engines_outputs(qwen3_dir, param
     calls = launch_only(engine)
     assert outcome(engine.generate(PROMPTS, params)) == expected
     assert calls["run"] == 0  # every batch was launched ahead, none fell back
-    assert engine.step_costs.steps > 0
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.step()  # lands the last launched batch, whose rows all belong to ended requests
+    # The last launched batch holds rows of ended requests only: one more step lands it, and
+    # its cost is not measured (nobody waited for it; it may have sat through an idle spell).
+    assert engine.requests == {} and engine.has_unfinished_requests()
+    steps = engine.step_costs.steps
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert engine.step_costs.steps == steps > 0
     assert engine._in_flight is None and engine.block_manager.num_used_blocks == 0
 
 
@@ -192,3 +196,65 @@ def test_decode_graphs_read_pending_tokens_on_the_device(qwen3_dir, params):
     calls = launch_only(engine)
     assert outcome(engine.generate(PROMPTS, params)) == expected
     assert engine.runner.graphs.replays > 0 and calls["run"] == 0
+
+
+def test_a_landing_that_fails_on_the_device_breaks_the_engine_once(qwen3_dir, monkeypatch):
+    """A device error surfaces when a launched step lands: the engine is broken, its requests
+    fail as the engine's fault, and the failed landing is not tried again."""
+    import asyncio
+
+    from kvmesh.replica import AsyncLLMEngine
+    from kvmesh.replica.engine.async_engine import EngineDeadError
+
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
+    landings = []
+
+    def fails(step):
+        landings.append(step)
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(LaunchedStep, "land", fails)
+
+    async def main():
+        runner = AsyncLLMEngine(engine)
+        try:
+            async for _ in runner.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), "r"):
+                pass
+        except EngineDeadError as exc:
+            return str(exc), runner.health()
+        finally:
+            runner.shutdown()
+
+    error, health = asyncio.run(main())
+    assert "illegal memory access" in error and health.startswith("engine broken")
+    assert len(landings) == 1 and engine._in_flight is None and engine.requests == {}
+
+
+def test_after_a_failed_landing_the_engine_recomputes_what_it_lost(qwen3_dir, monkeypatch):
+    """An engine stepped directly, past a landing that failed: the requests whose tokens were
+    lost are recomputed from the tokens they had, and end with the synchronous engine's."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=False, **OPTIONS).generate(
+        PROMPTS[:2], greedy
+    )
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
+    land, landings = LaunchedStep.land, itertools.count()
+
+    def third_fails(step):
+        if next(landings) == 2:
+            raise RuntimeError("lost")
+        return land(step)
+
+    monkeypatch.setattr(LaunchedStep, "land", third_fails)
+    ids = [engine.add_request(p, greedy) for p in PROMPTS[:2]]
+    tokens = {rid: [] for rid in ids}
+    with pytest.raises(RuntimeError, match="lost"):
+        while True:
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+    assert all(PENDING_TOKEN not in r.token_ids for r in engine.requests.values())
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[rid] for rid in ids] == [o.token_ids for o in expected]
+    assert engine.block_manager.num_used_blocks == 0
