@@ -44,14 +44,14 @@ def ordinary_tokens(engine) -> list[list[int]]:
 
 def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
     expected = ordinary_tokens(engine)
-    real_adjust = sampler_module.adjust_logits
+    real_adjust = sampler_module.row_adjustments
 
-    def adjust_or_raise(logits, request):
+    def adjust_or_raise(request, *args):
         if request.params.logit_bias == MARKER_BIAS:
             raise RuntimeError("injected sampling fault")
-        return real_adjust(logits, request)
+        return real_adjust(request, *args)
 
-    monkeypatch.setattr(sampler_module, "adjust_logits", adjust_or_raise)
+    monkeypatch.setattr(sampler_module, "row_adjustments", adjust_or_raise)
     outs = engine.generate([PROMPTS[0], *PROMPTS], [faulty(), *PARAMS])
     assert outs[0].finish_reason == "error" and outs[0].token_ids == []
     assert [o.token_ids for o in outs[1:]] == expected  # the others: the same tokens as without it
@@ -124,14 +124,14 @@ def test_an_engine_whose_steps_keep_failing_is_broken_and_refuses_work(qwen3_dir
 
 
 def test_a_request_failure_reaches_the_async_caller_as_its_own(engine, monkeypatch):
-    real_adjust = sampler_module.adjust_logits
+    real_adjust = sampler_module.row_adjustments
     monkeypatch.setattr(
         sampler_module,
-        "adjust_logits",
-        lambda logits, r: (
+        "row_adjustments",
+        lambda r, *args: (
             (_ for _ in ()).throw(RuntimeError("boom"))
             if r.params.logit_bias == MARKER_BIAS
-            else real_adjust(logits, r)
+            else real_adjust(r, *args)
         ),
     )
 

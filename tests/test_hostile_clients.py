@@ -548,14 +548,14 @@ async def test_a_request_that_fails_on_its_replica_fails_alone_through_the_route
     INTERNAL, is not moved to another replica (it would fail there too), and no replica is
     cooled down; the requests beside it finish."""
     router, replicas = stack
-    real_adjust = sampler_module.adjust_logits
+    real_adjust = sampler_module.row_adjustments
 
-    def adjust_or_raise(logits, request):
+    def adjust_or_raise(request, *args):
         if request.params.logit_bias == {11: 0.25}:
             raise RuntimeError("injected sampling fault")
-        return real_adjust(logits, request)
+        return real_adjust(request, *args)
 
-    monkeypatch.setattr(sampler_module, "adjust_logits", adjust_or_raise)
+    monkeypatch.setattr(sampler_module, "row_adjustments", adjust_or_raise)
     failed_before = sum(r.engine.stats().num_failed_requests for r in replicas)
     bad = ordinary(50, max_tokens=20)
     bad.sampling.logit_bias[11] = 0.25

@@ -63,43 +63,81 @@ def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[T
     ]
 
 
-def adjust_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """One request's logits ([vocab]) after min_tokens, logit bias and penalties, in place."""
+@dataclass
+class RowAdjustments:
+    """What one request's row changes in a step's logits, gathered on the host: the ids
+    ``min_tokens`` forbids, its logit bias, and, for the penalties, the prompt's tokens (a
+    mask on the device, built once a request) and its output so far, tallied."""
+
+    params: SamplingParams
+    banned: list[int]
+    bias: dict[int, float]
+    prompt_seen: torch.Tensor | None  # bool [vocab], for the repetition penalty
+    output_counts: dict[int, int]  # output token -> times sampled
+
+
+def row_adjustments(request: Request, vocab: int, device: torch.device) -> RowAdjustments:
+    """A request's part of a step's adjustments (its own failure stays its own)."""
     p = request.params
-    device = logits.device
-    if p.min_tokens and request.num_completion_tokens < p.min_tokens and request.stop_ids:
-        stop_ids = _constant(
-            request, "stop_ids", lambda: torch.tensor(sorted(request.stop_ids), device=device)
-        )
-        logits[stop_ids] = float("-inf")
-    if p.logit_bias:
-        ids, bias = _constant(
-            request,
-            "logit_bias",
-            lambda: (
-                torch.tensor(list(p.logit_bias), device=device),
-                torch.tensor(list(p.logit_bias.values()), device=device, dtype=logits.dtype),
-            ),
-        )
-        logits[ids] += bias
+    below_min = p.min_tokens and request.num_completion_tokens < p.min_tokens
+    prompt_seen = None
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and request.num_completion_tokens:
-        out = torch.tensor(request.completion_token_ids, device=logits.device)
-        counts = torch.zeros_like(logits).index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+        prompt_seen = request.sampling_tensors.get("prompt_seen")
+        if prompt_seen is None:
+            prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            prompt_seen[_ids(request.prompt_token_ids, device)] = True
+            request.sampling_tensors["prompt_seen"] = prompt_seen
+    counts = {}
+    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        counts = _output_counts(request)
+    return RowAdjustments(p, sorted(request.stop_ids) if below_min else [], p.logit_bias, prompt_seen, counts)
 
 
-def _constant(request: Request, name: str, build):
-    """Tensors that are the same at every step of a request, built at its first (not once per
-    step: a request's stop ids and bias are paid for once)."""
-    tensors = request.sampling_tensors
-    if name not in tensors:
-        tensors[name] = build()
-    return tensors[name]
+def _output_counts(request: Request) -> dict[int, int]:
+    """Its output tokens' tally, brought up to date with the tokens since the last step."""
+    counts, tallied = request.sampling_tensors.get("output_counts", ({}, 0))
+    for token in request.completion_token_ids[tallied:]:
+        counts[token] = counts.get(token, 0) + 1
+    request.sampling_tensors["output_counts"] = (counts, request.num_completion_tokens)
+    return counts
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[RowAdjustments]) -> torch.Tensor:
+    """Logits ([rows, vocab]) after min_tokens, logit bias, then the repetition, frequency and
+    presence penalties (vLLM's formulas), every row at once, in place."""
+    device, dtype = logits.device, logits.dtype
+
+    def pairs(entries: list) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(rows, ids) of every entry's tokens, as index tensors, and a dict entry's values."""
+        at_rows, at_ids, values = [], [], []
+        for row, entry in enumerate(entries):
+            for token in entry:
+                at_rows.append(row)
+                at_ids.append(token)
+                if isinstance(entry, dict):
+                    values.append(entry[token])
+        return _ids(at_rows, device), _ids(at_ids, device), values
+
+    banned_rows, banned_ids, _ = pairs([r.banned for r in rows])
+    logits[banned_rows, banned_ids] = float("-inf")
+    if any(r.bias for r in rows):
+        bias_rows, bias_ids, values = pairs([r.bias for r in rows])
+        logits.index_put_(
+            (bias_rows, bias_ids), torch.tensor(values, dtype=dtype).to(device), accumulate=True
+        )
+    if not any(r.output_counts or r.prompt_seen is not None for r in rows):
+        return logits
+    count_rows, count_ids, values = pairs([r.output_counts for r in rows])
+    counts = torch.zeros_like(logits)
+    counts[count_rows, count_ids] = torch.tensor(values, dtype=dtype).to(device)
+    if any(r.prompt_seen is not None for r in rows):
+        unseen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+        seen = torch.stack([unseen if r.prompt_seen is None else r.prompt_seen for r in rows]) | (counts > 0)
+        penalty = _per_row([r.params.repetition_penalty for r in rows], device).to(dtype)[:, None]
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits))
+    frequency = _per_row([r.params.frequency_penalty for r in rows], device).to(dtype)[:, None]
+    presence = _per_row([r.params.presence_penalty for r in rows], device).to(dtype)[:, None]
+    return logits.sub_(frequency * counts + presence * (counts > 0).to(dtype))
 
 
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability
@@ -142,15 +180,19 @@ def draw(
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if adjusted:
         logits = logits.clone()
-        for i in adjusted:
-            _isolated(failed, i, adjust_logits, logits[i], requests[i])
-        _fail_rows_without_tokens(logits, [i for i in adjusted if i not in failed], failed)
+        vocab, device = logits.shape[-1], logits.device
+        parts = {i: _isolated(failed, i, row_adjustments, requests[i], vocab, device) for i in adjusted}
+        adjusted = [i for i in adjusted if i not in failed]
+        if adjusted:
+            at = _ids(adjusted, device)
+            logits[at] = adjust_logits(logits[at], [parts[i] for i in adjusted])
+        _fail_rows_without_tokens(logits, adjusted, failed)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in failed]
     if rows:
         probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
         drawn = _race(probs, [requests[i].generator for i in rows], generator)
-        tokens.index_copy_(0, _per_row(rows, tokens.device), drawn)
+        tokens.index_copy_(0, _ids(rows, tokens.device), drawn)
     return tokens
 
 
@@ -218,3 +260,8 @@ def _per_row(values: list, device: torch.device) -> torch.Tensor:
     """Host values as a device tensor without waiting for the device: a blocking copy first
     drains the stream (undoing async scheduling); a non-blocking one is staged at once."""
     return torch.tensor(values).to(device, non_blocking=True)
+
+
+def _ids(values: list[int], device: torch.device) -> torch.Tensor:
+    """Indices on the device (int64 even when there are none)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

@@ -8,7 +8,7 @@ from reference import _hf_model, hf_log_softmax, prompts_of_lengths
 
 from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.engine.request import Request
-from kvmesh.replica.engine.sampler import adjust_logits
+from kvmesh.replica.engine.sampler import adjust_logits, row_adjustments
 
 PROMPT = prompts_of_lengths([45], salt=3)[0]
 
@@ -153,8 +153,9 @@ def test_adjust_logits_is_exactly_the_formula():
     request = Request("r", [1, 2], 16, params, None, frozenset({4}), None)
     request.add_token(2, None)
     request.add_token(5, None)
-    logits = torch.tensor([1.0, 2.0, -2.0, 0.5, 3.0, 4.0, 1.0])
-    adjust_logits(logits, request)
+    logits = torch.tensor([[1.0, 2.0, -2.0, 0.5, 3.0, 4.0, 1.0]])
+    adjust_logits(logits, [row_adjustments(request, 7, logits.device)])
+    logits = logits[0]
     expected = [1.0, 2.0 / 2.0, -2.0 * 2.0 - 0.5 - 0.25, 1.5, float("-inf"), 4.0 / 2.0 - 0.5 - 0.25, 1.0]
     assert logits.tolist() == expected
 
@@ -187,3 +188,50 @@ def test_rows_drawn_at_once_follow_their_filtered_distribution():
         logits[:64], [plain] * 40 + [seeded()] + [plain] * 23, {}, torch.Generator().manual_seed(2)
     )
     assert crowded[40] == alone[0] and len(set(crowded.tolist())) > 1
+
+
+def one_row_formula(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """The adjustments of one row, written out plainly: the reference for the batched ones."""
+    p = request.params
+    if p.min_tokens and request.num_completion_tokens < p.min_tokens:
+        logits[sorted(request.stop_ids)] = float("-inf")
+    for token, value in p.logit_bias.items():
+        logits[token] += value
+    for token in set(request.token_ids) if p.repetition_penalty != 1.0 else ():
+        value = logits[token]
+        logits[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+    for token in set(request.completion_token_ids):
+        count = request.completion_token_ids.count(token)
+        logits[token] -= p.frequency_penalty * count + p.presence_penalty
+    return logits
+
+
+def test_rows_adjusted_at_once_equal_each_row_adjusted_alone():
+    """Mixed rows (every adjustment alone and together, none, below and past min_tokens),
+    adjusted in one batch over two steps (the output tallies carried between them)."""
+    vocab, rng = 50, torch.Generator().manual_seed(3)
+    kinds = [
+        {"repetition_penalty": 1.7},
+        {"repetition_penalty": 0.6, "frequency_penalty": 0.4},
+        {"presence_penalty": -0.8, "logit_bias": {3: 2.0, 49: -1.5}},
+        {"min_tokens": 5, "logit_bias": {1: 0.5}},
+        {"min_tokens": 1, "frequency_penalty": 1.1, "presence_penalty": 0.2, "repetition_penalty": 1.2},
+        {},
+    ]
+    requests = []
+    for i, kind in enumerate(kinds):
+        prompt = torch.randint(0, vocab, (8 + i,), generator=rng).tolist()
+        request = Request(
+            f"r{i}", prompt, 16, SamplingParams(max_tokens=9, **kind), None, frozenset({0, 7}), None
+        )
+        requests.append(request)
+    for _ in range(2):
+        for request in requests:
+            for token in torch.randint(0, vocab, (2,), generator=rng).tolist():
+                request.add_token(token, None)
+        logits = torch.randn(len(requests), vocab, generator=rng)
+        expected = torch.stack(
+            [one_row_formula(row.clone(), r) for row, r in zip(logits, requests, strict=True)]
+        )
+        got = adjust_logits(logits.clone(), [row_adjustments(r, vocab, logits.device) for r in requests])
+        torch.testing.assert_close(got, expected)
