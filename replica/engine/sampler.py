@@ -66,31 +66,30 @@ def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[T
 @dataclass
 class RowAdjustments:
     """What one request's row changes in a step's logits, gathered on the host: the ids
-    ``min_tokens`` forbids, its logit bias, and, for the penalties, the prompt's tokens (a
-    mask on the device, built once a request) and its output so far, tallied."""
+    ``min_tokens`` forbids, its logit bias, and, for the penalties, its prompt's distinct
+    tokens (on the device, found once a request) and its output so far, tallied."""
 
     params: SamplingParams
     banned: list[int]
     bias: dict[int, float]
-    prompt_seen: torch.Tensor | None  # bool [vocab], for the repetition penalty
+    prompt_ids: torch.Tensor | None  # distinct prompt tokens, for the repetition penalty
     output_counts: dict[int, int]  # output token -> times sampled
 
 
-def row_adjustments(request: Request, vocab: int, device: torch.device) -> RowAdjustments:
+def row_adjustments(request: Request, device: torch.device) -> RowAdjustments:
     """A request's part of a step's adjustments (its own failure stays its own)."""
     p = request.params
     below_min = p.min_tokens and request.num_completion_tokens < p.min_tokens
-    prompt_seen = None
+    prompt_ids = None
     if p.repetition_penalty != 1.0:
-        prompt_seen = request.sampling_tensors.get("prompt_seen")
-        if prompt_seen is None:
-            prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            prompt_seen[_ids(request.prompt_token_ids, device)] = True
-            request.sampling_tensors["prompt_seen"] = prompt_seen
+        prompt_ids = request.sampling_tensors.get("prompt_ids")
+        if prompt_ids is None:
+            prompt_ids = _ids(sorted(set(request.prompt_token_ids)), device)
+            request.sampling_tensors["prompt_ids"] = prompt_ids
     counts = {}
     if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
         counts = _output_counts(request)
-    return RowAdjustments(p, sorted(request.stop_ids) if below_min else [], p.logit_bias, prompt_seen, counts)
+    return RowAdjustments(p, sorted(request.stop_ids) if below_min else [], p.logit_bias, prompt_ids, counts)
 
 
 def _output_counts(request: Request) -> dict[int, int]:
@@ -102,42 +101,48 @@ def _output_counts(request: Request) -> dict[int, int]:
     return counts
 
 
-def adjust_logits(logits: torch.Tensor, rows: list[RowAdjustments]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, rows: dict[int, RowAdjustments]) -> torch.Tensor:
     """Logits ([rows, vocab]) after min_tokens, logit bias, then the repetition, frequency and
-    presence penalties (vLLM's formulas), every row at once, in place."""
+    presence penalties (vLLM's formulas), for the rows ``rows`` names, all at once, in place.
+    Only the entries a rule names are read and written, never the whole matrix."""
     device, dtype = logits.device, logits.dtype
 
-    def pairs(entries: list) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """(rows, ids) of every entry's tokens, as index tensors, and a dict entry's values."""
+    def pairs(entries: dict[int, list | dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, ids) of every entry's tokens as index tensors, and a dict entry's values."""
         at_rows, at_ids, values = [], [], []
-        for row, entry in enumerate(entries):
+        for row, entry in entries.items():
             for token in entry:
                 at_rows.append(row)
                 at_ids.append(token)
                 if isinstance(entry, dict):
                     values.append(entry[token])
-        return _ids(at_rows, device), _ids(at_ids, device), values
+        return _ids(at_rows, device), _ids(at_ids, device), torch.tensor(values, dtype=dtype).to(device)
 
-    banned_rows, banned_ids, _ = pairs([r.banned for r in rows])
+    def per_row(name: str, default: float) -> torch.Tensor:
+        values = [getattr(rows[i].params, name) if i in rows else default for i in range(len(logits))]
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    banned_rows, banned_ids, _ = pairs({i: r.banned for i, r in rows.items()})
     logits[banned_rows, banned_ids] = float("-inf")
-    if any(r.bias for r in rows):
-        bias_rows, bias_ids, values = pairs([r.bias for r in rows])
-        logits.index_put_(
-            (bias_rows, bias_ids), torch.tensor(values, dtype=dtype).to(device), accumulate=True
+    bias_rows, bias_ids, bias = pairs({i: r.bias for i, r in rows.items()})
+    logits.index_put_((bias_rows, bias_ids), bias, accumulate=True)
+    out_rows, out_ids, counts = pairs({i: r.output_counts for i, r in rows.items()})
+    repeated = [i for i, r in rows.items() if r.prompt_ids is not None]
+    if repeated:  # a token seen twice (prompt and output) gets the same value written twice
+        lengths = [rows[j].prompt_ids.numel() for j in repeated]
+        prompt_rows = torch.repeat_interleave(
+            _ids(repeated, device), _ids(lengths, device), output_size=sum(lengths)
         )
-    if not any(r.output_counts or r.prompt_seen is not None for r in rows):
-        return logits
-    count_rows, count_ids, values = pairs([r.output_counts for r in rows])
-    counts = torch.zeros_like(logits)
-    counts[count_rows, count_ids] = torch.tensor(values, dtype=dtype).to(device)
-    if any(r.prompt_seen is not None for r in rows):
-        unseen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
-        seen = torch.stack([unseen if r.prompt_seen is None else r.prompt_seen for r in rows]) | (counts > 0)
-        penalty = _per_row([r.params.repetition_penalty for r in rows], device).to(dtype)[:, None]
-        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits))
-    frequency = _per_row([r.params.frequency_penalty for r in rows], device).to(dtype)[:, None]
-    presence = _per_row([r.params.presence_penalty for r in rows], device).to(dtype)[:, None]
-    return logits.sub_(frequency * counts + presence * (counts > 0).to(dtype))
+        repetition = per_row("repetition_penalty", 1.0)
+        keep = repetition[out_rows] != 1.0
+        at_rows = torch.cat([prompt_rows, out_rows[keep]])
+        at_ids = torch.cat([*(rows[j].prompt_ids for j in repeated), out_ids[keep]])
+        penalty, values = repetition[at_rows], logits[at_rows, at_ids]
+        logits[at_rows, at_ids] = torch.where(values > 0, values / penalty, values * penalty)
+    penalties = (
+        per_row("frequency_penalty", 0.0)[out_rows] * counts + per_row("presence_penalty", 0.0)[out_rows]
+    )
+    return logits.index_put_((out_rows, out_ids), -penalties, accumulate=True)
 
 
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability
@@ -176,17 +181,14 @@ def draw(
 ) -> torch.Tensor:
     """The rows' tokens, on the device; a row whose own stage fails is recorded in ``failed``
     (its entry in the result is then meaningless). Rows without a seed of their own draw from
-    ``generator``. Syncs with the host only for rows that adjust their logits."""
+    ``generator``. ``logits`` are consumed (adjusted in place). Syncs with the host only for
+    rows that ``min_tokens`` holds back (to fail one left with no token)."""
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if adjusted:
-        logits = logits.clone()
-        vocab, device = logits.shape[-1], logits.device
-        parts = {i: _isolated(failed, i, row_adjustments, requests[i], vocab, device) for i in adjusted}
-        adjusted = [i for i in adjusted if i not in failed]
-        if adjusted:
-            at = _ids(adjusted, device)
-            logits[at] = adjust_logits(logits[at], [parts[i] for i in adjusted])
-        _fail_rows_without_tokens(logits, adjusted, failed)
+        parts = {i: _isolated(failed, i, row_adjustments, requests[i], logits.device) for i in adjusted}
+        parts = {i: part for i, part in parts.items() if i not in failed}
+        adjust_logits(logits, parts)
+        _fail_rows_without_tokens(logits, [i for i, part in parts.items() if part.banned], failed)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in failed]
     if rows:

@@ -154,7 +154,7 @@ def test_adjust_logits_is_exactly_the_formula():
     request.add_token(2, None)
     request.add_token(5, None)
     logits = torch.tensor([[1.0, 2.0, -2.0, 0.5, 3.0, 4.0, 1.0]])
-    adjust_logits(logits, [row_adjustments(request, 7, logits.device)])
+    adjust_logits(logits, {0: row_adjustments(request, logits.device)})
     logits = logits[0]
     expected = [1.0, 2.0 / 2.0, -2.0 * 2.0 - 0.5 - 0.25, 1.5, float("-inf"), 4.0 / 2.0 - 0.5 - 0.25, 1.0]
     assert logits.tolist() == expected
@@ -233,5 +233,10 @@ def test_rows_adjusted_at_once_equal_each_row_adjusted_alone():
         expected = torch.stack(
             [one_row_formula(row.clone(), r) for row, r in zip(logits, requests, strict=True)]
         )
-        got = adjust_logits(logits.clone(), [row_adjustments(r, vocab, logits.device) for r in requests])
+        got = adjust_logits(
+            logits.clone(), {i: row_adjustments(r, logits.device) for i, r in enumerate(requests)}
+        )
         torch.testing.assert_close(got, expected)
+        some = adjust_logits(logits.clone(), {i: row_adjustments(requests[i], logits.device) for i in (1, 3)})
+        torch.testing.assert_close(some[[1, 3]], expected[[1, 3]])
+        torch.testing.assert_close(some[[0, 2, 4, 5]], logits[[0, 2, 4, 5]])  # rows not named: as they were
