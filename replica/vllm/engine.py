@@ -251,8 +251,9 @@ class VllmEngine:
             await self._reset_cache()
 
     def drop_next_stored_event(self) -> None:
-        """Fault injection: the next stored block never reaches the view, as if lost unseen."""
-        self.subscriber.drop_next_stored = True
+        """Fault injection: the next batch of stored blocks never reaches the view, as if lost
+        unseen (each call loses one more batch)."""
+        self.subscriber.drop_stored_batches += 1
 
     # ------------------------------------------------------------------ load and health
 

@@ -52,7 +52,9 @@ class EventSubscriber:
         self.lost: str | None = None  # why the view is not vLLM's cache, until vLLM clears it
         self.batches = 0  # batches applied, replays included
         self.gaps = 0  # gaps filled from the replay buffer
-        self.drop_next_stored = False  # fault injection: lose one stored block's event unseen
+        # Fault injection: the next batches holding stored blocks lose those events unseen (a
+        # count, so arming twice before the first batch comes loses two, whatever the timing).
+        self.drop_stored_batches = 0
         self.skip_next_batch = False  # fault injection: one batch never arrives (a gap)
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -104,9 +106,9 @@ class EventSubscriber:
         self.batches += 1
         try:
             events = decode_batch(msgpack.unpackb(payload, raw=False, strict_map_key=False))
-            if self.drop_next_stored:
+            if self.drop_stored_batches:
                 kept = [e for e in events if e["type"] != "BlockStored"]
-                self.drop_next_stored = len(kept) == len(events)
+                self.drop_stored_batches -= len(kept) < len(events)
                 events = kept
             if any(e["type"] == "AllBlocksCleared" for e in events):
                 self.lost = None  # vLLM holds nothing now: an empty view is exact
