@@ -40,10 +40,6 @@ class LaunchedStep:
         else:
             self._host = tokens
 
-    def pending(self, sources: list[int]) -> Pending | None:
-        """What a step whose rows read ``sources`` needs of this one (None: nothing)."""
-        return (sources, self.tokens) if any(s >= 0 for s in sources) else None
-
     def land(self) -> list[Pick | FailedPick]:
         """Each sampling request's token, in order (or its own failure): the step's one sync."""
         if self._ready is not None:

@@ -21,6 +21,7 @@ from kvmesh.replica.engine.sampler import FailedPick, Pick, draw, sample
 from kvmesh.replica.models.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
+from kvmesh.replica.models.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -254,17 +255,16 @@ class ModelRunner:
         ``previous`` reads it there, on the device. Every request's tokens must be drawn on
         the device (``sampler.drawn_on_device``); none may want prompt log-probabilities."""
         step = _StepRows(requests)
-        sources = [  # per token: a pending token is a decode row's one token
-            s
-            for r, c in zip(requests, step.chunks, strict=True)
-            for s in ([-1] * len(c) if r.pending_row is None else [r.pending_row])
-        ]
+        pending = None
+        if previous is not None and any(r.pending_row is not None for r in requests):
+            sources = [  # per token: a pending token is a decode row's one token
+                s
+                for r, c in zip(requests, step.chunks, strict=True)
+                for s in ([-1] * len(c) if r.pending_row is None else [r.pending_row])
+            ]
+            pending = (sources, previous.tokens)
         logits = self._forward_layout(
-            step.chunks,
-            step.starts,
-            [r.block_table for r in requests],
-            step.rows,
-            previous.pending(sources) if previous is not None else None,
+            step.chunks, step.starts, [r.block_table for r in requests], step.rows, pending
         )
         sampling = [r for r, n in zip(requests, step.need, strict=True) if n]
         failed: dict[int, FailedPick] = {}
@@ -307,21 +307,19 @@ class ModelRunner:
             block_tables=tables,
             slot_mapping=slots,
         )
-        input_ids = self._to_device(token_ids)
+        input_ids = self._ids(token_ids)
         if pending is not None:
             sources, tokens = pending
-            input_ids = read_pending(input_ids, self._to_device(sources), tokens)
-        hidden = self.model(input_ids, self._to_device(positions), self.backend, self.backend.plan(layout))
+            input_ids = read_pending(input_ids, self._ids(sources), tokens)
+        hidden = self.model(input_ids, self._ids(positions), self.backend, self.backend.plan(layout))
         if every_row_sampled:
             return self.model.compute_logits(hidden)
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
-        return self.model.compute_logits(hidden[self._to_device(picked)])
+        return self.model.compute_logits(hidden[self._ids(picked)])
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """int64 ids on the device without draining its stream (a blocking copy would, and
-        async scheduling would then wait for the step before)."""
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.long, self.device)
 
 
 class _StepRows:

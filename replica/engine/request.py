@@ -101,7 +101,7 @@ class Request(Sequence):
         self.logprobs: list[TokenLogprob] = []  # of completion tokens, when asked
         self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1.., when asked
         self.prompt_logprobs_sent = False
-        self.sampling_tensors: dict[str, object] = {}  # its stop ids and bias as tensors, built once
+        self.sampling_tensors: dict[str, object] = {}  # the sampler's per-request state (prompt ids, tally)
         # Its row in the tokens of a launched step not yet landed (async scheduling): a stand-in
         # token holds the place of the one that step samples, so the next step can be planned.
         self.pending_row: int | None = None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvmesh.replica.models.transfer import to_device
 from kvmesh.serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class TokenLogprob:
 
 def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """Row i of ``log_probs`` ([rows, vocab]) scored for ``token_ids[i]``, with its top ``k``."""
-    ids = torch.tensor(token_ids, device=log_probs.device)
+    ids = to_device(token_ids, torch.long, log_probs.device)
     chosen = log_probs.gather(1, ids[:, None])
     ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
     top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
@@ -84,7 +85,7 @@ def row_adjustments(request: Request, device: torch.device) -> RowAdjustments:
     if p.repetition_penalty != 1.0:
         prompt_ids = request.sampling_tensors.get("prompt_ids")
         if prompt_ids is None:
-            prompt_ids = _ids(sorted(set(request.prompt_token_ids)), device)
+            prompt_ids = to_device(sorted(set(request.prompt_token_ids)), torch.long, device)
             request.sampling_tensors["prompt_ids"] = prompt_ids
     counts = {}
     if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
@@ -116,11 +117,15 @@ def adjust_logits(logits: torch.Tensor, rows: dict[int, RowAdjustments]) -> torc
                 at_ids.append(token)
                 if isinstance(entry, dict):
                     values.append(entry[token])
-        return _ids(at_rows, device), _ids(at_ids, device), torch.tensor(values, dtype=dtype).to(device)
+        return (
+            to_device(at_rows, torch.long, device),
+            to_device(at_ids, torch.long, device),
+            to_device(values, dtype, device),
+        )
 
     def per_row(name: str, default: float) -> torch.Tensor:
         values = [getattr(rows[i].params, name) if i in rows else default for i in range(len(logits))]
-        return torch.tensor(values, dtype=dtype).to(device)
+        return to_device(values, dtype, device)
 
     banned_rows, banned_ids, _ = pairs({i: r.banned for i, r in rows.items()})
     logits[banned_rows, banned_ids] = float("-inf")
@@ -131,7 +136,9 @@ def adjust_logits(logits: torch.Tensor, rows: dict[int, RowAdjustments]) -> torc
     if repeated:  # a token seen twice (prompt and output) gets the same value written twice
         lengths = [rows[j].prompt_ids.numel() for j in repeated]
         prompt_rows = torch.repeat_interleave(
-            _ids(repeated, device), _ids(lengths, device), output_size=sum(lengths)
+            to_device(repeated, torch.long, device),
+            to_device(lengths, torch.long, device),
+            output_size=sum(lengths),
         )
         repetition = per_row("repetition_penalty", 1.0)
         keep = repetition[out_rows] != 1.0
@@ -194,7 +201,7 @@ def draw(
     if rows:
         probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
         drawn = _race(probs, [requests[i].generator for i in rows], generator)
-        tokens.index_copy_(0, _ids(rows, tokens.device), drawn)
+        tokens.index_copy_(0, to_device(rows, torch.long, tokens.device), drawn)
     return tokens
 
 
@@ -236,17 +243,18 @@ def _fail_rows_without_tokens(logits: torch.Tensor, rows: list[int], failed: dic
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of temperature-scaled logits after per-row min-p, top-k and top-p filtering."""
     device = logits.device
-    temperature = _per_row([p.temperature for p in params], device)
+    temperature = to_device([p.temperature for p in params], torch.float32, device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if any(p.min_p > 0 for p in params):  # decided on the host: no device sync
-        min_p = _per_row([p.min_p for p in params], device)
+        min_p = to_device([p.min_p for p in params], torch.float32, device)
         probs = logits.softmax(dim=-1)
         too_unlikely = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(too_unlikely, float("-inf"))
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_ks) or any(p.top_p < 1 for p in params):
-        top_k, top_p = _per_row(top_ks, device), _per_row([p.top_p for p in params], device)
+        top_k = to_device(top_ks, torch.long, device)
+        top_p = to_device([p.top_p for p in params], torch.float32, device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         drop = rank >= top_k[:, None]
@@ -256,14 +264,3 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(dim=-1)
-
-
-def _per_row(values: list, device: torch.device) -> torch.Tensor:
-    """Host values as a device tensor without waiting for the device: a blocking copy first
-    drains the stream (undoing async scheduling); a non-blocking one is staged at once."""
-    return torch.tensor(values).to(device, non_blocking=True)
-
-
-def _ids(values: list[int], device: torch.device) -> torch.Tensor:
-    """Indices on the device (int64 even when there are none)."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvmesh.replica.models.transfer import to_device
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -175,7 +177,7 @@ class TorchPagedAttention:
             starts.append(total)
             total += q
         groups = [self._group(layout, rows, starts) for rows in (decode, prefill) if rows]
-        slots = torch.tensor(layout.slot_mapping, dtype=torch.long, device=self.device)
+        slots = to_device(layout.slot_mapping, torch.long, self.device)
         return TorchPlan(slots=slots, groups=groups)
 
     def _group(self, layout: BatchLayout, rows: list[int], starts: list[int]) -> _Group:
@@ -250,18 +252,16 @@ class FlashPlan:
 def flash_plan(layout: BatchLayout, device: torch.device) -> FlashPlan:
     """flash-attn's varlen arguments: cumulative query/key lengths and padded block tables."""
 
-    def i32(values: list[int]) -> torch.Tensor:  # non-blocking: the stream is not drained
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+    def i32(values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.int32, device)
 
     cu_q, cu_k = [0], [0]
     for q, c in zip(layout.query_lens, layout.context_lens, strict=True):
         cu_q.append(cu_q[-1] + q)
         cu_k.append(cu_k[-1] + c)
     return FlashPlan(
-        slots=torch.tensor(layout.slot_mapping, dtype=torch.long).to(device, non_blocking=True),
-        block_tables=torch.from_numpy(padded_tables(layout.block_tables, np.int32)).to(
-            device, non_blocking=True
-        ),
+        slots=to_device(layout.slot_mapping, torch.long, device),
+        block_tables=to_device(padded_tables(layout.block_tables, np.int32), torch.int32, device),
         context_lens=i32(layout.context_lens),
         cu_seqlens_q=i32(cu_q),
         cu_seqlens_k=i32(cu_k),
@@ -366,15 +366,12 @@ class TritonPagedAttention:
         query_start = np.zeros(len(layout.query_lens) + 1, dtype=np.int32)
         np.cumsum(layout.query_lens, out=query_start[1:])
 
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-
         decode_only = max(layout.query_lens) == 1
         return TritonPlan(
-            slots=to_device(np.asarray(layout.slot_mapping, dtype=np.int64)),
-            block_tables=to_device(tables),
-            query_start=to_device(query_start),
-            context_lens=to_device(np.asarray(layout.context_lens, dtype=np.int32)),
+            slots=to_device(layout.slot_mapping, torch.long, self.device),
+            block_tables=to_device(tables, torch.int32, self.device),
+            query_start=to_device(query_start, torch.int32, self.device),
+            context_lens=to_device(layout.context_lens, torch.int32, self.device),
             decode_only=decode_only,
             segments=self._segments(len(layout.query_lens), max(layout.context_lens)) if decode_only else 1,
         )

@@ -1,0 +1,17 @@
+"""Host values onto the device without waiting for it.
+
+A blocking host-to-device copy first drains the stream, so with async scheduling a step's
+plan would wait for the step before it; a non-blocking copy from pageable memory is staged at
+once and the host goes on. Every step-sized value (ids, positions, plans, sampling
+parameters) goes through here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on ``device`` (an empty list included)."""
+    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
