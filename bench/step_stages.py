@@ -8,10 +8,9 @@ function that does it, on a live engine, over the steps of a decode batch:
 - ``prepare``: the step's layout built on the host (token ids, positions, slot mapping, the
   backend's plan or the graph buffers' refill), everything in the forward call but the model;
 - ``model``: the model's forward (on a GPU: launching it, unless a sync waits inside);
-- ``logits``, ``sample``: the LM head and the sampler (without async scheduling, its one host
-  sync: the sampled ids);
-- ``land``: with async scheduling, waiting for the previous step's tokens (the step's one
-  sync: the device time the host's work did not hide);
+- ``logits``, ``sample``: the LM head and the sampler (queued on the device, no sync);
+- ``land``: waiting for the sampled ids, the step's one sync (without async scheduling right
+  after sampling; with it, the previous step's: the device time the host's work did not hide);
 - ``outputs``: the rest of the step (appending tokens, detokenizing, block bookkeeping).
 """
 
@@ -74,8 +73,7 @@ def _timed_stages(engine: LLMEngine, steps: int) -> list[dict]:
         "forward": (runner, "_forward_layout"),
         "model": (runner.model, "forward"),
         "logits": (runner.model, "compute_logits"),
-        "sample": (runner_module, "sample"),
-        "draw": (runner_module, "draw"),  # the sampler without its sync (async scheduling)
+        "sample": (runner_module, "draw"),
         "land": (LaunchedStep, "land"),
     }
     saved = {name: getattr(owner, attr) for name, (owner, attr) in originals.items()}
@@ -107,13 +105,12 @@ def _timed_stages(engine: LLMEngine, steps: int) -> list[dict]:
                     "prepare": spent["forward"] - spent["model"] - spent["logits"],
                     "model": spent["model"],
                     "logits": spent["logits"],
-                    "sample": spent["sample"] + spent["draw"],
+                    "sample": spent["sample"],
                     "land": spent["land"],
                     "outputs": total
                     - spent["schedule"]
                     - spent["forward"]
                     - spent["sample"]
-                    - spent["draw"]
                     - spent["land"],
                     "step": total,
                 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.replica.engine.request import Request
-from kvmesh.replica.engine.sampler import FailedPick, Pick
+from kvmesh.replica.engine.sampler import Drawn, FailedPick, Pick
 
 # Per input token, the row of the launched step's tokens it reads (-1: its own, known on the
 # host), and those tokens.
@@ -24,25 +24,27 @@ def read_pending(input_ids: torch.Tensor, sources: torch.Tensor, tokens: torch.T
 
 
 class LaunchedStep:
-    """The tokens one launched step draws for its sampling ``requests``, copied to the host
-    as soon as the device has them; ``land`` waits for that copy alone."""
+    """What one launched step draws for its sampling ``requests`` (tokens, log-probabilities),
+    copied to the host as soon as the device has it; ``land`` waits for that copy alone."""
 
-    def __init__(self, requests: list[Request], tokens: torch.Tensor, failed: dict[int, FailedPick]):
+    def __init__(self, requests: list[Request], drawn: Drawn):
         self.requests = requests
-        self.tokens = tokens  # on the device, where the next step reads them
-        self.failed = failed  # rows whose own draw failed
+        self.drawn = drawn
+        self.tokens = drawn.tokens  # on the device, where the next step reads them
         self._ready: torch.cuda.Event | None = None
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        self._host = drawn.tensors
+        if self.tokens.device.type == "cuda":
+            self._host = [_to_pinned(t) if t.device.type == "cuda" else t for t in self._host]
             self._ready = torch.cuda.Event()
             self._ready.record()
-        else:
-            self._host = tokens
 
     def land(self) -> list[Pick | FailedPick]:
-        """Each sampling request's token, in order (or its own failure): the step's one sync."""
+        """Each sampling request's pick, in order (or its own failure): the step's one sync."""
         if self._ready is not None:
             self._ready.synchronize()
-        values = self._host.tolist()
-        return [self.failed.get(j) or (values[j], None) for j in range(len(self.requests))]
+        return self.drawn.read([t.tolist() for t in self._host])
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

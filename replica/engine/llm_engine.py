@@ -27,7 +27,7 @@ from kvmesh.replica.engine.detokenizer import IncrementalDetokenizer, token_deco
 from kvmesh.replica.engine.launched import LaunchedStep
 from kvmesh.replica.engine.model_runner import ModelRunner
 from kvmesh.replica.engine.request import Request, RequestOutput, Status
-from kvmesh.replica.engine.sampler import FailedPick, Pick, TokenLogprob, drawn_on_device
+from kvmesh.replica.engine.sampler import FailedPick, Pick, TokenLogprob
 from kvmesh.replica.engine.scheduler import Scheduler
 from kvmesh.replica.engine.step_costs import StepCostFit, step_features
 from kvmesh.replica.models.loader import decoder_spec, load_hf_config
@@ -251,7 +251,7 @@ class LLMEngine:
 
     def _compute(self, scheduled: list[Request], outputs: list[RequestOutput]) -> None:
         """Run the batch and read its tokens before returning (without async scheduling, or
-        for a batch whose tokens need the host: log-probabilities, penalties)."""
+        for a batch with prompt log-probabilities to record)."""
         features, started = step_features(scheduled), self.clock()
         picks = self._run(scheduled)
         self.step_costs.observe(*features, self.clock() - started)
@@ -264,10 +264,10 @@ class LLMEngine:
                 self._emit(request, pick, outputs)
 
     def _launch(self, scheduled: list[Request]) -> _InFlight | None:
-        """Launch the batch without waiting for it, where every row's token is drawn on the
-        device; None where it must run the other way (or its launch failed: then it runs
-        again, after the previous batch lands, with the failure handling of ``_run``)."""
-        if not scheduled or not all(drawn_on_device(r.params) for r in scheduled):
+        """Launch the batch without waiting for it; None where it must run the other way (a
+        prompt whose log-probabilities are recorded as it goes, or a launch that failed: then
+        it runs again, after the previous batch lands, with the failure handling of ``_run``)."""
+        if not scheduled or any(r.wants_prompt_logprobs for r in scheduled):
             return None
         features, started = step_features(scheduled), self.clock()
         try:

@@ -17,7 +17,7 @@ from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.engine.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
 from kvmesh.replica.engine.launched import LaunchedStep, Pending, read_pending
 from kvmesh.replica.engine.request import Request
-from kvmesh.replica.engine.sampler import FailedPick, Pick, draw, sample
+from kvmesh.replica.engine.sampler import FailedPick, Pick, draw
 from kvmesh.replica.models.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
@@ -223,9 +223,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, requests: list[Request]) -> list[Pick | FailedPick | None]:
-        """Compute this step's tokens: for each request that reached its end, the sampled token
-        (and its log-probability, if asked), or its own failure. Prompt log-probabilities, where
-        asked, are recorded on the request as its prefill chunks go by."""
+        """Compute this step's tokens and wait for them: for each request that reached its
+        end, the sampled token (and its log-probability, if asked), or its own failure.
+        Prompt log-probabilities, where asked, are recorded on the request as its prefill
+        chunks go by (the one thing ``launch`` cannot do)."""
         step = _StepRows(requests)
         logits = self._forward_layout(step.chunks, step.starts, [r.block_table for r in requests], step.rows)
         failed: dict[int, FailedPick] = {}
@@ -244,16 +245,17 @@ class ModelRunner:
             if n and i not in failed:
                 sample_rows.append(offset - 1)
         sampling = [i for i, n in enumerate(step.need) if n and i not in failed]
-        picked = sample(logits[sample_rows], [requests[i] for i in sampling], self.generator)
+        sampled = [requests[i] for i in sampling]
+        picked = LaunchedStep(sampled, draw(logits[sample_rows], sampled, self.generator)).land()
         picks = dict(zip(sampling, picked, strict=True))
         return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 
     @torch.inference_mode()
     def launch(self, requests: list[Request], previous: LaunchedStep | None) -> LaunchedStep:
-        """Queue this step's forward and token draws on the device and return without waiting
-        for them (async scheduling). A request whose last token is still pending in
-        ``previous`` reads it there, on the device. Every request's tokens must be drawn on
-        the device (``sampler.drawn_on_device``); none may want prompt log-probabilities."""
+        """Queue this step's forward and draws on the device and return without waiting for
+        them (async scheduling). A request whose last token is still pending in ``previous``
+        reads it there, on the device (as input and for its penalties). None may still want
+        prompt log-probabilities."""
         step = _StepRows(requests)
         pending = None
         if previous is not None and any(r.pending_row is not None for r in requests):
@@ -267,13 +269,9 @@ class ModelRunner:
             step.chunks, step.starts, [r.block_table for r in requests], step.rows, pending
         )
         sampling = [r for r, n in zip(requests, step.need, strict=True) if n]
-        failed: dict[int, FailedPick] = {}
-        tokens = (
-            draw(logits, sampling, failed, self.generator)
-            if sampling
-            else logits.new_empty(0, dtype=torch.long)
+        return LaunchedStep(
+            sampling, draw(logits, sampling, self.generator, previous.tokens if previous else None)
         )
-        return LaunchedStep(sampling, tokens, failed)
 
     def _forward_layout(
         self,

@@ -13,6 +13,10 @@ Only rows that need a stage pay for it.
 A request whose own stage fails (its adjustments raise, or they leave no token to pick, as
 ``min_tokens`` does when every token is a stop id) gets a ``FailedPick`` in its row
 instead of a token: it ends alone and every other row is picked as it would have been.
+
+Everything a step draws stays on the device (``Drawn``) until the step lands, so a step can
+be launched before the last one's tokens are known (async scheduling): a row whose last
+token is still being sampled by that step counts it in its penalties on the device.
 """
 
 from __future__ import annotations
@@ -50,18 +54,30 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+def score(
+    log_probs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row i of ``log_probs`` ([rows, vocab]) scored for ``token_ids[i]``, on the device: the
+    token's log-probability, its rank, and the top ``k`` values and ids, best first."""
+    chosen = log_probs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (log_probs > chosen[:, None]).sum(dim=-1) + 1
+    top_values, top_ids = log_probs.topk(k, dim=-1)
+    return chosen, ranks, top_values, top_ids
+
+
+def token_logprobs(token_ids: list[int], scores: list[list], ks: list[int]) -> list[TokenLogprob]:
+    """``score``'s results read back to the host (as lists), each row cut to its own ``k``."""
+    chosen, ranks, top_values, top_ids = scores
+    return [
+        TokenLogprob(t, chosen[j], ranks[j], tuple(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
+        for j, (t, k) in enumerate(zip(token_ids, ks, strict=True))
+    ]
+
+
 def logprobs_of(log_probs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """Row i of ``log_probs`` ([rows, vocab]) scored for ``token_ids[i]``, with its top ``k``."""
-    ids = to_device(token_ids, torch.long, log_probs.device)
-    chosen = log_probs.gather(1, ids[:, None])
-    ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
-    top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
-    return [
-        TokenLogprob(t, lp, rank, tuple(zip(i, v, strict=True)))
-        for t, lp, rank, i, v in zip(
-            token_ids, chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_values.tolist(), strict=True
-        )
-    ]
+    scores = score(log_probs, to_device(token_ids, torch.long, log_probs.device), k)
+    return token_logprobs(token_ids, [t.tolist() for t in scores], [k] * len(token_ids))
 
 
 @dataclass
@@ -94,19 +110,29 @@ def row_adjustments(request: Request, device: torch.device) -> RowAdjustments:
 
 
 def _output_counts(request: Request) -> dict[int, int]:
-    """Its output tokens' tally, brought up to date with the tokens since the last step."""
+    """Its output tokens' tally, brought up to date with the tokens landed since the last
+    step (a token still pending is counted on the device, ``adjust_logits``)."""
     counts, tallied = request.sampling_tensors.get("output_counts", ({}, 0))
-    for token in request.completion_token_ids[tallied:]:
+    landed = request.num_completion_tokens - (request.pending_row is not None)
+    for token in request.completion_token_ids[tallied:landed]:
         counts[token] = counts.get(token, 0) + 1
-    request.sampling_tensors["output_counts"] = (counts, request.num_completion_tokens)
+    request.sampling_tensors["output_counts"] = (counts, landed)
     return counts
 
 
-def adjust_logits(logits: torch.Tensor, rows: dict[int, RowAdjustments]) -> torch.Tensor:
+# Rows whose last output token is still being sampled by a launched step, and those tokens
+# (on the device).
+PendingTokens = tuple[list[int], torch.Tensor]
+
+
+def adjust_logits(
+    logits: torch.Tensor, rows: dict[int, RowAdjustments], pending: PendingTokens | None = None
+) -> torch.Tensor:
     """Logits ([rows, vocab]) after min_tokens, logit bias, then the repetition, frequency and
     presence penalties (vLLM's formulas), for the rows ``rows`` names, all at once, in place.
-    Only the entries a rule names are read and written, never the whole matrix."""
-    device, dtype = logits.device, logits.dtype
+    Only the entries a rule names are read and written, never the whole matrix. ``pending``
+    tokens count as output of their rows, without a host sync."""
+    device, dtype, vocab = logits.device, logits.dtype, logits.shape[-1]
 
     def pairs(entries: dict[int, list | dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, ids) of every entry's tokens as index tensors, and a dict entry's values."""
@@ -127,12 +153,18 @@ def adjust_logits(logits: torch.Tensor, rows: dict[int, RowAdjustments]) -> torc
         values = [getattr(rows[i].params, name) if i in rows else default for i in range(len(logits))]
         return to_device(values, dtype, device)
 
+    def penalized(values: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+        return torch.where(values > 0, values / penalty, values * penalty)
+
     banned_rows, banned_ids, _ = pairs({i: r.banned for i, r in rows.items()})
     logits[banned_rows, banned_ids] = float("-inf")
     bias_rows, bias_ids, bias = pairs({i: r.bias for i, r in rows.items()})
     logits.index_put_((bias_rows, bias_ids), bias, accumulate=True)
     out_rows, out_ids, counts = pairs({i: r.output_counts for i, r in rows.items()})
+    repetition = per_row("repetition_penalty", 1.0)
+    frequency, presence = per_row("frequency_penalty", 0.0), per_row("presence_penalty", 0.0)
     repeated = [i for i, r in rows.items() if r.prompt_ids is not None]
+    prompt_rows = prompt_ids = out_ids[:0]
     if repeated:  # a token seen twice (prompt and output) gets the same value written twice
         lengths = [rows[j].prompt_ids.numel() for j in repeated]
         prompt_rows = torch.repeat_interleave(
@@ -140,69 +172,98 @@ def adjust_logits(logits: torch.Tensor, rows: dict[int, RowAdjustments]) -> torc
             to_device(lengths, torch.long, device),
             output_size=sum(lengths),
         )
-        repetition = per_row("repetition_penalty", 1.0)
+        prompt_ids = torch.cat([rows[j].prompt_ids for j in repeated])
         keep = repetition[out_rows] != 1.0
-        at_rows = torch.cat([prompt_rows, out_rows[keep]])
-        at_ids = torch.cat([*(rows[j].prompt_ids for j in repeated), out_ids[keep]])
-        penalty, values = repetition[at_rows], logits[at_rows, at_ids]
-        logits[at_rows, at_ids] = torch.where(values > 0, values / penalty, values * penalty)
-    penalties = (
-        per_row("frequency_penalty", 0.0)[out_rows] * counts + per_row("presence_penalty", 0.0)[out_rows]
+        at_rows, at_ids = torch.cat([prompt_rows, out_rows[keep]]), torch.cat([prompt_ids, out_ids[keep]])
+        logits[at_rows, at_ids] = penalized(logits[at_rows, at_ids], repetition[at_rows])
+    logits.index_put_(
+        (out_rows, out_ids), -(frequency[out_rows] * counts + presence[out_rows]), accumulate=True
     )
-    return logits.index_put_((out_rows, out_ids), -penalties, accumulate=True)
+    if pending is not None and pending[0]:
+        # One more output token a row (so no two writes meet): penalized for repetition if
+        # its row had not seen it, charged its presence if its row had not output it yet.
+        at_rows, at_ids = to_device(pending[0], torch.long, device), pending[1]
+        keys = at_rows * vocab + at_ids
+        output = torch.isin(keys, out_rows * vocab + out_ids)
+        seen = output | torch.isin(keys, prompt_rows * vocab + prompt_ids)
+        values = logits[at_rows, at_ids]
+        values = torch.where(seen, values, penalized(values, repetition[at_rows]))
+        logits[at_rows, at_ids] = values - frequency[at_rows] - torch.where(output, 0.0, presence[at_rows])
+    return logits
 
 
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, where asked, its log-probability
 
 
-def sample(
-    logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None
-) -> list[Pick | FailedPick]:
-    """One pick per row of ``logits`` ([rows, vocab], float32), or the row's own failure;
-    rows without a seed of their own draw from ``generator``."""
-    failed: dict[int, FailedPick] = {}
-    wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    raw = logits[wants].log_softmax(dim=-1) if wants else None
-    token_list = draw(logits, requests, failed, generator).tolist()
-    scored: list[TokenLogprob | None] = [None] * len(requests)
-    if raw is not None:
-        for j, i in enumerate(wants):
-            if i not in failed:
-                k = requests[i].params.logprobs
-                found = _isolated(failed, i, logprobs_of, raw[j : j + 1], [token_list[i]], k)
-                scored[i] = found[0] if found else None
-    return [failed.get(i) or (token_list[i], scored[i]) for i in range(len(requests))]
+@dataclass
+class Drawn:
+    """What one step drew, on the device until the step lands (``launched.LaunchedStep``)."""
 
+    tokens: torch.Tensor  # a token a row (meaningless in a failed row)
+    failed: dict[int, FailedPick]  # rows whose own stage failed on the host
+    held: list[int]  # rows min_tokens holds back: they fail if it left them no token
+    held_ok: torch.Tensor  # whether each of those had a token left
+    scored: list[int]  # rows that asked for log-probabilities
+    ks: list[int]  # how many alternatives each of them asked for
+    scores: tuple[torch.Tensor, ...]  # ``score``'s results for those rows
 
-def drawn_on_device(params: SamplingParams) -> bool:
-    """Whether a request's tokens are drawn with no host sync (async scheduling needs that):
-    no log-probabilities to read back, no adjustment that reads its tokens so far."""
-    return params.logprobs is None and params.prompt_logprobs is None and not params.adjusts_logits
+    def read(self, values: list[list]) -> list[Pick | FailedPick]:
+        """Each row's pick or failure, from ``[tokens, held_ok, *scores]`` read back as lists."""
+        tokens, held_ok, *scores = values
+        failed = dict(self.failed)
+        for row, ok in zip(self.held, held_ok, strict=True):
+            if not ok:
+                failed.setdefault(
+                    row, FailedPick("no token is left to sample: min_tokens rules out every token id")
+                )
+        scored = {}
+        if self.scored:
+            found = token_logprobs([tokens[i] for i in self.scored], scores, self.ks)
+            scored = dict(zip(self.scored, found, strict=True))
+        return [failed.get(i) or (tokens[i], scored.get(i)) for i in range(len(tokens))]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, self.held_ok, *self.scores]
 
 
 def draw(
     logits: torch.Tensor,
     requests: list[Request],
-    failed: dict[int, FailedPick],
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """The rows' tokens, on the device; a row whose own stage fails is recorded in ``failed``
-    (its entry in the result is then meaningless). Rows without a seed of their own draw from
-    ``generator``. ``logits`` are consumed (adjusted in place). Syncs with the host only for
-    rows that ``min_tokens`` holds back (to fail one left with no token)."""
+    previous_tokens: torch.Tensor | None = None,
+) -> Drawn:
+    """The rows' tokens, and the log-probabilities of those that ask, all on the device: no
+    host sync. Rows without a seed of their own draw from ``generator``. A request whose last
+    token is pending (``pending_row``) reads it from ``previous_tokens`` for its penalties.
+    ``logits`` are consumed (adjusted in place)."""
+    failed: dict[int, FailedPick] = {}
+    scored = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    raw = logits[scored].log_softmax(dim=-1) if scored else None
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+    held: list[int] = []
     if adjusted:
         parts = {i: _isolated(failed, i, row_adjustments, requests[i], logits.device) for i in adjusted}
         parts = {i: part for i, part in parts.items() if i not in failed}
-        adjust_logits(logits, parts)
-        _fail_rows_without_tokens(logits, [i for i, part in parts.items() if part.banned], failed)
+        pending = None
+        if previous_tokens is not None:
+            waiting = [i for i in parts if requests[i].pending_row is not None]
+            sources = to_device([requests[i].pending_row for i in waiting], torch.long, logits.device)
+            pending = (waiting, previous_tokens[sources])
+        adjust_logits(logits, parts, pending)
+        held = [i for i, part in parts.items() if part.banned]
+    # A row min_tokens left without a token fails when the step lands (its draw below picks
+    # nothing real, and asserts nothing on the device).
+    held_ok = torch.isfinite(logits[held]).any(dim=-1) if held else torch.ones(0, dtype=torch.bool)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in failed]
     if rows:
         probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
         drawn = _race(probs, [requests[i].generator for i in rows], generator)
         tokens.index_copy_(0, to_device(rows, torch.long, tokens.device), drawn)
-    return tokens
+    ks = [requests[i].params.logprobs for i in scored]
+    scores = score(raw, tokens[scored], max(ks)) if scored else ()
+    return Drawn(tokens, failed, held, held_ok, scored, ks, scores)
 
 
 def _race(probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None):
@@ -227,17 +288,6 @@ def _isolated(failed: dict[int, FailedPick], row: int, fn, *args, **kwargs):
     except Exception as exc:  # this request's stage failed: the batch goes on without it
         failed[row] = FailedPick(f"sampling failed: {exc}")
         return None
-
-
-def _fail_rows_without_tokens(logits: torch.Tensor, rows: list[int], failed: dict) -> None:
-    """Rows whose adjustments ruled out every token have nothing to pick (a multinomial over
-    them fails, and on CUDA that is a device-side assert that poisons the context)."""
-    if not rows:
-        return
-    has_token = torch.isfinite(logits[rows]).any(dim=-1).tolist()
-    for i, ok in zip(rows, has_token, strict=True):
-        if not ok:
-            failed[i] = FailedPick("no token is left to sample: min_tokens rules out every token id")
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -73,8 +73,8 @@ def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir, overlap):
     assert (
         row["batch"] == 4 and row["model_ms"] > 0 and 0.75 * row["step_ms"] <= parts <= 1.25 * row["step_ms"]
     )
-    assert row["sample_ms"] > 0 and (row["land_ms"] > 0) is overlap
-    assert model_runner.sample is sampler.sample and model_runner.draw is sampler.draw
+    assert row["sample_ms"] > 0 and row["land_ms"] > 0  # the sync: after sampling, or a step later
+    assert model_runner.draw is sampler.draw
     assert LaunchedStep.land is land and "_forward_layout" not in vars(engine.runner)
     assert "forward" not in vars(engine.runner.model) and "schedule" not in vars(engine.scheduler)
     while engine.has_unfinished_requests() or engine._in_flight:

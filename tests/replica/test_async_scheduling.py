@@ -42,16 +42,18 @@ def workload(qwen3_dir) -> list[SamplingParams]:
     ]
 
 
-def launch_only(engine: LLMEngine) -> dict:
-    """Count the engine's synchronous runs: a batch that could launch but fell back shows."""
-    calls = {"run": 0}
-    run = engine.runner.run
+def count_calls(engine: LLMEngine) -> dict:
+    """Count the engine's synchronous runs and launches: a batch that could launch but fell
+    back shows."""
+    calls = {"run": 0, "launch": 0}
+    for name in calls:
+        method = getattr(engine.runner, name)
 
-    def counted(requests):
-        calls["run"] += 1
-        return run(requests)
+        def counted(*args, _name=name, _method=method):
+            calls[_name] += 1
+            return _method(*args)
 
-    engine.runner.run = counted
+        setattr(engine.runner, name, counted)
     return calls
 
 
@@ -68,7 +70,7 @@ def test_async_scheduling_gives_the_synchronous_engines_outputs(qwen3_dir, param
     sync = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=False, **OPTIONS)
     expected = outcome(sync.generate(PROMPTS, params))
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
-    calls = launch_only(engine)
+    calls = count_calls(engine)
     assert outcome(engine.generate(PROMPTS, params)) == expected
     assert calls["run"] == 0  # every batch was launched ahead, none fell back
     # The last launched batch holds rows of ended requests only: one more step lands it, and
@@ -140,21 +142,70 @@ def test_an_abort_while_its_token_is_in_flight_leaves_no_pending_place(qwen3_dir
     assert engine.requests == {} and engine.block_manager.num_used_blocks == 0
 
 
-def test_batches_that_need_the_host_run_synchronously(qwen3_dir):
-    """Log-probabilities and penalties read the host: such a batch is not launched ahead,
-    and its outputs are the synchronous engine's."""
+def test_logprobs_and_penalties_are_launched_ahead_with_the_synchronous_outputs(qwen3_dir):
+    """Log-probabilities are read back with the tokens, and penalties count the token still
+    in flight on the device: such batches launch ahead and give what the synchronous engine
+    gives (a strong repetition penalty changes greedy tokens every step, so a pending token
+    left out of it shows)."""
+    base = dict(max_tokens=12, ignore_eos=True)
     params = [
-        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, **base),
+        SamplingParams(temperature=0, repetition_penalty=3.0, **base),
+        SamplingParams(
+            temperature=0.8, seed=5, frequency_penalty=1.5, presence_penalty=0.5, logprobs=0, **base
+        ),
+        SamplingParams(temperature=0, min_tokens=10, logit_bias={7: 3.0}, **{**base, "ignore_eos": False}),
+        SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=0.5, **base),
+    ]
+    sync = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=False, **OPTIONS)
+    expected = sync.generate(PROMPTS[:5], params)
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
+    calls = count_calls(engine)
+    got = engine.generate(PROMPTS[:5], params)
+    assert outcome(got) == outcome(expected)
+    for ours, theirs in zip(got, expected, strict=True):  # a batch's other rows move the last ulp
+        assert [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in ours.logprobs or []] == [
+            (lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in theirs.logprobs or []
+        ]
+        assert [lp.logprob for lp in ours.logprobs or []] == pytest.approx(
+            [lp.logprob for lp in theirs.logprobs or []], abs=1e-5
+        )
+    assert [lp.token_id for lp in got[0].logprobs] == got[0].token_ids and len(got[0].logprobs[0].top) == 2
+    assert calls["run"] == 0
+    plain = sync.generate(PROMPTS[1:2], SamplingParams(temperature=0, **base))[0]
+    assert plain.token_ids != got[1].token_ids  # the penalty changed the tokens
+
+
+def test_a_prompt_with_prompt_logprobs_runs_synchronously(qwen3_dir):
+    """Prompt log-probabilities are recorded from each prefill chunk on the host: that
+    batch is not launched ahead; the decode steps after it are."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
     ]
     sync = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=False, **OPTIONS)
+    expected = sync.generate(PROMPTS[1:3], params)
     engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
-    calls = launch_only(engine)
-    got = engine.generate(PROMPTS[:3], params)
-    assert outcome(got) == outcome(sync.generate(PROMPTS[:3], params))
-    assert [lp.token_id for lp in got[0].logprobs] == got[0].token_ids
-    assert calls["run"] > 0
+    calls = count_calls(engine)
+    got = engine.generate(PROMPTS[1:3], params)
+    assert outcome(got) == outcome(expected) and got[0].prompt_logprobs == expected[0].prompt_logprobs
+    assert calls["run"] > 0 and calls["launch"] > 0
+
+
+def test_a_row_left_without_a_token_fails_alone_when_its_step_lands(qwen3_dir):
+    """min_tokens over every vocabulary id leaves a launched row nothing to draw: the step
+    draws on without a host sync, and that request fails alone when the step lands."""
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=True, **OPTIONS)
+    every_id = list(range(engine.vocab_size))
+    bad = SamplingParams(temperature=1.0, max_tokens=4, min_tokens=2, stop_token_ids=every_id)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    calls = count_calls(engine)
+    outs = engine.generate(PROMPTS[:2], [bad, greedy])
+    assert outs[0].finish_reason == "error" and outs[0].token_ids == []
+    expected = LLMEngine(qwen3_dir, num_kv_blocks=32, async_scheduling=False, **OPTIONS).generate(
+        PROMPTS[1:2], greedy
+    )
+    assert outs[1].token_ids == expected[0].token_ids and calls["run"] == 0
 
 
 def test_a_failed_launch_runs_the_batch_after_the_last_one_lands(qwen3_dir, params):
@@ -193,7 +244,7 @@ def test_decode_graphs_read_pending_tokens_on_the_device(qwen3_dir, params):
     engine = LLMEngine(qwen3_dir, async_scheduling=True, **options)
     if engine.runner.graphs is None:
         engine.runner.capture_decode_graphs(EagerReplay())
-    calls = launch_only(engine)
+    calls = count_calls(engine)
     assert outcome(engine.generate(PROMPTS, params)) == expected
     assert engine.runner.graphs.replays > 0 and calls["run"] == 0
 

@@ -172,7 +172,7 @@ def test_rows_drawn_at_once_follow_their_filtered_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(rows, -1).clone()
     plain = SimpleNamespace(params=SamplingParams(temperature=1.0, top_k=3), generator=None)
-    tokens = draw(logits, [plain] * rows, {}, torch.Generator().manual_seed(7))
+    tokens = draw(logits, [plain] * rows, torch.Generator().manual_seed(7)).tokens
     counts = torch.bincount(tokens, minlength=4).double() / rows
     kept = probs[:3] / probs[:3].sum()  # top_k=3 rules out the last token
     assert counts[3] == 0
@@ -183,10 +183,10 @@ def test_rows_drawn_at_once_follow_their_filtered_distribution():
             params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(11)
         )
 
-    alone = draw(logits[:1], [seeded()], {}, torch.Generator().manual_seed(1))
+    alone = draw(logits[:1], [seeded()], torch.Generator().manual_seed(1)).tokens
     crowded = draw(
-        logits[:64], [plain] * 40 + [seeded()] + [plain] * 23, {}, torch.Generator().manual_seed(2)
-    )
+        logits[:64], [plain] * 40 + [seeded()] + [plain] * 23, torch.Generator().manual_seed(2)
+    ).tokens
     assert crowded[40] == alone[0] and len(set(crowded.tolist())) > 1
 
 
@@ -240,3 +240,52 @@ def test_rows_adjusted_at_once_equal_each_row_adjusted_alone():
         some = adjust_logits(logits.clone(), {i: row_adjustments(requests[i], logits.device) for i in (1, 3)})
         torch.testing.assert_close(some[[1, 3]], expected[[1, 3]])
         torch.testing.assert_close(some[[0, 2, 4, 5]], logits[[0, 2, 4, 5]])  # rows not named: as they were
+
+
+def test_a_pending_token_counts_as_output_on_the_device():
+    """A row whose last token a launched step is still sampling (async scheduling) is
+    adjusted as if that token had landed, whether it is new to its row, repeated from its
+    output, or seen only in its prompt; and once it lands it is tallied once."""
+    vocab, rng = 50, torch.Generator().manual_seed(5)
+    kinds = [
+        {"repetition_penalty": 1.7},
+        {"repetition_penalty": 0.6, "frequency_penalty": 0.4},
+        {"presence_penalty": -0.8, "frequency_penalty": 0.3, "repetition_penalty": 1.3},
+        {"presence_penalty": 0.5, "logit_bias": {21: 1.0}},
+        {"min_tokens": 3, "frequency_penalty": 0.2},  # the pending token reaches min_tokens
+        {"min_tokens": 4, "presence_penalty": 0.1},  # it does not
+    ]
+    pending_tokens = [30, 20, 3, 21, 7, 0]  # new, in output, prompt only, in output, stop ids
+    landed, waiting = [], []
+    for kind in kinds:
+        pair = [
+            Request(
+                "r", [1, 2, 3, 4, 5], 16, SamplingParams(max_tokens=9, **kind), None, frozenset({0, 7}), None
+            )
+            for _ in range(2)
+        ]
+        for request in pair:
+            request.add_token(20, None)
+            request.add_token(21, None)
+        landed.append(pair[0])
+        waiting.append(pair[1])
+    for request in waiting:  # tallied once before the pending token: the tally carries over
+        row_adjustments(request, torch.device("cpu"))
+    for row, (a, b, token) in enumerate(zip(landed, waiting, pending_tokens, strict=True)):
+        a.add_token(token, None)
+        b.expect_token(row)
+    previous = torch.tensor(pending_tokens)
+    for _ in range(2):  # the token pending, then landed
+        logits = torch.randn(len(kinds), vocab, generator=rng)
+        expected = torch.stack(
+            [one_row_formula(row.clone(), r) for row, r in zip(logits, landed, strict=True)]
+        )
+        pending = [row for row, r in enumerate(waiting) if r.pending_row is not None]
+        got = adjust_logits(
+            logits.clone(),
+            {i: row_adjustments(r, logits.device) for i, r in enumerate(waiting)},
+            (pending, previous[pending]),
+        )
+        torch.testing.assert_close(got, expected)
+        for request, token in zip(waiting, pending_tokens, strict=True):
+            request.add_token(token, None)
