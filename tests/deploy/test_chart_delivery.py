@@ -19,6 +19,21 @@ from helm_chart import (
 )
 
 
+def controller_configs(docs: list[dict]) -> list:
+    """The cluster configs ``kvmesh up`` builds from the controller's arguments, one a model."""
+    from kvmesh.cli.commands import up as up_command
+
+    [ctrl] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
+    parser = argparse.ArgumentParser()
+    up_command.FLAGS.add_to(parser)
+    args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
+    env = config_map(docs)["data"]  # in the pod's environment
+    args = [*args[1:], f"--redis-url={env['KVMESH_REDIS_URL']}"]
+    if not any(a.startswith("--model=") for a in args):  # one model: the ConfigMap names it
+        args.append(f"--model={env['KVMESH_MODEL']}")
+    return [config for (config,) in up_command.FLAGS.build_models(parser.parse_args(args))]
+
+
 def test_the_model_is_downloaded_at_deploy_time_by_default(chart):
     docs = render(chart, {})
     specs = kvmesh_pods(docs)
@@ -126,8 +141,6 @@ def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
     resource that only that model's replicas take, each group downloading its own model,
     the router pod fetching both tokenizers, and the controller's replicas of each model
     placed by that resource, as ``kvmesh up`` parses its arguments."""
-    from kvmesh.cli.commands import up as up_command
-
     docs = render(chart, values_of(CHART / "ci" / "multi-model-values.yaml"))
     [ray] = by_kind(docs, "RayCluster")
     groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
@@ -147,12 +160,7 @@ def test_each_model_has_its_worker_group_its_replicas_and_its_download(chart):
         ("download-qwen", "--tokenizer-only"),
         ("download-llama", "--tokenizer-only"),
     ]
-    [ctrl] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
-    parser = argparse.ArgumentParser()
-    up_command.FLAGS.add_to(parser)
-    args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
-    redis = f"--redis-url={config_map(docs)['data']['KVMESH_REDIS_URL']}"  # from the ConfigMap in the pod
-    configs = [config for (config,) in up_command.FLAGS.build_models(parser.parse_args([*args[1:], redis]))]
+    configs = controller_configs(docs)
     placed = {
         c.ray_resource: (
             c.model_id,
@@ -175,8 +183,6 @@ def test_a_model_on_vllm_runs_the_vllm_image_and_its_replicas_run_vllm(chart):
     too: one image a pod) runs the image's vLLM variant, the other model and the router keep
     the plain image, and the controller's replicas of that model parse to engine=vllm with
     its ``vllm serve`` arguments, as ``kvmesh up`` reads them."""
-    from kvmesh.cli.commands import up as up_command
-
     values = values_of(CHART / "ci" / "multi-model-values.yaml")
     values["models"][1]["engine"] = {"kind": "vllm", "vllmArgs": "--enable-chunked-prefill --swap-space=1"}
     values["image"] = {"repository": "registry.example/kvmesh", "tag": "1.2.3"}
@@ -192,12 +198,7 @@ def test_a_model_on_vllm_runs_the_vllm_image_and_its_replicas_run_vllm(chart):
     assert set(images) == {"ray-head", "ray-qwen", "llm-kvmesh-router", "llm-kvmesh-controller"}
     assert all(i == plain for i in images.values()), images
 
-    [ctrl] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-controller")]
-    parser = argparse.ArgumentParser()
-    up_command.FLAGS.add_to(parser)
-    args = ctrl["spec"]["template"]["spec"]["containers"][0]["args"]
-    redis = f"--redis-url={config_map(docs)['data']['KVMESH_REDIS_URL']}"
-    configs = [config for (config,) in up_command.FLAGS.build_models(parser.parse_args([*args[1:], redis]))]
+    configs = controller_configs(docs)
     engines = {c.model_id: (c.replica.engine_kind, c.replica.vllm_args) for c in configs}
     assert engines == {
         "kvmesh/tiny-qwen3": ("kvmesh", ""),
@@ -214,3 +215,27 @@ def test_a_model_on_vllm_runs_the_vllm_image_and_its_replicas_run_vllm(chart):
         "qwen": "registry.example/kvmesh:1.2.3",
         "llama": "registry.example/kvmesh@sha256:" + "0" * 64,
     }
+
+
+def test_the_engines_gpu_settings_reach_the_replicas_for_all_models_or_one(chart):
+    """Attention backend, CUDA graphs and async scheduling: unset, the engine decides;
+    set on controller.engine, every model's replicas get them; set on one model, that one."""
+
+    def engines(values: dict) -> list[tuple]:
+        jsonschema.validate(chart.merge_values(values), SCHEMA)
+        return [
+            (e.attention_backend, e.enforce_eager, e.async_scheduling)
+            for e in (c.replica.engine for c in controller_configs(render(chart, values)))
+        ]
+
+    assert engines({}) == [(None, False, None)]
+    gpu = {"attentionBackend": "triton", "enforceEager": True, "asyncScheduling": "off"}
+    assert engines({"controller": {"engine": gpu}}) == [("triton", True, False)]
+    values = values_of(CHART / "ci" / "multi-model-values.yaml")
+    assert engines(values) == [(None, False, None)] * 2
+    values["models"][1]["engine"] = {
+        "attentionBackend": "torch",
+        "asyncScheduling": "on",
+        "enforceEager": True,
+    }
+    assert engines(values) == [(None, False, None), ("torch", True, True)]

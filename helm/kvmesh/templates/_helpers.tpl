@@ -377,6 +377,9 @@ env:
 {{- $e := $m.engine -}}
 {{- $parts = concat $parts (list (printf "replicas=%v" $m.replicas) (printf "max-num-seqs=%v" $e.maxNumSeqs) (printf "max-num-batched-tokens=%v" $e.maxNumBatchedTokens) (printf "gpu-memory-utilization=%v" $e.gpuMemoryUtilization) (printf "num-kv-blocks=%v" $e.numKvBlocks)) -}}
 {{- with $e.dtype }}{{ $parts = append $parts (printf "dtype=%s" .) }}{{ end -}}
+{{- with $e.attentionBackend }}{{ $parts = append $parts (printf "attention-backend=%s" .) }}{{ end -}}
+{{- if $e.enforceEager }}{{ $parts = append $parts "enforce-eager=true" }}{{ end -}}
+{{- if ne ($e.asyncScheduling | default "auto") "auto" }}{{ $parts = append $parts (printf "async-scheduling=%v" (eq $e.asyncScheduling "on")) }}{{ end -}}
 {{- if eq $e.kind "vllm" }}{{ $parts = append $parts "engine=vllm" }}{{ end -}}
 {{- with $e.vllmArgs }}{{ $parts = append $parts (printf "vllm-args=%s" .) }}{{ end -}}
 {{- with $m.resource }}{{ $parts = append $parts (printf "ray-resource=%s" .) }}{{ end -}}
