@@ -127,6 +127,11 @@ class Request(Sequence):
             ids = [self.prompt_token_ids[t] for t in targets]
             self.prompt_logprobs += logprobs_of(rows, ids, self.params.prompt_logprobs)
 
+    @property
+    def ends_when_pending_lands(self) -> bool:
+        """Its held place is its last token (``max_tokens``): no step after it is its."""
+        return self.pending_row is not None and self.num_completion_tokens >= self.params.max_tokens
+
     def expect_token(self, row: int) -> None:
         """A launched step samples this request's next token in ``row``: its place is held by
         ``PENDING_TOKEN`` until the step lands (the device reads the real one in the meantime)."""

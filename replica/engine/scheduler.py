@@ -45,12 +45,16 @@ class Scheduler:
 
     def schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
         """The running requests' share of the step, in admission order: (scheduled, budget
-        left, whether any was preempted)."""
+        left, whether any was preempted). A request whose token in flight is its last sits
+        the step out (async scheduling): it ends when that token lands."""
         scheduled: list[Request] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.ends_when_pending_lands:
+                i += 1
+                continue
             preempted |= self._make_room(request)
             if request.status is not Status.RUNNING:
                 break

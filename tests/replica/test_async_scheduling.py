@@ -66,15 +66,43 @@ def params(qwen3_dir):
     return workload(qwen3_dir)
 
 
+def sampled_rows(engine: LLMEngine) -> list[int]:
+    """The rows each launched step samples, as the engine launches them."""
+    rows, launch = [], engine.runner.launch
+
+    def counted(requests, previous):
+        step = launch(requests, previous)
+        rows.append(len(step.requests))
+        return step
+
+    engine.runner.launch = counted
+    return rows
+
+
 def test_async_scheduling_gives_the_synchronous_engines_outputs(qwen3_dir, params):
     sync = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=False, **OPTIONS)
-    expected = outcome(sync.generate(PROMPTS, params))
+    expected = sync.generate(PROMPTS, params)
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
-    calls = count_calls(engine)
-    assert outcome(engine.generate(PROMPTS, params)) == expected
+    calls, rows = count_calls(engine), sampled_rows(engine)
+    assert outcome(engine.generate(PROMPTS, params)) == outcome(expected)
     assert calls["run"] == 0  # every batch was launched ahead, none fell back
-    # The last launched batch holds rows of ended requests only: one more step lands it, and
-    # its cost is not measured (nobody waited for it; it may have sat through an idle spell).
+    # A request whose token in flight is its last (max_tokens) sits the next step out; one that
+    # stops on a token leaves one row nobody reads.
+    stopped = sum(o.finish_reason == "stop" for o in expected)
+    assert (
+        sum(len(o.token_ids) for o in expected)
+        <= sum(rows)
+        <= sum(len(o.token_ids) for o in expected) + stopped
+    )
+    assert engine.requests == {} and engine._in_flight is None and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_batch_nobody_waits_for_lands_unmeasured(qwen3_dir, params):
+    """A request that stops on a token leaves a launched row behind: one more step lands it,
+    and its cost is not measured (nobody waited for it; it may have sat through an idle spell)."""
+    engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
+    [out] = engine.generate(PROMPTS[3:4], params[3:4])
+    assert out.finish_reason == "stop" and len(out.token_ids) < params[3].max_tokens
     assert engine.requests == {} and engine.has_unfinished_requests()
     steps = engine.step_costs.steps
     assert engine.step() == [] and not engine.has_unfinished_requests()
