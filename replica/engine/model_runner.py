@@ -8,6 +8,7 @@ attention layer gets views of its K and V slices. On CUDA the number of blocks c
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import numpy as np
@@ -21,7 +22,7 @@ from kvmesh.replica.engine.sampler import FailedPick, Pick, draw
 from kvmesh.replica.models.attention import AttentionBackend, BatchLayout, flash_attn_unusable, make_backend
 from kvmesh.replica.models.decoder import DecoderForCausalLM, DecoderSpec
 from kvmesh.replica.models.loader import load_model, resolve_dtype
-from kvmesh.replica.models.transfer import to_device
+from kvmesh.replica.models.transfer import rows_of, to_device
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class ModelRunner:
         """Blocks that fit after a warm-up forward at the full token budget: its peak memory
         is what the activations need next to the weights; the rest of the memory share, and
         of what is free, goes to the KV pool."""
+        gc.collect()  # an engine dropped in this process but held by a reference cycle is not ours
         tokens = config.max_num_batched_tokens
         seqs = min(config.max_num_seqs, max(1, tokens // 512))
         lens = [tokens // seqs] * seqs
@@ -246,7 +248,7 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
         sampling = [i for i, n in enumerate(step.need) if n and i not in failed]
         sampled = [requests[i] for i in sampling]
-        picked = LaunchedStep(sampled, draw(logits[sample_rows], sampled, self.generator)).land()
+        picked = LaunchedStep(sampled, draw(rows_of(logits, sample_rows), sampled, self.generator)).land()
         picks = dict(zip(sampling, picked, strict=True))
         return [failed.get(i) or picks.get(i) for i in range(len(requests))]
 

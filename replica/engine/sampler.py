@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvmesh.replica.models.transfer import to_device
+from kvmesh.replica.models.transfer import rows_of, to_device
 from kvmesh.serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def adjust_logits(
     frequency, presence = per_row("frequency_penalty", 0.0), per_row("presence_penalty", 0.0)
     repeated = [i for i, r in rows.items() if r.prompt_ids is not None]
     prompt_rows = prompt_ids = out_ids[:0]
-    if repeated:  # a token seen twice (prompt and output) gets the same value written twice
+    if repeated:
         lengths = [rows[j].prompt_ids.numel() for j in repeated]
         prompt_rows = torch.repeat_interleave(
             to_device(repeated, torch.long, device),
@@ -173,8 +173,9 @@ def adjust_logits(
             output_size=sum(lengths),
         )
         prompt_ids = torch.cat([rows[j].prompt_ids for j in repeated])
-        keep = repetition[out_rows] != 1.0
-        at_rows, at_ids = torch.cat([prompt_rows, out_rows[keep]]), torch.cat([prompt_ids, out_ids[keep]])
+        # Every output entry too: a penalty of 1 leaves its value as it was (no mask, so no
+        # sync); a token seen twice (prompt and output) gets the same value written twice.
+        at_rows, at_ids = torch.cat([prompt_rows, out_rows]), torch.cat([prompt_ids, out_ids])
         logits[at_rows, at_ids] = penalized(logits[at_rows, at_ids], repetition[at_rows])
     logits.index_put_(
         (out_rows, out_ids), -(frequency[out_rows] * counts + presence[out_rows]), accumulate=True
@@ -239,7 +240,7 @@ def draw(
     ``logits`` are consumed (adjusted in place)."""
     failed: dict[int, FailedPick] = {}
     scored = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    raw = logits[scored].log_softmax(dim=-1) if scored else None
+    raw = rows_of(logits, scored).log_softmax(dim=-1) if scored else None
     adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     held: list[int] = []
     if adjusted:
@@ -254,15 +255,15 @@ def draw(
         held = [i for i, part in parts.items() if part.banned]
     # A row min_tokens left without a token fails when the step lands (its draw below picks
     # nothing real, and asserts nothing on the device).
-    held_ok = torch.isfinite(logits[held]).any(dim=-1) if held else torch.ones(0, dtype=torch.bool)
+    held_ok = torch.isfinite(rows_of(logits, held)).any(dim=-1) if held else torch.ones(0, dtype=torch.bool)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in failed]
     if rows:
-        probs = _filtered_probs(logits[rows], [requests[i].params for i in rows])
+        probs = _filtered_probs(rows_of(logits, rows), [requests[i].params for i in rows])
         drawn = _race(probs, [requests[i].generator for i in rows], generator)
         tokens.index_copy_(0, to_device(rows, torch.long, tokens.device), drawn)
     ks = [requests[i].params.logprobs for i in scored]
-    scores = score(raw, tokens[scored], max(ks)) if scored else ()
+    scores = score(raw, rows_of(tokens, scored), max(ks)) if scored else ()
     return Drawn(tokens, failed, held, held_ok, scored, ks, scores)
 
 

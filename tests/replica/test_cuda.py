@@ -120,3 +120,48 @@ def test_enforce_eager_captures_nothing(qwen3_dir):
         qwen3_dir, num_kv_blocks=32, device="cuda", attention_backend="triton", enforce_eager=True, **OPTIONS
     )
     assert engine.runner.graphs is None and engine.stats().graph_capture_seconds == 0
+
+
+@needs_cuda
+def test_a_launched_step_never_waits_for_the_device(qwen3_dir):
+    """Async scheduling's premise: launching a step (its plan, forward, penalties,
+    log-probabilities and draws) only queues work; the step's one wait is its landing.
+    torch's sync debug mode turns a hidden wait inside a launch into an error."""
+    engine = LLMEngine(
+        qwen3_dir,
+        num_kv_blocks=64,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="triton",
+        async_scheduling=True,
+        **OPTIONS,
+    )
+    launch, launched = engine.runner.launch, []
+
+    def strict(requests, previous):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = launch(requests, previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.append(len(requests))
+        return step
+
+    engine.runner.launch = strict
+    base = dict(max_tokens=STEPS, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=0, **base),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=3, **base),
+        SamplingParams(
+            temperature=0.7,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.2,
+            logprobs=3,
+            **base,
+        ),
+        SamplingParams(temperature=0, min_tokens=3, logit_bias={7: 2.0}, **base),
+    ]
+    outs = engine.generate([*PROMPTS, PROMPTS[0][:50]], params)
+    assert [len(o.token_ids) for o in outs] == [STEPS] * 4 and len(outs[2].logprobs) == STEPS
+    assert sum(launched) >= 4 * STEPS
