@@ -107,11 +107,7 @@ def _timed_stages(engine: LLMEngine, steps: int) -> list[dict]:
                     "logits": spent["logits"],
                     "sample": spent["sample"],
                     "land": spent["land"],
-                    "outputs": total
-                    - spent["schedule"]
-                    - spent["forward"]
-                    - spent["sample"]
-                    - spent["land"],
+                    "outputs": total - spent["schedule"] - spent["forward"] - spent["sample"] - spent["land"],
                     "step": total,
                 }
             )
