@@ -28,6 +28,7 @@ smoke test that keeps the script working between leases.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import statistics
 import subprocess
@@ -366,6 +367,7 @@ def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, repor
             }
             save("ttft", cases)
         del engine
+        gc.collect()  # an engine can sit in a reference cycle: the next one sizes its KV from what is free
         if cuda:
             torch.cuda.empty_cache()
 
