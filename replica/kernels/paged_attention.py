@@ -217,6 +217,14 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
+def program_shape(group: int, head_dim: int, decode_only: bool) -> tuple[int, int, int]:
+    """What one attention program holds: (queries, query heads a KV head padded to a power
+    of two, head size padded likewise)."""
+    group_p = triton.next_power_of_2(group)
+    rows = DECODE_ROWS if decode_only else PREFILL_ROWS
+    return max(1, rows // group_p), group_p, max(16, triton.next_power_of_2(head_dim))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -240,9 +248,7 @@ def paged_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // kv_heads
-    rows = DECODE_ROWS if decode_only else PREFILL_ROWS
-    block_q = max(1, rows // triton.next_power_of_2(group))  # queries a program takes
-    dim_p = max(16, triton.next_power_of_2(head_dim))
+    block_q, group_p, dim_p = program_shape(group, head_dim, decode_only)
     out = torch.empty_like(q) if out is None else out
     if segments > 1:
         part_max = torch.empty(tokens, num_heads, segments, dtype=torch.float32, device=q.device)
@@ -275,7 +281,7 @@ def paged_attention(
         k_cache.stride(2),
         BLOCK_SIZE=block_size,
         GROUP=group,
-        GROUP_P=triton.next_power_of_2(group),
+        GROUP_P=group_p,
         BLOCK_Q=block_q,
         HEAD_DIM=head_dim,
         HEAD_DIM_P=dim_p,
