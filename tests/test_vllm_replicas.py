@@ -185,6 +185,9 @@ async def test_openai_completions_and_chat_through_the_router(fleet):
             model=name, prompt="x", max_tokens=2, extra_body={"prompt_logprobs": 1}
         )
     await client.close()
+    # vLLM logs no line a request: its last lines are kept for why it died
+    tails = [fleet["replicas"][rid].backend.engine.server._tail for rid in VLLM_IDS]
+    assert not [line for tail in tails for line in tail if "POST /v1/" in line]
 
 
 async def test_grpc_logprobs_are_the_models_raw_log_softmax(fleet):

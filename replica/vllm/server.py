@@ -133,6 +133,9 @@ class VllmServer:
             str(o.seed),
             "--gpu-memory-utilization",
             str(o.gpu_memory_utilization),
+            # a line a request would crowd out the lines that explain a crash (``cause``); the
+            # replica counts its requests itself
+            "--disable-uvicorn-access-log",
         ]
         if o.tokenizer_dir:
             args += ["--tokenizer", o.tokenizer_dir]
