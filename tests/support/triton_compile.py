@@ -53,7 +53,8 @@ def merge(dtype: str, head_dim: int, segments: int):
         **dict.fromkeys(["num_heads", "stride_ot", "stride_oh"], I32),
     }
     _, _, dim_p = pa.program_shape(1, head_dim, True)
-    return pa._merge_segments_kernel, signature, {"HEAD_DIM": head_dim, "HEAD_DIM_P": dim_p, "SEGMENTS": segments}
+    constants = {"HEAD_DIM": head_dim, "HEAD_DIM_P": dim_p, "SEGMENTS": segments}
+    return pa._merge_segments_kernel, signature, constants
 
 
 def store(dtype: str, width: int):
