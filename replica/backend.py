@@ -232,10 +232,10 @@ def prediction_facts(complete: pb.Complete, facts: PrefixFacts, request: pb.Gene
     if request.first_block_hash and facts.first_block_hash is not None:
         complete.hash_mismatch = request.first_block_hash != facts.first_block_hash
     if facts.miss_evicted_at is not None:
-        complete.miss_evicted_age_ms = _age_ms(facts.admitted_at, facts.miss_evicted_at)
+        complete.miss_evicted_age_ms = _age_ms(facts.arrived_at, facts.miss_evicted_at)
     unpredicted = facts.hit_stored_at[request.predicted_cached_blocks :]
     if unpredicted:
-        complete.unindexed_hit_age_ms = _age_ms(facts.admitted_at, max(unpredicted))
+        complete.unindexed_hit_age_ms = _age_ms(facts.arrived_at, max(unpredicted))
 
 
 def _trace_phases(span: object, out: RequestOutput, request: pb.GenerateRequest) -> None:

@@ -42,12 +42,14 @@ class RequestTimes:
 @dataclass(frozen=True)
 class PrefixFacts:
     """What the replica's prefix cache held for a request when it was first admitted: the
-    router compares them with its prediction to tell an index that lags from one that lies."""
+    router compares them with its prediction to tell an index that lags from one that lies.
+    Their ages count from the request's arrival, when the router had just read the index: a
+    block evicted or stored while the request queued here is no fault of the index."""
 
     first_block_hash: int | None  # the replica's own hash of the prompt's first full block
     hit_stored_at: tuple[float, ...]  # when each reused block became hittable (monotonic)
     miss_evicted_at: float | None  # when the first block past the hit was evicted, if lately
-    admitted_at: float
+    arrived_at: float
 
 
 @dataclass

@@ -94,7 +94,7 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
                 stored, evicted = self.block_manager.hit_facts(request)
                 first = request.block_hashes[0] if request.block_hashes else None
-                request.prefix_facts = PrefixFacts(first, tuple(stored), evicted, request.scheduled_time)
+                request.prefix_facts = PrefixFacts(first, tuple(stored), evicted, request.arrival_time)
             request.status = Status.RUNNING
             self.running.append(request)
             budget -= self._take(request, budget)

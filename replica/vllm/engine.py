@@ -112,7 +112,7 @@ class VllmEngine:
         if params.prompt_logprobs is not None:  # vLLM computes them only for unstreamed requests
             raise ValueError("prompt_logprobs are not served by vLLM replicas")
         hashes = block_hashes(prompt, self.block_size, self.hash_seed)
-        admitted = time.monotonic()
+        arrived = time.monotonic()
         known = [self.view.stored_at(h) for h in hashes]
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._stream(prompt, params, request_id, queue))
@@ -125,7 +125,7 @@ class VllmEngine:
                     raise item
                 finished = item.finished
                 if finished:
-                    item.prefix = self._facts(hashes, known, item.cached_tokens, admitted)
+                    item.prefix = self._facts(hashes, known, item.cached_tokens, arrived)
                 yield item
         finally:
             self._tasks.pop(request_id, None)
@@ -169,16 +169,16 @@ class VllmEngine:
                 self._failed += 1
             queue.put_nowait(exc)
 
-    def _facts(self, hashes: list[int], known: list[float | None], cached_tokens: int, admitted: float):
-        """What the view said of the prompt's blocks at admission, set against vLLM's hit:
+    def _facts(self, hashes: list[int], known: list[float | None], cached_tokens: int, arrived: float):
+        """What the view said of the prompt's blocks on arrival, set against vLLM's hit:
         a hit block the view never held is dated to the engine's start (an old miss in the
-        index: a lie), one it learned of since admission is young (an event in flight)."""
+        index: a lie), one it learned of since arrival is young (an event in flight)."""
         hits = min(cached_tokens // self.block_size, len(hashes))
         stored = []
         for h, at in zip(hashes[:hits], known, strict=False):
             stored.append(at if at is not None else self.view.stored_at(h) or self.started_at)
         miss = self.view.evicted_at(hashes[hits]) if hits < len(hashes) else None
-        return PrefixFacts(hashes[0] if hashes else None, tuple(stored), miss, admitted)
+        return PrefixFacts(hashes[0] if hashes else None, tuple(stored), miss, arrived)
 
     def _learn_costs(self, out: _Progress, streams: int) -> None:
         """Two samples a request from vLLM's own timings: its prefill (first token less its
