@@ -61,19 +61,20 @@ def test_a_steps_roofline_counts_its_weights_once_and_its_kv_per_row(qwen3_dir):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir, overlap):
-    from kvmesh.bench.step_stages import STAGES, step_stages
+    from kvmesh.bench.step_stages import STAGES, _timed_stages, decoding, step_stages
     from kvmesh.replica.engine import model_runner, sampler
     from kvmesh.replica.engine.launched import LaunchedStep
 
     land = LaunchedStep.land
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8, async_scheduling=overlap)
+    with decoding(engine, 4, 40, 4):
+        steps = _timed_stages(engine, 4)
+    # the outputs stage is the step less the others: a stage timed twice would turn it negative
+    assert all(step[s] >= 0 for step in steps for s in STAGES)
+    # every step samples, and syncs once: right after sampling, or for the step before
+    assert all(step["model"] > 0 and step["sample"] > 0 and step["land"] > 0 for step in steps)
     row = step_stages(engine, 4, 40, 3)
-    parts = sum(row[f"{s}_ms"] for s in STAGES)
-    # each step's stages sum to it; their medians to about the median step
-    assert (
-        row["batch"] == 4 and row["model_ms"] > 0 and 0.75 * row["step_ms"] <= parts <= 1.25 * row["step_ms"]
-    )
-    assert row["sample_ms"] > 0 and row["land_ms"] > 0  # the sync: after sampling, or a step later
+    assert row["batch"] == 4 and all(row[f"{s}_ms"] >= 0 for s in STAGES)
     assert model_runner.draw is sampler.draw
     assert LaunchedStep.land is land and "_forward_layout" not in vars(engine.runner)
     assert "forward" not in vars(engine.runner.model) and "schedule" not in vars(engine.scheduler)
