@@ -30,13 +30,17 @@ class LaunchedStep:
     def __init__(self, requests: list[Request], drawn: Drawn):
         self.requests = requests
         self.drawn = drawn
-        self.tokens = drawn.tokens  # on the device, where the next step reads them
         self._ready: torch.cuda.Event | None = None
         self._host = drawn.tensors
-        if self.tokens.device.type == "cuda":
+        if drawn.tokens.device.type == "cuda":
             self._host = [_to_pinned(t) if t.device.type == "cuda" else t for t in self._host]
             self._ready = torch.cuda.Event()
             self._ready.record()
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Its drawn tokens, on the device, where the next step reads them."""
+        return self.drawn.tokens
 
     def land(self) -> list[Pick | FailedPick]:
         """Each sampling request's pick, in order (or its own failure): the step's one sync."""

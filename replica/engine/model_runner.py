@@ -88,6 +88,7 @@ class ModelRunner:
         self.graph_capture: CaptureReport | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            gc.collect()  # an engine dropped in this process but held in a reference cycle frees its memory first
         self.model: DecoderForCausalLM = load_model(model_dir, spec, self.dtype, self.device)
         self.backend: AttentionBackend = make_backend(
             config.attention_backend,
@@ -170,7 +171,6 @@ class ModelRunner:
         """Blocks that fit after a warm-up forward at the full token budget: its peak memory
         is what the activations need next to the weights; the rest of the memory share, and
         of what is free, goes to the KV pool."""
-        gc.collect()  # an engine dropped in this process but held by a reference cycle is not ours
         tokens = config.max_num_batched_tokens
         seqs = min(config.max_num_seqs, max(1, tokens // 512))
         lens = [tokens // seqs] * seqs
@@ -316,7 +316,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         picked = [int(f) + j for f, chunk_rows in zip(first, rows, strict=True) for j in chunk_rows]
-        return self.model.compute_logits(hidden[self._ids(picked)])
+        return self.model.compute_logits(rows_of(hidden, picked))
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

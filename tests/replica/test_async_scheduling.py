@@ -43,17 +43,22 @@ def workload(qwen3_dir) -> list[SamplingParams]:
 
 
 def count_calls(engine: LLMEngine) -> dict:
-    """Count the engine's synchronous runs and launches: a batch that could launch but fell
-    back shows."""
-    calls = {"run": 0, "launch": 0}
-    for name in calls:
-        method = getattr(engine.runner, name)
+    """Count the engine's synchronous runs and launches (a batch that could launch but fell
+    back shows), and the rows each launched step samples."""
+    calls = {"run": 0, "launch": 0, "rows": []}
+    run, launch = engine.runner.run, engine.runner.launch
 
-        def counted(*args, _name=name, _method=method):
-            calls[_name] += 1
-            return _method(*args)
+    def counted_run(requests):
+        calls["run"] += 1
+        return run(requests)
 
-        setattr(engine.runner, name, counted)
+    def counted_launch(requests, previous):
+        calls["launch"] += 1
+        step = launch(requests, previous)
+        calls["rows"].append(len(step.requests))
+        return step
+
+    engine.runner.run, engine.runner.launch = counted_run, counted_launch
     return calls
 
 
@@ -66,24 +71,11 @@ def params(qwen3_dir):
     return workload(qwen3_dir)
 
 
-def sampled_rows(engine: LLMEngine) -> list[int]:
-    """The rows each launched step samples, as the engine launches them."""
-    rows, launch = [], engine.runner.launch
-
-    def counted(requests, previous):
-        step = launch(requests, previous)
-        rows.append(len(step.requests))
-        return step
-
-    engine.runner.launch = counted
-    return rows
-
-
 def test_async_scheduling_gives_the_synchronous_engines_outputs(qwen3_dir, params):
     sync = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=False, **OPTIONS)
     expected = sync.generate(PROMPTS, params)
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, async_scheduling=True, **OPTIONS)
-    calls, rows = count_calls(engine), sampled_rows(engine)
+    calls = count_calls(engine)
     assert outcome(engine.generate(PROMPTS, params)) == outcome(expected)
     assert calls["run"] == 0  # every batch was launched ahead, none fell back
     # A request whose token in flight is its last (max_tokens) sits the next step out; one that
@@ -91,7 +83,7 @@ def test_async_scheduling_gives_the_synchronous_engines_outputs(qwen3_dir, param
     stopped = sum(o.finish_reason == "stop" for o in expected)
     assert (
         sum(len(o.token_ids) for o in expected)
-        <= sum(rows)
+        <= sum(calls["rows"])
         <= sum(len(o.token_ids) for o in expected) + stopped
     )
     assert engine.requests == {} and engine._in_flight is None and engine.block_manager.num_used_blocks == 0
