@@ -25,11 +25,14 @@ from kvmesh.serving.errors import InvalidRequest, Overloaded, ServingError, Unav
 from kvmesh.serving.generation_config import GenerationDefaults
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.model_info import ModelInfo
+from kvmesh.serving.offload import sized
 from kvmesh.serving.prompt import prompt_ids
 from kvmesh.serving.request_ids import OwnedRequests, new_request_id
 from kvmesh.serving.sampling_params import MAX_N, SamplingParams
 from kvmesh.serving.streams import merge
 from kvmesh.serving.tokenizer import PromptTokenizer
+
+LOGPROB_BYTES = 8  # about what one scored token (id and value) takes in a message
 
 
 def usage(out: RequestOutput, sent: int = 0) -> pb.Usage:
@@ -196,14 +199,8 @@ class EngineBackend:
                             self.metrics.itl.observe(gap)
                     last_token_at = now
                 if out.new_token_ids or out.new_text:
-                    chunk = pb.Chunk(
-                        prompt_tokens=len(ids) - params.continued_tokens if first else 0,
-                        token_ids=out.new_token_ids,
-                        text=out.new_text,
-                        index=index,
-                        logprobs=_logprobs(out.logprobs),
-                        prompt_logprobs=_logprobs(out.prompt_logprobs),
-                    )
+                    prompt_tokens = len(ids) - params.continued_tokens if first else 0
+                    chunk = await sized(_logprob_bytes(out), _chunk, out, prompt_tokens, index)
                     first = False
                     yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
                 if out.finished:
@@ -258,6 +255,24 @@ def _trace_phases(span: object, out: RequestOutput, request: pb.GenerateRequest)
 
 def _age_ms(now: float, then: float) -> int:
     return min(2**32 - 1, max(0, int((now - then) * 1000)))
+
+
+def _chunk(out: RequestOutput, prompt_tokens: int, index: int) -> pb.Chunk:
+    return pb.Chunk(
+        prompt_tokens=prompt_tokens,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        index=index,
+        logprobs=_logprobs(out.logprobs),
+        prompt_logprobs=_logprobs(out.prompt_logprobs),
+    )
+
+
+def _logprob_bytes(out: RequestOutput) -> int:
+    """About the bytes an output's log-probabilities take in its chunk: a prompt's, with their
+    alternatives, are large enough to be built off the loop that keeps the heartbeat."""
+    scored = (*(out.logprobs or ()), *(out.prompt_logprobs or ()))
+    return LOGPROB_BYTES * sum(1 + len(s.top) for s in scored)
 
 
 def _logprobs(scored: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:

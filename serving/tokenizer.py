@@ -54,6 +54,8 @@ class PromptTokenizer:
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer folder {str(path)!r} has no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._token_strings: dict[int, str] = {}
+        self._vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.segments = SegmentCache.of(self.tokenizer, cache_bytes)
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -89,8 +91,18 @@ class PromptTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """Each token decoded on its own (how OpenAI and vLLM name tokens in logprobs)."""
-        return self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        """Each token decoded on its own (how OpenAI and vLLM name tokens in logprobs),
+        remembered: a prompt's log-probabilities name every alternative of every token, mostly
+        the same few tokens again, and decoding each anew cost more than the rest of the answer."""
+        known = self._token_strings
+        new = list({i for i in ids if i not in known})
+        if not new:
+            return [known[i] for i in ids]
+        decoded = self.tokenizer.decode_batch([[i] for i in new], skip_special_tokens=False)
+        fresh = dict(zip(new, decoded, strict=True))
+        if len(known) + len(fresh) <= self._vocab_size:  # however it is asked
+            known.update(fresh)
+        return [fresh[i] if i in fresh else known[i] for i in ids]
 
     def render_chat_text(
         self,

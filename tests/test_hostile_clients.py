@@ -8,9 +8,11 @@ client's request id is echoed but is never a key another client can hit; what a 
 names never becomes a metric label or a log line of its choosing."""
 
 import asyncio
+import collections
 import json
 import logging
 import socket
+import threading
 import time
 
 import grpc
@@ -24,6 +26,7 @@ from tcp_proxy import FreezableProxy
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.protos import pb, pb_grpc
+from kvmesh.replica import backend as backend_module
 from kvmesh.replica.config import EngineConfig, ReplicaConfig
 from kvmesh.replica.engine import sampler as sampler_module
 from kvmesh.replica.process import ReplicaServer
@@ -35,6 +38,7 @@ from kvmesh.serving.errors import ServingError
 from kvmesh.serving.limits import InputLimits
 from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.openai import protocol as openai_protocol
+from kvmesh.serving.openai.responses import ResponseBuilder
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.servers]
 
@@ -370,6 +374,50 @@ async def test_an_http_client_that_stops_reading_is_cut_off_and_frees_everything
         assert time.monotonic() - started < 25 and generated < 8 * 2000  # aborted, not run to the end
     finally:
         sock.close()
+
+
+def recording_threads(fn, threads: list[tuple[str, bool]], large):
+    """``fn`` wrapped to record, per call, its thread's name and whether ``large(*args)``."""
+
+    def wrapper(*args):
+        threads.append((threading.current_thread().name, large(*args)))
+        return fn(*args)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_megabyte_of_log_probabilities_is_built_off_the_event_loop(stack, stream, monkeypatch):
+    """Naming 8 x 1,500 prompt tokens' 20 alternatives once held the router's loop (and, in
+    one process, the replicas' heartbeats) for seconds: the replica builds such a chunk, and
+    the router its OpenAI events or body, in a thread; a token's own chunk stays inline."""
+    built, shown = [], []
+    monkeypatch.setattr(
+        backend_module,
+        "_chunk",
+        recording_threads(backend_module._chunk, built, lambda out, *_: bool(out.prompt_logprobs)),
+    )
+    monkeypatch.setattr(
+        ResponseBuilder,
+        "add",
+        recording_threads(ResponseBuilder.add, shown, lambda _, __, r: bool(r.chunk.prompt_logprobs)),
+    )
+    body = {**big_echo_body(stream), "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=urls(stack)["router"], timeout=60) as http:
+        reply = await http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        choices = [c for e in events for c in e["choices"] if c["logprobs"]]
+    else:
+        choices = reply.json()["choices"]
+    named = collections.Counter()
+    for c in choices:
+        named[c["index"]] += len(c["logprobs"]["top_logprobs"])
+    assert named == {i: 1500 + 4 for i in range(8)}  # each choice's prompt, then its tokens
+    for threads in built, shown:
+        assert sorted(large for _, large in threads).count(True) == 8  # one per choice
+        assert all(name.startswith("kvmesh-offload") == large for name, large in threads), threads
 
 
 async def test_a_grpc_client_that_stops_reading_is_cut_off(stack):

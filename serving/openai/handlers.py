@@ -269,11 +269,14 @@ class Handlers:
             events = sse(builder_for(first), first, responses, options, relayed)
             return EventStream(events, ticket)
 
-        async def whole() -> dict:
+        async def whole() -> JSONResponse:
             first = await anext(responses)
             builder = builder_for(first)
+            total = 0
             async for prompt, response in chain(first, responses):
-                builder.add(prompt, response)
-            return builder.body()
+                size = response.ByteSize()
+                total += size
+                await sized(size, builder.add, prompt, response)
+            return await sized(total, JSONResponse, builder.body())
 
         return await unless_client_leaves(raw, whole())  # one watch for the whole answer

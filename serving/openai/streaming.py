@@ -16,6 +16,7 @@ from kvmesh.protos import pb
 from kvmesh.serving.admission import Ticket
 from kvmesh.serving.errors import ServingError
 from kvmesh.serving.http_server import DIRECT_BODY
+from kvmesh.serving.offload import sized
 from kvmesh.serving.openai.errors import ClientLeft, error_event
 from kvmesh.serving.openai.protocol import StreamOptions
 from kvmesh.serving.openai.relay import RelayEnvelope, failure_line, token_line, trailer
@@ -135,6 +136,19 @@ async def chain(first, rest: AsyncIterator):
         yield item
 
 
+def _event(
+    builder: ResponseBuilder, prompt: int, response: pb.GenerateResponse, options: StreamOptions
+) -> tuple[int, str] | None:
+    """The choice a response adds to and the event it makes (None: nothing to show), built
+    in one go so that a large one (a prompt's log-probabilities) is built off the loop."""
+    delta = builder.add(prompt, response)
+    text = delta["text"] if "text" in delta else delta["delta"].get("content")
+    if not (text or delta["logprobs"] or delta["finish_reason"]):
+        return None
+    usage = builder.running_usage(delta["index"]) if options.continuous_usage_stats else None
+    return delta["index"], builder.event([delta], usage)
+
+
 async def sse(
     builder: ResponseBuilder,
     first,
@@ -163,16 +177,14 @@ async def sse(
                 complete = response.complete
             elif lines and response.chunk.index == 0:
                 unshown.extend(response.chunk.token_ids)
-            delta = builder.add(prompt, response)
-            text = delta["text"] if "text" in delta else delta["delta"].get("content")
-            shows = text or delta["logprobs"] or delta["finish_reason"]
-            if shows:
-                usage = builder.running_usage(delta["index"]) if options.continuous_usage_stats else None
-                if delta["index"] == 0:
-                    yield marked(builder.event([delta], usage), unshown)
+            shown = await sized(response.ByteSize(), _event, builder, prompt, response, options)
+            if shown is not None:
+                index, event = shown
+                if index == 0:
+                    yield marked(event, unshown)
                     unshown = []
                 else:
-                    yield marked(builder.event([delta], usage))
+                    yield marked(event)
         if options.include_usage:
             yield marked(builder.event([], builder.openai_usage()))
         if complete is not None:

@@ -144,3 +144,27 @@ def test_decode_and_token_strings(pair):
     ids = ours.encode("hello ünïcødé world")
     assert ours.decode(ids) == hf.decode(ids)
     assert ours.token_strings(ids) == [hf.decode([i]) for i in ids]
+
+
+def test_token_strings_are_remembered_within_the_vocabulary(pair, monkeypatch):
+    ours, hf = pair
+    vocab = ours.tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = [*ours.encode("hello ünïcødé world"), 0, vocab - 1]
+    expected = [hf.decode([i]) for i in ids]
+    assert ours.token_strings(ids) == expected
+    decoded = []
+    monkeypatch.setattr(ours, "tokenizer", _Counting(ours.tokenizer, decoded))
+    assert ours.token_strings([*ids, *ids]) == expected * 2
+    assert decoded == []  # known: not decoded again
+    for start in range(0, vocab + 512, 256):  # ids past the vocabulary too
+        assert ours.token_strings(list(range(start, start + 256)))[0] == hf.decode([start])
+    assert len(ours._token_strings) <= vocab
+
+
+class _Counting:
+    def __init__(self, tokenizer, calls: list):
+        self._tokenizer, self._calls = tokenizer, calls
+
+    def decode_batch(self, batch, **kwargs):
+        self._calls.append(batch)
+        return self._tokenizer.decode_batch(batch, **kwargs)
