@@ -129,14 +129,18 @@ async def test_client_cancellation_frees_blocks_on_the_replica(cluster):
     assert await eventually(lambda: replicas_idle(cluster))
 
 
+async def replica_stats(cluster, replica_id: str) -> pb.ReplicaStats:
+    auth = bearer_metadata(cluster.config.replica.token())  # kvmesh up gave its replicas a token
+    async with grpc.aio.insecure_channel(cluster.supervisor.addresses[replica_id]) as channel:
+        return await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), metadata=auth)
+
+
 async def replicas_idle(cluster) -> bool:
     """No replica runs anything or holds a block."""
-    auth = bearer_metadata(cluster.config.replica.token())  # kvmesh up gave its replicas a token
-    for address in cluster.supervisor.addresses.values():
-        async with grpc.aio.insecure_channel(address) as channel:
-            s = await pb_grpc.ReplicaStub(channel).GetStats(pb.GetStatsRequest(), metadata=auth)
-            if s.num_running or s.num_free_blocks != s.num_blocks:
-                return False
+    for replica_id in cluster.supervisor.addresses:
+        s = await replica_stats(cluster, replica_id)
+        if s.num_running or s.num_free_blocks != s.num_blocks:
+            return False
     return True
 
 
@@ -382,12 +386,16 @@ async def test_a_node_drain_loses_no_request(cluster):
     assert await eventually(lambda: asyncio.sleep(0, result=len(router.registry.live()) == 3))
     victim, restarts = "replica-0", cluster.supervisor.restarts
     prompts = prompts_of_lengths([40] * 24, salt=21)
+    prefilled = (await replica_stats(cluster, victim)).prompt_tokens
     early = [
         asyncio.ensure_future(call(cluster, greedy(p, max_tokens=30, policy="round_robin")))
         for p in prompts[:12]
     ]
-    while router.core.active < 6:  # streaming on every replica
-        await asyncio.sleep(0.01)
+
+    async def victim_started() -> bool:  # a request routed to it may still be on its way
+        return (await replica_stats(cluster, victim)).prompt_tokens > prefilled
+
+    assert await eventually(victim_started, timeout=30)
     # This cluster's replica-0 alone: a node drain reaches every replica on the machine, and
     # another test's cluster (a parallel test worker's) has a replica-0 too.
     pid = await cluster.supervisor.actors[victim].pid.remote()
