@@ -239,3 +239,30 @@ def test_the_engines_gpu_settings_reach_the_replicas_for_all_models_or_one(chart
         "enforceEager": True,
     }
     assert engines(values) == [(None, False, None), ("torch", True, True)]
+
+
+def test_a_models_false_or_zero_wins_over_the_shared_setting(chart):
+    """Helm's ``merge`` and ``default`` take false, 0 and "" for unset: a model's own
+    ``enforceEager: false``, ``numKvBlocks: 0`` (size the pool from memory), ``maxModelLen: 0``
+    (the model's own) or ``minReplicas: 0`` must still replace the shared value."""
+    values = values_of(CHART / "ci" / "multi-model-values.yaml")
+    values["controller"]["engine"]["enforceEager"] = True
+    values["models"][0]["engine"] = {"enforceEager": False, "numKvBlocks": 0, "dtype": ""}
+    values["models"][0]["workers"] = {"replicas": 0, "minReplicas": 0, "maxReplicas": 2}
+    values["ray"]["workerGroups"][0]["maxReplicas"] = 3
+    values["model"]["maxModelLen"] = 512
+    values["models"][0]["maxModelLen"] = 0  # the model's own
+    jsonschema.validate(chart.merge_values(values), SCHEMA)
+    docs = render(chart, values)
+    engines = [c.replica.engine for c in controller_configs(docs)]
+    assert [(e.enforce_eager, e.num_kv_blocks, e.dtype) for e in engines] == [
+        (False, None, None),  # None: the engine sizes its pool from memory
+        (True, 1024, "float32"),
+    ]
+    assert [c.replica.engine.max_model_len for c in controller_configs(docs)] == [None, 512]
+    [ray] = by_kind(docs, "RayCluster")
+    groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
+    assert [(g["replicas"], g["minReplicas"], g["maxReplicas"]) for g in groups.values()] == [
+        (0, 0, 2),
+        (1, 1, 1),
+    ]

@@ -319,6 +319,15 @@ env:
 {{- end }}
 {{- end -}}
 
+{{/* (list base over): a copy of base with every key over gives set to over's value, false, 0
+     and "" included (Helm's merge takes those for unset, so a model's `enforceEager: false`
+     could not undo a shared true). One level: the settings it lays over are flat. */}}
+{{- define "kvmesh.over" -}}
+{{- $out := deepCopy (index . 0 | default dict) -}}
+{{- range $key, $value := index . 1 | default dict }}{{ $_ := set $out $key $value }}{{ end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
 {{/* The models this release serves, every setting resolved, as a YAML list (read it with
      fromYamlArray): each entry of `models` over `model` and `controller`, or the one `model`.
      Keys: name ("" for the one model), id, path, servedModelName, blockSize, maxModelLen,
@@ -335,12 +344,12 @@ env:
     "path" (.path | default (printf "%s/%s" $v.model.cache.mountPath (replace "/" "--" .id)))
     "servedModelName" (.servedModelName | default "")
     "blockSize" (.blockSize | default $v.model.blockSize)
-    "maxModelLen" (.maxModelLen | default $v.model.maxModelLen)
+    "maxModelLen" (ternary .maxModelLen $v.model.maxModelLen (hasKey . "maxModelLen"))
     "generationConfig" (.generationConfig | default $v.model.generationConfig)
     "repo" ($download.repo | default .id)
     "revision" ($download.revision | default "")
     "replicas" (.replicas | default $v.controller.replicas)
-    "engine" (merge (deepCopy (.engine | default dict)) $v.controller.engine)
+    "engine" (include "kvmesh.over" (list $v.controller.engine .engine) | fromYaml)
     "resource" (ternary (printf "kvmesh-model-%s" .name) "" (ne .name ""))
     "workers" (.workers | default dict)) -}}
 {{- end -}}
@@ -355,7 +364,7 @@ env:
 {{- if .Values.models -}}
 {{- $template := index .Values.ray.workerGroups 0 -}}
 {{- range $models -}}
-{{- $group := merge (deepCopy .workers) (deepCopy $template) -}}
+{{- $group := include "kvmesh.over" (list $template .workers) | fromYaml -}}
 {{- $out = append $out (merge (dict "name" .name "model" .) $group) -}}
 {{- end -}}
 {{- else -}}
