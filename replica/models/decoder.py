@@ -96,7 +96,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # No random init (every weight is loaded): a normal_ on the meta device imports
+        # torch._dynamo, and the frames of that import held the first engine in a cycle.
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

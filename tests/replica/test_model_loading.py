@@ -131,6 +131,24 @@ def test_make_tiny_model_cli_loads_offline(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow  # a subprocess that imports torch: make test-fast leaves it out
+def test_an_engine_is_freed_when_dropped_and_builds_without_torch_dynamo(qwen3_dir):
+    """A process's first engine once initialised its embedding at random on the meta device,
+    which imported torch._dynamo from inside the engine's constructor; that
+    import's frames formed a reference cycle holding the engine, so ``del`` freed nothing
+    (on a GPU: its KV pool) until the garbage collector ran. Both checked in a fresh process."""
+    check = (
+        "import gc, sys, weakref; gc.disable();"
+        "from kvmesh.replica import LLMEngine;"
+        f"engine = LLMEngine({str(qwen3_dir)!r}, num_kv_blocks=64, block_size=16);"
+        "dropped = weakref.ref(engine); del engine;"
+        "assert dropped() is None, 'the engine outlived del';"
+        "assert 'torch._dynamo' not in sys.modules, 'building an engine imported torch._dynamo'"
+    )
+    res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "args",
     [["--arch", "gpt2"], ["--hidden", "30"], ["--hidden", "0"]],
