@@ -96,11 +96,11 @@ class PromptTokenizer:
         the same few tokens again, and decoding each anew cost more than the rest of the answer."""
         known = self._token_strings
         new = list({i for i in ids if i not in known})
-        if not new:
-            return [known[i] for i in ids]
-        decoded = self.tokenizer.decode_batch([[i] for i in new], skip_special_tokens=False)
-        fresh = dict(zip(new, decoded, strict=True))
-        if len(known) + len(fresh) <= self._vocab_size:  # however it is asked
+        fresh = {}
+        if new:
+            decoded = self.tokenizer.decode_batch([[i] for i in new], skip_special_tokens=False)
+            fresh = dict(zip(new, decoded, strict=True))
+        if len(known) + len(fresh) <= self._vocab_size:  # ids past the vocabulary never grow it more
             known.update(fresh)
         return [fresh[i] if i in fresh else known[i] for i in ids]
 
