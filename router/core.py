@@ -28,6 +28,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policies import PrefixAware, ReplicaState
 from kvmesh.router.registry import ReplicaRegistry
 from kvmesh.router.relay import FailedInBand, Relay, why_not_migratable
+from kvmesh.router.shared_load import UNPLACED
 from kvmesh.router.speculative import SpeculativeOverlay
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket
@@ -85,7 +86,7 @@ class RouterCore:
         self.relay = Relay(
             registry, self.overlay, self.metrics, model.block_size, self.watch, self.limits.migration_limit
         )
-        self.flow = FlowControl(options.flow, self.saturated, self.metrics)
+        self.flow = FlowControl(options.flow, self.saturated, self.metrics, self._share_claims)
         self._max_queue_delay_s = options.flow.max_queue_delay_s
         self._flow_control = options.flow.flow_control == "on"
         self._load_model = PrefixAware(block_size=model.block_size)  # what a replica's queue delay is
@@ -128,14 +129,21 @@ class RouterCore:
         if not self._flow_control:
             return False
         others = await self._others()
+        claimed = self.flow.pending + others.get(UNPLACED, 0)  # the other routers' hand-offs too
         states = self.registry.states({})  # this router's own work, exact
         room = 0.0
         for own in states:
             extra = others.get(own.replica_id, 0)
             room += self._room(dataclasses.replace(own, inflight_requests=own.inflight_requests + extra))
-            if room > self.flow.pending:
+            if room > claimed:
                 return False
         return bool(states)
+
+    def _share_claims(self, delta: int) -> None:
+        """Flow control's claims on the fleet's room (``FlowControl.claims``), for the other
+        routers' saturation checks: sent with this loop turn's other deltas."""
+        if self.registry.fleet is not None:
+            self.registry.fleet.add(UNPLACED, delta, 0, 0)
 
     def with_room_first(self, decision: Decision) -> None:
         """The decision's replicas with room (``_room``, from the states it ranked them by)
@@ -161,8 +169,9 @@ class RouterCore:
         return max(0.0, slots - state.inflight_requests)
 
     async def _others(self) -> dict[str, int]:
-        """The other routers' requests in flight on each replica: every router's from the
-        index (read at most every ``FLEET_VIEW_S``) less this router's own as sent there."""
+        """The other routers' requests in flight on each replica, and their flow control's
+        claims (``UNPLACED``): every router's from the index (read at most every
+        ``FLEET_VIEW_S``) less this router's own as sent there."""
         fleet = self.registry.fleet
         if fleet is None or not fleet.active:
             return {}
@@ -173,11 +182,10 @@ class RouterCore:
                     view = await asyncio.wait_for(
                         self.decider.index.routing_view([]), self.decider.lookup_timeout_s
                     )
-                    others = {}
-                    for rid, work in view.fleet.items():
-                        entry = self.registry.entries.get(rid)
-                        sent = entry.load.requests - fleet.unsent(rid).requests if entry else 0
-                        others[rid] = max(0, round(work.requests - sent))
+                    others = {
+                        rid: max(0, round(work.requests - fleet.sent_requests(rid)))
+                        for rid, work in view.fleet.items()
+                    }
                 self._fleet_view = (time.monotonic(), others)
             return others
 

@@ -9,6 +9,12 @@ operator's, not the fastest client's.
   replica has a free running slot under its queue-delay limit, once the requests let go and
   not yet routed, ``pending``, are counted), or while requests of its band or a higher one
   wait already (no overtaking by a lucky arrival).
+- **Slots handed on.** A routed request that ends while requests wait leaves its slot to
+  them (``kept``) until the dispatcher looks; the request let go into it holds the claim
+  until it is routed. These are the router's ``claims``: room it is about to fill that no
+  replica carries yet. ``on_claims`` shares each change in the loop turn of the ended
+  request's release (and of the successor's reservation), so other routers, which count
+  claims against the room they see, never see the slot free in between.
 - **In what order it leaves.** By band, highest first; within a band, the tenant served the
   fewest tokens so far (a virtual token counter, VTC: each dispatch charges the request's
   estimated tokens, its end corrects them to the tokens it was served; a tenant that comes
@@ -152,6 +158,7 @@ class Flow:
     shed: str = ""  # why it was pushed out of its queue, if it was
     running: bool = False  # dispatched and not yet ended
     routed: bool = False  # its load is on its replica (no longer ``pending``)
+    handed: bool = False  # let go into a slot another request of this router left (a claim)
 
 
 @dataclass
@@ -165,7 +172,13 @@ class FlowControl:
     """``saturated()``: whether a request that arrives now should wait (the fleet's room,
     less the ``pending`` requests about to take some of it)."""
 
-    def __init__(self, config: FlowConfig, saturated: Callable[[], Awaitable[bool]], metrics: RouterMetrics):
+    def __init__(
+        self,
+        config: FlowConfig,
+        saturated: Callable[[], Awaitable[bool]],
+        metrics: RouterMetrics,
+        on_claims: Callable[[int], None] = lambda delta: None,
+    ):
         self.bands = parse_bands(config.bands)
         self.by_name = {b.name: i for i, b in enumerate(self.bands)}
         self.default_band = self.by_name[config.default_band]
@@ -179,6 +192,9 @@ class FlowControl:
         # Requests let go and not yet routed: their replicas are not chosen yet, so a
         # saturation check counts them against the fleet's free room (``saturated``'s).
         self.pending = 0
+        self.kept = 0  # slots this router's ended requests left to the ones waiting, not yet given
+        self.claims = 0  # kept slots, and requests let go into one and not yet routed
+        self.on_claims = on_claims  # called with each change of ``claims``
         self._dispatcher: asyncio.Task | None = None
 
     def label(self, tenant: str) -> str:
@@ -226,12 +242,17 @@ class FlowControl:
         if flow.running and not flow.routed:
             flow.routed = True
             self.pending -= 1
+            if flow.handed:
+                self._claim(-1)
 
     def end(self, flow: Flow, served_tokens: int | None) -> None:
         """The request ended: its tenant's counter corrected to the tokens it was served (None:
         unknown, the estimate stands); the next waiting request may go."""
         if served_tokens is not None and flow.tenant in self._served:
             self._served[flow.tenant] += served_tokens - flow.cost
+        if flow.routed and flow.running and self.queued:
+            self.kept += 1  # its slot goes to the next waiting request
+            self._claim(1)
         self.routed(flow)
         flow.running = False
         self._forget(flow.tenant)
@@ -323,21 +344,25 @@ class FlowControl:
 
     async def _dispatch(self) -> None:
         """While requests wait: the next one goes whenever the fleet is not saturated."""
-        while self.queued:
-            self._wake.clear()
-            try:
-                room = not await self.saturated()
-            except Exception:  # the check itself failed (the index away): let one go, as if not saturated
-                log.warning("flow control: the saturation check failed", exc_info=True)
-                room = True
-            flow = self._next() if room else None
-            if flow is not None:
-                self._dequeue(flow)
-                self._start(flow)
-                flow.ready.set_result(None)
-                continue  # it is pending: the next check counts it
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), _CHECK_S)
+        try:
+            while self.queued:
+                self._wake.clear()
+                try:
+                    room = not await self.saturated()
+                except Exception:  # the check failed (the index away): let one go, as if not saturated
+                    log.warning("flow control: the saturation check failed", exc_info=True)
+                    room = True
+                flow = self._next() if room else None
+                if flow is not None:
+                    self._dequeue(flow)
+                    self._start(flow)
+                    flow.ready.set_result(None)
+                    continue  # it is pending: the next check counts it
+                self._drop_kept()  # no room after all
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), _CHECK_S)
+        finally:
+            self._drop_kept()  # nobody waits for them
 
     def _next(self) -> Flow | None:
         """The highest band's waiting request whose tenant has been served the least; on a
@@ -358,7 +383,19 @@ class FlowControl:
         counts as ``pending`` until it is routed."""
         flow.running = True
         self.pending += 1
+        if self.kept:  # it takes a kept slot, and its claim
+            self.kept -= 1
+            flow.handed = True
         self._served[flow.tenant] = self._served.get(flow.tenant, 0.0) + flow.cost
+
+    def _drop_kept(self) -> None:
+        if self.kept:
+            self._claim(-self.kept)
+            self.kept = 0
+
+    def _claim(self, delta: int) -> None:
+        self.claims += delta
+        self.on_claims(delta)
 
     def _forget(self, tenant: str) -> None:
         self._active[tenant] -= 1

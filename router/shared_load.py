@@ -37,6 +37,9 @@ from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)
+# The pseudo replica of the work a router is about to place (flow control's claims): never a
+# replica's id, which readers accept only with 1 to 128 characters.
+UNPLACED = ""
 
 
 class FleetLoad:
@@ -120,6 +123,11 @@ class FleetLoad:
             sent.update(new)
             self._speculation.setdefault((replica_id, block_hashes[0]), []).extend(new)
             self._schedule_send()
+
+    def sent_requests(self, replica_id: str) -> float:
+        """This router's requests on ``replica_id`` as the index has them."""
+        field = load_field(replica_id, "n")
+        return self._held[field] - self._unsent[field]
 
     def unsent(self, replica_id: str) -> FleetWork:
         """This router's deltas on ``replica_id`` not yet in the index (added to its totals)."""

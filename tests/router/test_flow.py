@@ -27,9 +27,14 @@ class Fleet:
 
 
 def control(
-    fleet: Fleet, bands: str = "high:100:30,normal:100:30,batch:100:30:sheddable", **config
+    fleet: Fleet,
+    bands: str = "high:100:30,normal:100:30,batch:100:30:sheddable",
+    on_claims=lambda delta: None,
+    **config,
 ) -> FlowControl:
-    fleet.flow = FlowControl(FlowConfig(bands=bands, **config), fleet.saturated, RouterMetrics("m"))
+    fleet.flow = FlowControl(
+        FlowConfig(bands=bands, **config), fleet.saturated, RouterMetrics("m"), on_claims
+    )
     return fleet.flow
 
 
@@ -82,6 +87,37 @@ async def test_a_higher_band_overtakes_a_lower_one():
         assert len(order) == running + 1  # one at a time: the fleet has one slot
     await asyncio.gather(*tasks)
     assert [name for name, _ in order] == ["urgent", "low-1", "low-2"]
+
+
+async def test_a_slot_handed_on_stays_claimed_from_its_release_until_the_next_request_is_routed():
+    """Other routers must never see a slot free between one request's end and the routing of
+    the request waiting for it: the claim begins in the call that ends the first (the loop
+    turn of its load's release) and ends when the second is routed; a slot that turns out to
+    have no room is no longer claimed once the dispatcher has looked."""
+    fleet, changes = Fleet(1), []
+    flow = control(fleet, on_claims=changes.append)
+    holder = await flow.admit(FlowKey(), 10)
+    fleet.running = 1
+    flow.routed(holder)
+    waiter = asyncio.create_task(flow.admit(FlowKey(), 10))
+    await asyncio.sleep(0.01)
+    assert flow.queued == 1 and changes == []  # admissions alone claim nothing
+    fleet.running = 0
+    flow.end(holder, 10)
+    assert flow.claims == 1 and changes == [1]  # in the same call as the end
+    successor = await waiter
+    assert flow.claims == 1 and flow.pending == 1  # let go into the slot: it holds the claim
+    fleet.running = 1
+    flow.routed(successor)
+    assert flow.claims == 0 and changes == [1, -1]
+    third = asyncio.create_task(flow.admit(FlowKey(), 10))
+    await asyncio.sleep(0.01)
+    flow.end(successor, 10)  # the fleet stays saturated (fleet.running is still 1)
+    assert flow.claims == 1
+    await asyncio.sleep(0.01)
+    assert flow.claims == 0 and changes == [1, -1, 1, -1] and flow.queued == 1
+    third.cancel()
+    await asyncio.gather(third, return_exceptions=True)
 
 
 async def test_two_tenants_at_10_to_1_demand_get_equal_token_shares_while_both_wait():

@@ -79,8 +79,8 @@ async def test_a_full_fleet_keeps_requests_at_the_router_and_no_engine_queues(fl
 
 
 async def test_two_routers_share_the_fleets_room(fleet, qwen3_dir):
-    """A second router on the same fleet: each counts the other's requests (through the
-    index), so together they do not fill the replicas' engines past their running slots."""
+    """A second router on the same fleet: each counts the other's requests and hand-offs
+    (through the index), so together they let few requests queue in a replica's engine."""
     router, replicas = fleet
     second = await started_router(
         RouterServer(local_router_config(qwen3_dir, router.config.redis_url, http_port=-1))
@@ -89,15 +89,16 @@ async def test_two_routers_share_the_fleets_room(fleet, qwen3_dir):
     assert await eventually(lambda: asyncio.sleep(0, result=all(f.active for f in shared)), timeout=15)
     prompt = prompts_of_lengths([64], salt=5)[0]
     sampling = pb.SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)  # long: they overlap
-    samples, over, queued, done = 0, 0, 0, asyncio.Event()
+    queued_in_engine, queued, done = 0, 0, asyncio.Event()
     cores = [r.models.routes[0].core for r in (router, second)]
 
     async def watch() -> None:
-        nonlocal samples, over, queued
+        nonlocal queued_in_engine, queued
+        waiting = [0] * len(replicas)
         while not done.is_set():
-            stats = [r.engine.stats() for r in replicas]
-            samples += 1
-            over += any(s.num_running + s.num_waiting > SLOTS for s in stats)
+            now = [r.engine.stats().num_waiting for r in replicas]
+            queued_in_engine += sum(max(0, n - w) for n, w in zip(now, waiting, strict=True))
+            waiting = now
             queued = max(queued, sum(c.flow.queued for c in cores))
             await asyncio.sleep(0.005)
 
@@ -116,8 +117,10 @@ async def test_two_routers_share_the_fleets_room(fleet, qwen3_dir):
     finally:
         await second.stop(grace=0.5)
     assert results == [160] * 16 and queued > 0  # the fleet was full: requests waited at the routers
-    # Each router counting only its own keeps the engines past their slots most of the time
-    # (measured: 71% of samples). Sharing is approximate: a router sees the other's requests up
-    # to 50 ms late, so both may take the slot one request freed, and the extra one stays for
-    # its request's life (measured: 0-14% of samples).
-    assert over <= 0.3 * samples, (over, samples)
+    # Sharing is approximate (design.md, "Many routers, one view"): a router sees the other's
+    # new requests one round trip late, so both may take a slot that just freed, and the extra
+    # one waits in the engine. What it bounds is how many requests that happens to, not how
+    # long: each waits a whole request's life. Measured here, each router on its own counts:
+    # 12 of the 16 requests queued in an engine (3 of 3 runs); sharing, beside three busy
+    # loops on 2 cores: 0-2 (10 runs).
+    assert queued_in_engine <= 4, queued_in_engine

@@ -243,6 +243,26 @@ async def test_every_router_sees_the_fleets_in_flight_work(fleet_of_routers):
     assert synced >= 2 and took > 0
 
 
+async def test_a_routers_hand_off_claims_take_room_from_every_other_routers_view(fleet_of_routers):
+    """Slots a router keeps for its waiting requests (flow control's claims) reach the other
+    routers through the index, and their saturation check counts them against the room."""
+    a, b = (fleet_of_routers["routers"][k] for k in ("a", "b"))
+    room = sum(e.record.load("max_num_seqs") for e in b.registry.live())
+    assert room and not await b.core.saturated()
+    a.core.flow.on_claims(int(room))  # as the hook is called: every slot claimed
+    try:
+        assert await eventually(lambda: b.core.saturated(), timeout=5)
+        assert not await a.core.saturated()  # its own claims are its own to fill
+    finally:
+        a.core.flow.on_claims(-int(room))
+    assert await eventually(lambda: _not(b.core.saturated()), timeout=5)
+    assert await _fleet_is(b.core.decider.index, {})  # nothing left behind in the index
+
+
+async def _not(check) -> bool:
+    return not await check
+
+
 async def test_a_prompt_without_a_full_block_is_routed_without_a_prefix_lookup(fleet_of_routers):
     """Nothing to look up: a router on its own counts makes no index call; a sharing one
     reads only the fleet's work (one HGETALL)."""
