@@ -105,15 +105,22 @@ def limits(device: torch.device, quick: bool) -> dict:
     }
 
 
-def run_tests(out_dir: Path, files: list[str] = CUDA_TESTS) -> dict:
-    """The CUDA tests, by pytest in a subprocess (its counts from its JUnit XML)."""
-    report = out_dir / "gpu_check_tests.xml"
+def run_tests(out_dir: Path, files: list[str] = CUDA_TESTS, root: Path = Path()) -> dict:
+    """The CUDA tests, by pytest in a subprocess (its counts from its JUnit XML). ``files``
+    are named from ``root``, which is the inner pytest's working directory and rootdir: else
+    pytest takes the common ancestor of its arguments and the test names change with where
+    the project lies."""
+    report = (out_dir / "gpu_check_tests.xml").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *files],
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+            *(f"--rootdir={root.resolve()}", f"--junitxml={report}", *files),
+        ],
         capture_output=True,
         text=True,
+        cwd=root,
     )
     suite = ElementTree.parse(report).getroot()
     suite = suite.find("testsuite") if suite.tag == "testsuites" else suite

@@ -43,7 +43,7 @@ def test_the_test_counter_reads_pytests_own_report(tmp_path):
         "@pytest.mark.skip(reason='no')\n"
         "def test_skips(): pass\n"
     )
-    counted = run_tests(tmp_path / "out", [str(tests)])
+    counted = run_tests(tmp_path / "out", ["test_three.py"], root=tmp_path)
     assert (counted["tests"], counted["skipped"], counted["exit_code"]) == (3, 1, 1)
     assert counted["failed"] == ["test_three::test_fails"] and "assert False" in counted["tail"]
 
