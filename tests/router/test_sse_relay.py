@@ -218,8 +218,13 @@ def _rounded(value):
 
 async def test_a_replica_whose_port_refuses_moves_the_request_once_and_cools_down(fleet):
     router, client = fleet["router"], fleet["client"]
-    entries = list(router.registry.entries.values())
-    broken = entries[0]
+    # The replica the prompt goes to first: the one that served it (and holds its prefix now),
+    # whatever earlier tests left in the caches.
+    served = {e.record.replica_id: _decisions(router, e) for e in router.registry.entries.values()}
+    await _stream(client, fleet["url"])
+    broken = next(
+        e for e in router.registry.entries.values() if _decisions(router, e) > served[e.record.replica_id]
+    )
     saved = broken.http
     broken.http = ReplicaHttp("http://127.0.0.1:9", None)  # nothing listens on the discard port
     failovers = metric(router.core, "kvmesh_router_failovers_total")
@@ -231,6 +236,10 @@ async def test_a_replica_whose_port_refuses_moves_the_request_once_and_cools_dow
         assert metric(router.core, "kvmesh_router_failovers_total") >= failovers + 1
     finally:
         broken.http, broken.failed_until = saved, 0.0
+
+
+def _decisions(router: RouterServer, entry) -> float:
+    return metric(router.core, "kvmesh_router_routing_decisions_total", replica=entry.record.replica_id)
 
 
 class _Upstream(FakeHttpServer):
