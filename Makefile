@@ -2,27 +2,40 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.kvmesh-installed
+RUNTIME_STAMP := $(VENV)/.kvmesh-runtime
+TEST_STAMP := $(VENV)/.kvmesh-test
 TORCH := torch==2.13.0
+# When this make began: the README's two commands end by saying how long they took.
+STARTED := $(shell date +%s)
+took = echo "make $@: $$(( $$(date +%s) - $(STARTED) )) s"
 
-.PHONY: demo test test-heavy test-bench test-fast lint bench peers vllm protos venv clean gpu-check gpu-wheels chart-docs image image-check
+.PHONY: demo test test-heavy test-bench test-fast test-shuffled lint bench peers vllm protos venv runtime-venv clean gpu-check gpu-wheels chart-docs image image-check
 
-venv: $(STAMP)
+# What serving and the demo need (the runtime and the experiments extra: plots, HTTP clients),
+# then the test tools on top for every other target.
+runtime-venv: $(RUNTIME_STAMP)
+venv: $(TEST_STAMP)
 
 # torch goes in first and pinned: an unpinned torch pulled in by a dependency is a
 # multi-GB CUDA build. Re-runs when pyproject.toml changes.
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test]'
-	@touch $(STAMP)
+	$(PY) -m pip install --quiet -e '.[experiments]'
+	@touch $(RUNTIME_STAMP)
 
-demo: venv
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(TEST_STAMP)
+
+demo: runtime-venv
 	$(VENV)/bin/kvmesh demo --out-dir results/demo
+	@$(took)
 
 # pytest's exit code 5 means "no tests collected": not a failure of the code.
-PYTEST_OK_IF_EMPTY = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+# Each test target ends by saying how long the whole make took.
+PYTEST_OK_IF_EMPTY = rc=$$?; $(took); if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # Two pytest-xdist workers, each with its test files and its own local Ray (TEST_WORKERS=0:
 # one process, about 1.5x the time); see docs/development.md.
@@ -62,6 +75,15 @@ image-check: venv image
 # editing, test by test over the workers (about 50 s on 2 cores today). CI runs `make test`.
 test-fast: venv lint
 	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow" $(call workers,$(FAST_WORKERS)); $(PYTEST_OK_IF_EMPTY)
+
+# The fast tier in a shuffled order (SEED: the seed, a new one each run by default, printed in
+# pytest's header): finds a test that passes only after what an earlier one left behind.
+ifndef SEED
+SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+endif
+test-shuffled: venv
+	@echo "the fast tier shuffled with seed $(SEED) (again: make test-shuffled SEED=$(SEED))"
+	KVMESH_TEST_FAST=1 $(PY) -m pytest -q -m "not servers and not slow" --shuffle $(SEED) $(call workers,$(FAST_WORKERS)); $(PYTEST_OK_IF_EMPTY)
 
 lint: venv
 	$(VENV)/bin/ruff check .

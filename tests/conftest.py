@@ -17,10 +17,32 @@ if not torch.cuda.is_available():
 SERVER_FIXTURES = {"redis_server", "valkey_server", "valkey_cluster", "ray_cluster", "acl_server"}
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run the tests in an order shuffled with SEED (make test-shuffled): a test that "
+        "leans on what an earlier one left behind fails in some order",
+    )
+
+
+def pytest_report_header(config):
+    seed = config.getoption("shuffle")
+    return None if seed is None else f"shuffled with seed {seed} (again: --shuffle {seed})"
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.servers)
+    seed = config.getoption("shuffle")
+    if seed is not None:  # the same order in every xdist worker: each collects with the seed
+        import random
+
+        random.Random(seed).shuffle(items)
+        return
     # Files that start servers first, the quick ones last: two test workers take whole files in
     # this order, so the suite does not end with one worker still in a long file, the other idle.
     heavy = {item.path for item in items if item.get_closest_marker("servers")}
