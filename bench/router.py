@@ -25,7 +25,7 @@ from kvmesh.bench.measure.demo_model import demo_model
 from kvmesh.bench.measure.stats import latency_ms
 from kvmesh.bench.peer_processes import Contender, RouterProcess, kvmesh_router_command
 from kvmesh.bench.peers import replicas_of
-from kvmesh.bench.router_cpu import router_cpu
+from kvmesh.bench.router_cpu import ANSWERS, QUICK_ANSWERS, router_cpu
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
 from kvmesh.cluster.launcher import LocalCluster
@@ -89,7 +89,7 @@ async def _interleaved(paths: dict, samples: int) -> dict[str, list[float]]:
     return times
 
 
-async def added_latency(model_dir: str, samples: int) -> dict:
+async def added_latency(model_dir: str, samples: int, answers: tuple[int, int] = ANSWERS) -> dict:
     """The same cached 1-token request straight to a replica, through a ``kvmesh router``
     process (as deployed: its own process, shared load on) and, over gRPC, through a
     pass-through proxy (the floor: the extra hop alone), interleaved so drift hits all alike;
@@ -154,6 +154,7 @@ async def added_latency(model_dir: str, samples: int) -> dict:
             long_text(PromptTokenizer(model_dir), 4000),
             max(20, samples // 5),  # the kernel counts CPU in 10 ms ticks: a window worth several
             scratch,
+            answers,
         )
     return _added_report(samples, times, cpu)
 
@@ -277,7 +278,7 @@ async def _beside(
 
 async def run(model_dir: str, quick: bool) -> dict:
     samples = 40 if quick else 500  # quick: a smoke run (its p99s are the slowest few samples)
-    latency = await added_latency(model_dir, samples)
+    latency = await added_latency(model_dir, samples, QUICK_ANSWERS if quick else ANSWERS)
     decision = await decision_time(model_dir, 8, samples)
     return {
         "added_latency": latency,

@@ -90,7 +90,10 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("event loop", ("asyncio/", "uvloop", "selectors", "epoll")),
 )
 CASES = (("grpc", "short"), ("grpc", "4k"), ("http", "short"), ("http", "4k"))
-ANSWERS = (1, 33)  # tokens: the difference, over 32, is what one more streamed token costs
+# Answer lengths in tokens: the difference over their gap is what one more streamed token costs
+# (a smoke run's longer answer is shorter: each of its tokens is a decode step to wait for).
+ANSWERS = (1, 33)
+QUICK_ANSWERS = (1, 9)
 
 
 def stage_of(where: str) -> str:
@@ -191,6 +194,7 @@ async def router_cpu(
     long_text: str,
     n: int,
     scratch: Path,
+    answers: tuple[int, int] = ANSWERS,
 ) -> dict:
     """Each (api, prompt) case at 1- and 33-token answers: CPU per request by stage, and per
     streamed token; one router process for all, started under ``profiled``."""
@@ -216,15 +220,15 @@ async def router_cpu(
             for _ in range(5):  # warm: the prompt cached on its replica, connections open
                 await client.send(*case, 1)
             rows = {}
-            for answer in ANSWERS:
+            for answer in answers:
                 cpu_s, loop_s = await _window(router, client, case, answer, n)
                 stages = await _profiled_window(router, client, case, answer, n, profile)
                 rows[answer] = _per_request(cpu_s, loop_s, stages, n)
-            short, long = rows[ANSWERS[0]], rows[ANSWERS[1]]
-            per_token = (long["cpu_ms_per_request"] - short["cpu_ms_per_request"]) / (ANSWERS[1] - ANSWERS[0])
+            short, long = rows[answers[0]], rows[answers[1]]
+            per_token = (long["cpu_ms_per_request"] - short["cpu_ms_per_request"]) / (answers[1] - answers[0])
             result[f"{case[0]}_{case[1]}"] = {
                 "per_request_1_token": short,
-                f"per_request_{ANSWERS[1]}_tokens": long,
+                f"per_request_{answers[1]}_tokens": long,
                 "cpu_ms_per_streamed_token": round(per_token, 4),
             }
     return result
