@@ -77,7 +77,8 @@ image:
 # as containers from its rendering (tests/deploy/test_chart_containers.py), after building it.
 image-check: venv image
 	KVMESH_IMAGE=$(IMAGE_TAG) KVMESH_VLLM_IMAGE=$(IMAGE_TAG)-vllm KVMESH_CONTAINER_ENGINE="$$(helm/container-engine.sh)" \
-		$(PY) -m pytest -q -m image tests/deploy/test_image.py tests/deploy/test_chart_containers.py
+		$(PY) -m pytest -q -m image $(call workers,$(TEST_WORKERS),--dist loadfile) --durations=10 \
+		tests/deploy/test_image.py tests/deploy/test_chart_containers.py; $(PYTEST_OK_IF_EMPTY)
 
 # The tests that start nothing (no Ray, no Redis, no servers) and take no seconds of their own
 # (benchmark smoke runs, subprocesses that import torch: marker `slow`): the inner loop while

@@ -3,7 +3,7 @@
 # Where the registry's base image cannot be pulled, a stand-in is made once from Debian's own
 # mirror with debootstrap (bookworm, Python 3.11: what the registry's image is) and cached.
 # Where this machine's pip has a wheel folder or a certificate of its own (a proxy's), they
-# are mounted into the build (podman) and passed as PIP_OPTIONS, and torch comes from pip's
+# are mounted into the build (podman) and passed as PIP_OPTIONS (the certificate to uv as CA_FILE), and torch comes from pip's
 # own sources; elsewhere the Dockerfile's defaults apply. Prints the images' sizes and build
 # times and writes them to results/image.json.
 set -euo pipefail
@@ -64,6 +64,7 @@ if [ "${ENGINE%% *}" = podman ]; then
   if [ -n "$cert" ] && [ -f "$cert" ]; then
     mounts+=(-v "$cert:/run/kvmesh-ca.crt:ro")
     pip_options+=" --cert /run/kvmesh-ca.crt"
+    args+=(--build-arg CA_FILE=/run/kvmesh-ca.crt)
   fi
 fi
 [ -z "$pip_options" ] || args+=(--build-arg "PIP_OPTIONS=${pip_options# }")

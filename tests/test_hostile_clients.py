@@ -70,6 +70,10 @@ async def stack(qwen3_dir):
                 f"hostile-{i}",
                 redis.url,
                 heartbeat_s=0.2,
+                # These replicas share the router's process, whose hostile bodies hold the GIL
+                # for a second or more under the full suite's load: their liveness is not this
+                # file's subject (the default 3 s TTL lapsed here).
+                ttl_s=10.0,
                 inputs=INPUTS,
                 connections=CONNECTIONS,
                 engine=EngineConfig(num_kv_blocks=1024, max_num_batched_tokens=4096),

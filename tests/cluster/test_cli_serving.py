@@ -61,6 +61,7 @@ def test_serving_commands_reject_bad_input_in_one_line(args, qwen3_dir):
     assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in out.stderr
 
 
+@pytest.mark.heavy  # a whole deployment (kvmesh up, or the demo's) as local processes
 def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
     proc = subprocess.Popen(
         [
@@ -134,6 +135,7 @@ def test_up_serves_reports_status_and_stops_on_sigint(qwen3_dir, tmp_path):
             proc.kill()
 
 
+@pytest.mark.heavy  # a whole deployment (kvmesh up, or the demo's) as local processes
 def test_up_serves_two_models_of_two_architectures_behind_one_router(qwen3_dir, tmp_path):
     """Issue 31's done-when: a tiny Qwen3 and a tiny Llama with a tokenizer of its own, one
     replica each, one router: each request lands on its model's replica, a prefix shared in
@@ -210,6 +212,7 @@ def test_up_serves_two_models_of_two_architectures_behind_one_router(qwen3_dir, 
             proc.kill()
 
 
+@pytest.mark.heavy  # a whole deployment (kvmesh up, or the demo's) as local processes
 async def test_demo_runs_and_writes_results(ray_cluster, tmp_path):
     from kvmesh.bench import demo
 
@@ -280,6 +283,7 @@ def test_bench_serve_runs_a_mix_of_models_and_reports_each(qwen3_dir, llama_dir,
     )
 
 
+@pytest.mark.heavy  # a whole deployment (kvmesh up, or the demo's) as local processes
 def test_up_without_router_is_the_charts_controller(qwen3_dir):
     proc = subprocess.Popen(
         [KVMESH, "up", "--no-router", "--model", str(qwen3_dir), "--replicas", "1", "--num-kv-blocks", "64"],
@@ -334,6 +338,7 @@ def test_a_taken_port_is_one_line_not_a_traceback(qwen3_dir, valkey_server):
             ), out.stderr
 
 
+@pytest.mark.heavy  # a whole deployment (kvmesh up, or the demo's) as local processes
 def test_a_replica_that_cannot_start_is_one_line_and_up_prints_progress(qwen3_dir, tmp_path):
     import shutil
 
@@ -355,6 +360,7 @@ def test_a_replica_that_cannot_start_is_one_line_and_up_prints_progress(qwen3_di
 SHARED_PREFIX = "You are a careful assistant. Answer briefly and cite the cache. " * 3
 
 
+@pytest.mark.heavy  # a whole deployment (kvmesh up, or the demo's) as local processes
 def test_two_ups_of_one_model_on_one_redis_never_collide(qwen3_dir, tmp_path):
     """Issue 25: two ``kvmesh up`` of the same model on one external Redis, each with its
     replica (``replica-0`` in both) and its router. Each router lists only its own replica,

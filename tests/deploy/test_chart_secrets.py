@@ -319,7 +319,7 @@ def test_dockerfile_builds_cpu_and_cuda_variants_as_the_charts_user():
     assert chart_values["podSecurityContext"]["runAsUser"] == 1000
     # KubeRay: ray[default] (the dashboard agent) at the chart's Ray version, and wget for its probes
     assert f"ARG RAY_VERSION={chart_values['ray']['version']}" in text
-    assert 'pip install --no-cache-dir $PIP_OPTIONS . "ray[default]==${RAY_VERSION}"' in text  # no extras
+    assert '--python /opt/venv/bin/python . "ray[default]==${RAY_VERSION}"' in text  # no extras
     runs = [
         block
         for block in text.split("FROM ")

@@ -260,12 +260,15 @@ def test_decode_graphs_read_pending_tokens_on_the_device(qwen3_dir, params):
     """Decode batches replay the graphs (on CPU through ``EagerReplay``, Triton's kernels in
     its interpreter), each row's token taken from the launched step's tokens."""
     options = {**OPTIONS, "attention_backend": "triton", "num_kv_blocks": 64}
-    expected = outcome(LLMEngine(qwen3_dir, async_scheduling=False, **options).generate(PROMPTS, params))
+    # Four rows (stopped early and by length, greedy and seeded): each decode step is a replay
+    # in Triton's interpreter, so the workload's longest rows would only repeat the same steps.
+    prompts, params = PROMPTS[:4], params[:4]
+    expected = outcome(LLMEngine(qwen3_dir, async_scheduling=False, **options).generate(prompts, params))
     engine = LLMEngine(qwen3_dir, async_scheduling=True, **options)
     if engine.runner.graphs is None:
         engine.runner.capture_decode_graphs(EagerReplay())
     calls = count_calls(engine)
-    assert outcome(engine.generate(PROMPTS, params)) == expected
+    assert outcome(engine.generate(prompts, params)) == expected
     assert engine.runner.graphs.replays > 0 and calls["run"] == 0
 
 

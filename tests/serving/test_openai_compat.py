@@ -96,6 +96,13 @@ async def servers(qwen3_dir, tmp_path_factory):
     redis.close()
 
 
+async def reference(compute, *args):
+    """transformers' answer, computed off the event loop: the replica and router serve from
+    this loop, and a reference that loads the model under load would hold it past the
+    replica's heartbeat TTL (the router then answers 503, no live replica)."""
+    return await asyncio.to_thread(compute, *args)
+
+
 @pytest.fixture(params=["router", "replica"])
 def base_url(request, servers) -> str:
     return servers["urls"][request.param]
@@ -167,7 +174,7 @@ async def test_logit_bias_repetition_penalty_min_tokens_stop_and_seed(
     client, base_url, qwen3_dir, hf_tokenizer
 ):
     ids = await tokenize(base_url, PROMPT)
-    greedy_ids = hf_greedy(qwen3_dir, ids, 8)
+    greedy_ids = await reference(hf_greedy, qwen3_dir, ids, 8)
     base = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
     plain = (await client.completions.create(**base)).choices[0].text
     assert plain == hf_tokenizer.decode(greedy_ids)
@@ -209,10 +216,10 @@ async def test_completion_logprobs_are_the_models_log_softmax(client, base_url, 
         model=SERVED, prompt=PROMPT, max_tokens=5, logprobs=3, temperature=0
     )
     ids = await tokenize(base_url, PROMPT)
-    out_ids = hf_greedy(qwen3_dir, ids, 5)
+    out_ids = await reference(hf_greedy, qwen3_dir, ids, 5)
     lp = reply.choices[0].logprobs
     assert lp.tokens == [hf_tokenizer.decode([t]) for t in out_ids]
-    ref = hf_log_softmax(str(qwen3_dir), tuple(ids + out_ids))
+    ref = await reference(hf_log_softmax, str(qwen3_dir), tuple(ids + out_ids))
     for i, (token, value, top) in enumerate(zip(out_ids, lp.token_logprobs, lp.top_logprobs, strict=True)):
         row = ref[len(ids) - 1 + i]
         assert abs(value - row[token].item()) < 1e-3
@@ -228,7 +235,7 @@ async def test_echo_with_logprobs_and_no_generation_scores_the_prompt(client, ba
     ids = await tokenize(base_url, PROMPT)
     choice = reply.choices[0]
     assert choice.text == PROMPT and reply.usage.completion_tokens == 0
-    ref = hf_log_softmax(str(qwen3_dir), tuple(ids))
+    ref = await reference(hf_log_softmax, str(qwen3_dir), tuple(ids))
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids)
     for pos in range(1, len(ids)):
         assert abs(choice.logprobs.token_logprobs[pos] - ref[pos - 1][ids[pos]].item()) < 1e-3
