@@ -4,7 +4,9 @@
    engine's continuous batching and through transformers ``generate`` batched with left
    padding (``max_new_tokens`` = the batch's longest output; only requested tokens count).
 2. Time to first token of a 2k-token prompt whose first 1.75k tokens are cached, against
-   the same prompt on a cold cache.
+   the same prompt on a cold cache; and with those tokens restored from the host tier (an
+   engine whose device pool holds one such prompt, so one other prompt pushes the prefix out
+   to host memory), with the measured restore bandwidth.
 3. Where a decode step's host time goes, stage by stage (``step_stages.py``), at 1, 16 and 64
    rows greedy, and at 64 rows sampled.
 With ``--device cuda`` (``make gpu-check`` runs it first on a GPU machine): the CUDA path's
@@ -32,8 +34,8 @@ import torch
 
 from kvmesh.bench.measure.common import environment, progress, target, write_result
 from kvmesh.bench.step_stages import step_stages
-from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.engine.step_costs import StepCostFit
+from kvmesh.engine import LLMEngine, SamplingParams
+from kvmesh.engine.step_costs import StepCostFit
 
 MODEL = dict(
     arch="qwen3", hidden=512, layers=4, heads=8, kv_heads=4, vocab_size=1024, max_position_embeddings=4096
@@ -41,7 +43,7 @@ MODEL = dict(
 
 
 def bench_model_dir(cache: Path) -> Path:
-    from kvmesh.replica.tiny_model import cached_tiny_model
+    from kvmesh.engine.models.tiny_model import cached_tiny_model
 
     return cached_tiny_model(cache / "bench-qwen3-h512-l4", **MODEL)
 
@@ -130,6 +132,44 @@ def bench_ttft(engine: LLMEngine, rng: random.Random, repeats: int) -> dict:
     return ttft_summary(cold, warm)
 
 
+def bench_ttft_from_host(model_dir: Path, rng: random.Random, repeats: int, **options) -> dict:
+    """Cold against restored from the host tier, the same prompts as ``bench_ttft``: after the
+    cold prompt, one unrelated prompt of its length fills the device pool, so the shared
+    prefix moves to host memory; the warm prompt then restores it."""
+    probe = LLMEngine(model_dir, num_kv_blocks=1, block_size=16, **options)
+    blocks = 2048 // 16 + 8  # one 2k-token prompt and a little room
+    engine = LLMEngine(
+        model_dir,
+        num_kv_blocks=blocks,
+        block_size=16,
+        host_kv_gib=4 * blocks * probe.runner.block_bytes / 2**30,
+        max_num_batched_tokens=2048,
+        **options,
+    )
+    del probe
+    cold, restored, from_host = [], [], []
+    for cold_prompt, warm_prompt in ttft_prompts(rng, engine.vocab_size, repeats):
+        engine.reset_prefix_cache()
+        cold.append(ttft(engine, cold_prompt))
+        ttft(engine, [rng.randrange(3, engine.vocab_size) for _ in range(2048)])  # the prefix leaves
+        before = engine.stats().host.hit_tokens
+        restored.append(ttft(engine, warm_prompt))
+        from_host.append(engine.stats().host.hit_tokens - before)
+    host = engine.stats().host
+    block_bytes = engine.runner.block_bytes
+    return {
+        "prompt_tokens": 2048,
+        "restored_tokens": statistics.median(from_host),
+        "cold_ttft_ms": round(statistics.median(cold) * 1e3, 1),
+        "restored_ttft_ms": round(statistics.median(restored) * 1e3, 1),
+        "speedup": round(statistics.median(cold) / statistics.median(restored), 2),
+        "restore_gb_per_s": round(host.restored_blocks * block_bytes / host.restore_seconds / 1e9, 2)
+        if host.restore_seconds
+        else None,
+        "restore_s_per_block": host.restore_seconds / host.restored_blocks if host.restored_blocks else None,
+    }
+
+
 def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -> tuple[float, float]:
     """(seconds of the prefill step, median seconds of a decode step) for one batch."""
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
@@ -150,7 +190,7 @@ def _step_time(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -
 def calibrate(engine: LLMEngine, rng: random.Random, model: dict) -> dict:
     """The simulator's cost model for this engine: t = base + a*prefill_tokens +
     b*decode_seqs + c*context_tokens, from prefill and decode steps of known shapes, fitted by
-    the engine's own online fit (``replica/engine/step_costs.py``, what replicas send in their
+    the engine's own online fit (``engine/step_costs.py``, what replicas send in their
     heartbeats), started fresh and without decay for the calibration."""
     engine.step_costs = StepCostFit(half_life_steps=math.inf)
     vocab = engine.vocab_size
@@ -209,6 +249,8 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
     throughput = throughput_vs_transformers(engine, model_dir, reqs, repeats, torch.float32)
     ttft_result = bench_ttft(engine, random.Random(1), repeats)
     progress(f"ttft: cold {ttft_result['cold_ttft_ms']} ms, cached {ttft_result['cached_ttft_ms']} ms")
+    host = bench_ttft_from_host(model_dir, random.Random(1), repeats)
+    progress(f"ttft: cold {host['cold_ttft_ms']} ms, restored from host {host['restored_ttft_ms']} ms")
     stages = [step_stages(engine, batch, 512, 5 if quick else 20) for batch in (1, 16, 64)]
     stages.append(step_stages(engine, 64, 512, 5 if quick else 20, temperature=0.8))  # the sampler's share
     progress(f"host stages of a 64-row decode step: {stages[-1]}")
@@ -231,10 +273,12 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
         "device": "cpu",
         "throughput": throughput,
         "ttft": ttft_result,
+        "ttft_from_host": host,
         "step_stages": stages,
         "targets": [
             target("throughput vs transformers generate", throughput["speedup"], ">=", 2.0),
             target("TTFT cold / cached (1.75k of 2k cached)", ttft_result["speedup"], ">=", 4.0),
+            target("TTFT cold / restored from the host tier (1.75k of 2k)", host["speedup"], ">=", 3.0),
         ],
     }
 
@@ -242,7 +286,7 @@ def run_cpu(repeats: int, quick: bool, model_dir: Path, vllm_python: str | None 
 def greedy_vs_cpu(model_dir: Path, quick: bool) -> dict:
     """Each CUDA variant's greedy tokens against the CPU path's in float32, same requests: fp32
     must agree token for token; bf16 rounds, so its first tokens are the comparable part."""
-    from kvmesh.replica.models.attention import flash_attn_available
+    from kvmesh.engine.models.attention import flash_attn_available
 
     cpu = LLMEngine(model_dir, num_kv_blocks=2048, block_size=256, device="cpu")
     reqs = workload(8 if quick else 32, random.Random(0), cpu.vocab_size)
@@ -279,7 +323,7 @@ def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> d
     throughput in bfloat16 against transformers on the same GPU (needs a CUDA machine)."""
     if not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA machine")
-    from kvmesh.replica.models.attention import flash_attn_available
+    from kvmesh.engine.models.attention import flash_attn_available
 
     checks = greedy_vs_cpu(bench_model, quick)
     # half the GPU: transformers' model and its cache share the device with the engine's pool
@@ -298,6 +342,9 @@ def run_cuda(repeats: int, quick: bool, bench_model: Path, model_dir: Path) -> d
         "num_kv_blocks": engine.block_manager.num_blocks,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "ttft": bench_ttft(engine, random.Random(1), repeats),
+        "ttft_from_host": bench_ttft_from_host(
+            model_dir, random.Random(1), repeats, device="cuda", dtype="bfloat16"
+        ),
         "targets": [target("CUDA throughput vs transformers generate", throughput["speedup"], ">=", 2.0)],
     }
 
@@ -341,6 +388,11 @@ def _print(result: dict) -> None:
     print(f"time to first token, {f['prompt_tokens']}-token prompt")
     print(f"  cold          {f['cold_ttft_ms']:>9.1f} ms")
     print(f"  1792 cached   {f['cached_ttft_ms']:>9.1f} ms   ratio {f['speedup']}x")
+    h = result["ttft_from_host"]
+    print(
+        f"  {h['restored_tokens']:.0f} from host {h['restored_ttft_ms']:>7.1f} ms   ratio {h['speedup']}x"
+        f"   (cold {h['cold_ttft_ms']} ms; restores at {h['restore_gb_per_s']} GB/s)"
+    )
     if v := result.get("vllm"):
         print(f"vLLM {v['version']} (its OpenAI server on loopback, block size {v['block_size']})")
         print(

@@ -13,7 +13,8 @@ out, each part written as it finishes:
    the KV it reads, over the copy bandwidth; its FLOPs over the matmul rate; whichever is
    longer; ``share_of_limit`` is that floor over the wall time), and its host time by stage.
 4. ``ttft``: cold and with all but the last block cached, at 2k and 8k tokens (and 2k with
-   1,792 cached, the engine bench's case).
+   1,792 cached, the engine bench's case, and the same prefix restored from the host tier,
+   with the restores' bandwidth as a share of the measured host-to-device limit).
 5. ``engine``: ``kvmesh bench engine --device cuda``'s throughput against transformers
    ``generate`` and greedy tokens against the CPU path.
 6. ``serving``: the chain on the GPU (the embedded Valkey, a replica on the GPU, the router;
@@ -40,7 +41,7 @@ import torch
 
 from kvmesh.bench.measure.common import environment, progress, target, write_result
 from kvmesh.bench.step_stages import decoding, step_stages
-from kvmesh.replica import LLMEngine
+from kvmesh.engine import LLMEngine
 
 # A random model with Qwen3-1.7B's shape and a 1k vocabulary: its weights are the real one's
 # less the embedding (what a decode step reads of them is the same).
@@ -56,10 +57,10 @@ SHAPE_1_7B = dict(
 )
 SMOKE_SHAPE = dict(arch="qwen3", hidden=128, layers=2, heads=4, kv_heads=2, vocab_size=1024)
 CUDA_TESTS = [
-    "tests/replica/test_cuda.py",
-    "tests/replica/test_triton_attention.py",
-    "tests/replica/test_cuda_graphs.py",
-    "tests/replica/test_async_scheduling.py",
+    "tests/engine/test_cuda.py",
+    "tests/engine/test_triton_attention.py",
+    "tests/engine/test_cuda_graphs.py",
+    "tests/engine/test_async_scheduling.py",
 ]
 
 
@@ -88,18 +89,22 @@ class Timer:
 
 
 def limits(device: torch.device, quick: bool) -> dict:
-    """Copy bandwidth (bytes read + written a second) and matmul rate (FLOP/s), measured."""
+    """Copy bandwidth (bytes read + written a second), host-to-device bandwidth from pinned
+    memory (bytes a second: the host tier's restores' ceiling) and matmul rate (FLOP/s), measured."""
     timer = Timer(device)
     elements = (1 << 29) if device.type == "cuda" else (1 << 23)  # 1 GiB of bf16 on a GPU
     src = torch.empty(elements, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     copy_s = timer.median(lambda: dst.copy_(src), 5 if quick else 10)
+    host = torch.empty(elements, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+    upload_s = timer.median(lambda: dst.copy_(host, non_blocking=True), 5 if quick else 10)
     n = 8192 if device.type == "cuda" else 512
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     matmul_s = timer.median(lambda: a @ b, 5 if quick else 10)
     return {
         "copy_bytes_per_s": round(2 * elements * 2 / copy_s),
+        "host_to_device_bytes_per_s": round(elements * 2 / upload_s),
         "matmul_flops_per_s": round(2 * n**3 / matmul_s),
         "matmul_dtype": str(dtype).removeprefix("torch."),
     }
@@ -236,8 +241,9 @@ async def serving(model_dir: Path, device: str, dtype: str, quick: bool) -> dict
     import grpc
 
     from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.engine.config import EngineConfig
     from kvmesh.protos import pb, pb_grpc
-    from kvmesh.replica.config import EngineConfig, ReplicaConfig
+    from kvmesh.replica.config import ReplicaConfig
     from kvmesh.replica.process import ReplicaServer
     from kvmesh.router.config import RouterConfig
     from kvmesh.router.process import RouterServer
@@ -325,7 +331,7 @@ class Report:
 def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, report: Report) -> None:
     """Decode steps at each batch size, each with its host stages: on a GPU with graphs and
     async scheduling, with graphs alone, and with neither; TTFT on the last engine."""
-    from kvmesh.bench.engine import bench_ttft
+    from kvmesh.bench.engine import bench_ttft, bench_ttft_from_host
 
     cuda = device == "cuda"
     batches, context, steps = ([1, 16, 64, 256], 512, 20) if cuda else ([1, 4], 64, 3)
@@ -371,8 +377,17 @@ def decode_and_ttft(model_dir: Path, device: str, dtype: str, quick: bool, repor
                 "all_but_last_block": ttft(engine, lengths, 2 if quick else 3),
                 "2k_1792_cached": bench_ttft(engine, random.Random(1), 3),
             }
+            del engine
+            host = bench_ttft_from_host(model_dir, random.Random(1), 3, device=device, dtype=dtype)
+            bandwidth = limits_["host_to_device_bytes_per_s"]
+            cases["2k_1792_from_host"] = {
+                **host,
+                "restore_share_of_limit": round(host["restore_gb_per_s"] * 1e9 / bandwidth, 3)
+                if host["restore_gb_per_s"]
+                else None,
+            }
             save("ttft", cases)
-        del engine  # an engine in a reference cycle is collected when the next one starts
+        engine = None  # an engine in a reference cycle is collected when the next one starts
         if cuda:
             torch.cuda.empty_cache()
 
@@ -381,7 +396,7 @@ def main(
     out: str, device: str, quick: bool, model: str | None, cache_dir: str, tests: bool, serve: bool
 ) -> int:
     from kvmesh.bench.engine import bench_model_dir, model_label, run_cuda
-    from kvmesh.replica.tiny_model import cached_tiny_model
+    from kvmesh.engine.models.tiny_model import cached_tiny_model
 
     cuda = device == "cuda"
     shape = SHAPE_1_7B if cuda else SMOKE_SHAPE

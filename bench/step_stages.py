@@ -22,9 +22,9 @@ import statistics
 import time
 from collections import defaultdict
 
-from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.engine import model_runner as runner_module
-from kvmesh.replica.engine.launched import LaunchedStep
+from kvmesh.engine import LLMEngine, SamplingParams
+from kvmesh.engine import model_runner as runner_module
+from kvmesh.engine.launched import LaunchedStep
 
 STAGES = ("schedule", "prepare", "model", "logits", "sample", "land", "outputs")
 

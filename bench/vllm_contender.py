@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from kvmesh.bench.measure.common import progress
+from kvmesh.engine.config import EngineConfig
 from kvmesh.kvcache import namespace_seed
-from kvmesh.replica.config import EngineConfig
 from kvmesh.replica.vllm.engine import VllmEngine
 from kvmesh.replica.vllm.server import VllmOptions, VllmServer, check_vllm
 from kvmesh.serving.sampling_params import SamplingParams

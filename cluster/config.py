@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.serving.auth import is_loopback_host
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT, check_deployment

@@ -11,6 +11,12 @@ What differs: the free pool is one insertion-ordered dict (LRU order, O(1) remov
 free block that gets a hit, where nano-vllm's ``deque.remove`` is O(n)); hashing walks one
 token buffer per call; and every change to the set of hittable hashes is recorded as a KV
 event so a remote index can mirror it exactly.
+
+With a host tier (``HostPool``), a hashed block whose device block is handed out again moves
+to the host pool, and a prefix match continues there past the device's blocks: those blocks
+get fresh device blocks and count as cached. The KV copies this asks for (``Transfer``:
+offloads to host slots, restores from them) are drained by the engine, which runs them in
+order before the step that overwrites or reads those device blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +28,20 @@ from dataclasses import dataclass
 from kvmesh.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.kvcache.fragmentation import FragmentationReport, fragmentation_report
 from kvmesh.kvcache.hashing import hash_chain, token_buffer
+from kvmesh.kvcache.host_pool import HostBlock, HostPool
 from kvmesh.kvcache.sequence import Sequence
+
+OFFLOAD, RESTORE = "offload", "restore"
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One block's KV copy between the tiers: ``offload`` device block -> host slot, or
+    ``restore`` host slot -> device block. Run in the order they were asked for."""
+
+    kind: str
+    block: int
+    slot: int
 
 
 class KVCacheError(RuntimeError):
@@ -59,7 +78,14 @@ class BlockManager:
         bm.deallocate(seq)               # finished, aborted or preempted
     """
 
-    def __init__(self, num_blocks: int, block_size: int, seed: int = 0, enable_events: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        enable_events: bool = True,
+        host: HostPool | None = None,
+    ):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -68,6 +94,8 @@ class BlockManager:
         self.block_size = block_size
         self.seed = seed
         self.enable_events = enable_events
+        self.host = host
+        self._transfers: list[Transfer] = []
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         # Collision guard: a hit needs the same parent hash and the same token bytes.
@@ -78,13 +106,16 @@ class BlockManager:
         # Free blocks, oldest first: allocation pops the head, freeing appends at the tail.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._table: dict[int, int] = {}  # hash -> the one block holding it
+        if host is not None:
+            host.on_device = self._table.__contains__
         self._live: dict[int, Sequence] = {}  # seq_id -> sequences holding blocks
         self._events: list[KVEvent] = []
         self._num_cached_free = 0
         self._mutations = 0
-        self._last_match: tuple[int, int, int, int] | None = None  # (seq, len, mutations, hits)
+        self._last_match: tuple[int, int, int, int, int] | None = None  # seq, len, mutations, hits
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.host_hit_tokens = 0  # of prefix_hit_tokens, those restored from the host tier
         self.evictions = 0
         # For telling an index that lags from one that lies: when each block became
         # hittable, and when recently evicted hashes left (bounded: the last num_blocks).
@@ -143,33 +174,41 @@ class BlockManager:
         return fragmentation_report([len(s) for s in self._live.values()], self.block_size)
 
     def drain_events(self) -> list[KVEvent]:
-        """KV events since the last drain, oldest first."""
+        """KV events since the last drain, oldest first within each tier (the device's, then
+        the host's: a reset, the one event of both, moves the host's earlier ones ahead of it)."""
         events, self._events = self._events, []
-        return events
+        return events + self.host.drain_events() if self.host is not None else events
+
+    def drain_transfers(self) -> list[Transfer]:
+        """The KV copies asked for since the last drain, in the order they must run."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
 
     # ------------------------------------------------------------------ allocation
 
     def can_allocate(self, seq: Sequence) -> int:
-        """Number of cached blocks ``seq`` would reuse, or -1 if it cannot fit now."""
+        """Number of cached blocks ``seq`` would reuse (from the device, then restored from
+        the host), or -1 if it cannot fit now."""
         if seq.block_table:
             raise KVCacheError(f"sequence {seq.seq_id} already has a block table")
-        hits, hits_free = self._match(seq)
-        self._last_match = (seq.seq_id, len(seq), self._mutations, hits)
+        hits, hits_free, host_hits = self._match(seq)
+        self._last_match = (seq.seq_id, len(seq), self._mutations, hits, host_hits)
         fits = seq.num_blocks - hits + hits_free <= len(self._free)
-        return hits if fits else -1
+        return hits + host_hits if fits else -1
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         """Give ``seq`` its block table: ``num_cached_blocks`` reused, the rest fresh."""
         if seq.block_table:
             raise KVCacheError(f"sequence {seq.seq_id} already has a block table")
-        hits = self._verified_hits(seq)
-        if not 0 <= num_cached_blocks <= hits:
+        hits, host_hits = self._verified_hits(seq)
+        if not 0 <= num_cached_blocks <= hits + host_hits:
             raise KVCacheError(
                 f"sequence {seq.seq_id}: {num_cached_blocks} cached blocks requested, "
-                f"only {hits} match (call can_allocate right before allocate)"
+                f"only {hits + host_hits} match (call can_allocate right before allocate)"
             )
-        reused = [self._table[h] for h in seq.block_hashes[:num_cached_blocks]]
-        needed = seq.num_blocks - num_cached_blocks + sum(1 for b in reused if self._ref[b] == 0)
+        on_device = min(num_cached_blocks, hits)
+        reused = [self._table[h] for h in seq.block_hashes[:on_device]]
+        needed = seq.num_blocks - on_device + sum(1 for b in reused if self._ref[b] == 0)
         if needed > len(self._free):
             raise KVCacheError(
                 f"sequence {seq.seq_id} needs {needed} free blocks, {len(self._free)} are free"
@@ -180,14 +219,22 @@ class BlockManager:
                 del self._free[b]
                 self._num_cached_free -= 1
             self._ref[b] += 1
+        slots = self._host_slots(seq, on_device, num_cached_blocks)
+        if slots:
+            self.host.pin(slots)
         removed: list[tuple[int, int]] = []
-        fresh = [self._take_free_block(removed) for _ in range(seq.num_blocks - num_cached_blocks)]
+        fresh = [self._take_free_block(removed) for _ in range(seq.num_blocks - on_device)]
         self._emit_removed(removed)
+        if slots:
+            self._restore(seq, on_device, slots, fresh)
+            self.host.unpin()
         seq.block_table = reused + fresh
         seq.num_hashed_blocks = num_cached_blocks
         seq.num_cached_tokens = seq.num_computed_tokens = num_cached_blocks * self.block_size
+        seq.num_host_cached_tokens = len(slots) * self.block_size
         self.prefix_query_tokens += len(seq)
         self.prefix_hit_tokens += seq.num_cached_tokens
+        self.host_hit_tokens += seq.num_host_cached_tokens
         self._live[seq.seq_id] = seq
 
     def can_append(self, seq: Sequence) -> bool:
@@ -248,15 +295,19 @@ class BlockManager:
                 # found under another prefix's hashes, so none of them is entered.
                 seq.hash_collided = True
                 break
-            self._table[h] = b
-            self._hash[b], self._parent[b], self._tokens[b] = h, parent, tokens
-            self._root[b] = hashes[0]
-            if i:
-                self._children.setdefault(parent, set()).add(b)
-            self._stored_at[b] = now
+            self._enter(b, h, parent, tokens, hashes[0], now)
             parent = h
         self._emit_stored(run, run_parent, hashes[0])
         seq.num_hashed_blocks = end
+
+    def _enter(self, b: int, h: int, parent: int, tokens: bytes, root: int, now: float) -> None:
+        """Block ``b`` holds ``h`` (its KV computed, or restored before any step reads it)."""
+        self._table[h] = b
+        self._hash[b], self._parent[b], self._tokens[b] = h, parent, tokens
+        self._root[b] = root
+        if h != root:
+            self._children.setdefault(parent, set()).add(b)
+        self._stored_at[b] = now
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first; hashed blocks stay hittable until reused."""
@@ -286,6 +337,9 @@ class BlockManager:
         self._tokens = [None] * self.num_blocks
         self._table.clear()
         self._num_cached_free = 0
+        if self.host is not None:
+            self._events += self.host.drain_events()  # before the clear that ends them
+            self.host.reset()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
 
@@ -340,12 +394,13 @@ class BlockManager:
             )
         return seq.block_hashes
 
-    def _match(self, seq: Sequence) -> tuple[int, int]:
-        """(leading blocks hittable, how many of those are free) for ``seq``."""
+    def _match(self, seq: Sequence) -> tuple[int, int, int]:
+        """(leading blocks hittable, how many of those are free, how many blocks after them
+        the host tier holds) for ``seq``."""
         bs = self.block_size
         lookable = (len(seq) - 1) // bs  # the last block is never looked up
         if lookable == 0:
-            return 0, 0
+            return 0, 0, 0
         buf = token_buffer(seq.token_ids[: lookable * bs])
         hashes = self._content_hashes(seq, lookable, buf, 0)
         step = bs * 4
@@ -358,17 +413,60 @@ class BlockManager:
             hits += 1
             hits_free += self._ref[b] == 0
             parent = hashes[i]
-        return hits, hits_free
+        host_hits = len(self._host_run(hashes, hits, lookable, buf)) if self.host is not None else 0
+        return hits, hits_free, host_hits
+
+    def _host_run(self, hashes: list[int], start: int, end: int, buf: memoryview) -> list[int]:
+        """The host slots holding blocks ``start``, ``start + 1``, ... of a chain, up to the
+        first it lacks (``buf``: the chain's token bytes from block 0)."""
+        step = self.block_size * 4
+        slots = []
+        parent = hashes[start - 1] if start else self.seed
+        for i in range(start, end):
+            if hashes[i] in self._table:
+                break  # the device holds this hash for other tokens (a collision): not ours to restore
+            slot = self.host.find(hashes[i], parent, buf[i * step : (i + 1) * step])
+            if slot is None:
+                break
+            slots.append(slot)
+            parent = hashes[i]
+        return slots
+
+    def _host_slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The host slots of ``seq``'s blocks ``start:end`` (all held: checked by the match)."""
+        if end <= start:
+            return []
+        buf = token_buffer(seq.token_ids[: end * self.block_size])
+        return self._host_run(seq.block_hashes, start, end, buf)
+
+    def _restore(self, seq: Sequence, start: int, slots: list[int], fresh: list[int]) -> None:
+        """Blocks ``start:`` of ``seq`` come back from ``slots`` into its first fresh blocks:
+        hittable at once (the copies run before any step reads them)."""
+        now = time.monotonic()
+        hashes, bs = seq.block_hashes, self.block_size
+        buf = token_buffer(seq.token_ids[start * bs : (start + len(slots)) * bs])
+        parent = hashes[start - 1] if start else self.seed
+        run = []
+        for k, (slot, b) in enumerate(zip(slots, fresh, strict=False)):
+            h = hashes[start + k]
+            self._enter(b, h, parent, bytes(buf[k * bs * 4 : (k + 1) * bs * 4]), hashes[0], now)
+            self._transfers.append(Transfer(RESTORE, b, slot))
+            self.host.restored(slot)
+            run.append(h)
+            parent = h
+        self._emit_stored(run, hashes[start - 1] if start else None, hashes[0])
 
     def _holds(self, b: int, parent: int, tokens: bytes | memoryview) -> bool:
         return self._parent[b] == parent and self._tokens[b] == tokens
 
-    def _verified_hits(self, seq: Sequence) -> int:
-        """Hits from the last can_allocate if nothing changed since, else a fresh match."""
+    def _verified_hits(self, seq: Sequence) -> tuple[int, int]:
+        """(device hits, host hits after them) from the last can_allocate if nothing changed
+        since, else a fresh match."""
         last = self._last_match
         if last is not None and last[:3] == (seq.seq_id, len(seq), self._mutations):
-            return last[3]
-        return self._match(seq)[0]
+            return last[3], last[4]
+        hits, _, host_hits = self._match(seq)
+        return hits, host_hits
 
     def _take_free_block(self, removed: list[tuple[int, int]]) -> int:
         """Pop the least recently freed block; its hash, if any, stops being resolvable."""
@@ -376,6 +474,7 @@ class BlockManager:
         h = self._hash[b]
         if h is not None:
             self.evictions += 1
+            self._offload(b)
             self._unhash(b, removed)
             # Its cached descendants can no longer be hit (a hit walks the chain from its first
             # block): they leave too, so what is hittable stays closed under parents.
@@ -383,9 +482,23 @@ class BlockManager:
             while orphaned:
                 for child in self._children.pop(orphaned.pop(), ()):
                     orphaned.append(self._hash[child])
+                    self._offload(child)
                     self._unhash(child, removed)
         self._ref[b] = 1
         return b
+
+    def _offload(self, b: int) -> None:
+        """Block ``b``'s hash leaves the device: keep it in the host tier (copied once)."""
+        if self.host is None:
+            return
+        h, parent = self._hash[b], self._parent[b]
+        if parent != self.seed and parent not in self._table and self.host.find_any(parent) is None:
+            return  # its parent left both tiers: no match could reach it
+        slot = self.host.store(HostBlock(h, parent, self._root[b], self._tokens[b]))
+        if slot is not None:
+            self._transfers.append(Transfer(OFFLOAD, b, slot))
+        elif self.host.find_any(h) is None:  # not kept (every slot pinned): it leaves both tiers
+            self.host.left_both(h)
 
     def _unhash(self, b: int, removed: list[tuple[int, int]]) -> None:
         """Block ``b``'s hash stops being resolvable (noted in ``removed``)."""

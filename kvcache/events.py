@@ -1,13 +1,19 @@
 """KV events: the stream of changes to the set of block hashes a new request could hit.
 
-Replaying every event from the start of a BlockManager's life (``replay``) gives exactly
-its ``cached_hashes()``. Replicas ship these to the shared prefix index.
+Each stored or removed event names its tier (``medium``, vLLM's convention): ``DEVICE`` (the
+engine's KV pool) or ``HOST`` (its host-memory tier). Replaying every event from the start
+of a BlockManager's life (``replay``) gives exactly its ``cached_hashes()``, and replaying
+the host tier's its host pool's. Replicas ship these to the shared prefix index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+DEVICE = "device"
+HOST = "host"
+MEDIA = (DEVICE, HOST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +25,7 @@ class BlockStored:
     parent_hash: int | None
     block_size: int
     root: int
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,24 +35,27 @@ class BlockRemoved:
 
     hashes: tuple[int, ...]
     roots: tuple[int, ...]
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """Every hash stopped being resolvable (cache reset)."""
+    """Every hash stopped being resolvable, in every tier (cache reset)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def replay(events: Iterable[KVEvent], into: set[int] | None = None) -> set[int]:
-    """Apply ``events`` in order to a hash set (a new one unless ``into`` is given)."""
+def replay(events: Iterable[KVEvent], into: set[int] | None = None, medium: str = DEVICE) -> set[int]:
+    """Apply ``events`` of ``medium`` in order to a hash set (a new one unless ``into`` is given)."""
     hashes = set() if into is None else into
     for event in events:
         if isinstance(event, BlockStored):
-            hashes.update(event.hashes)
+            if event.medium == medium:
+                hashes.update(event.hashes)
         elif isinstance(event, BlockRemoved):
-            hashes.difference_update(event.hashes)
+            if event.medium == medium:
+                hashes.difference_update(event.hashes)
         elif isinstance(event, AllBlocksCleared):
             hashes.clear()
         else:

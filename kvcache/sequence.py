@@ -15,6 +15,7 @@ class Sequence:
     Progress counters, all in tokens:
       - ``num_cached_tokens``: prompt tokens reused from the prefix cache at allocation
         (what usage reports as cached tokens);
+      - ``num_host_cached_tokens``: of those, the ones restored from the host tier;
       - ``num_computed_tokens``: tokens whose KV is in the cache now;
       - ``num_scheduled_tokens``: tokens the current engine step computes.
     ``block_hashes`` is the content hash chain of the full blocks, filled lazily by the
@@ -39,6 +40,7 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.hash_collided = False
         self.num_cached_tokens = 0
+        self.num_host_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
 
@@ -98,5 +100,6 @@ class Sequence:
         self.block_table = []
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0
+        self.num_host_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0

@@ -1,26 +1,7 @@
-"""kvmesh.replica: the per-accelerator engine, its gRPC service and Ray actor.
+"""kvmesh.replica: the server that hosts one engine on one accelerator: its request path
+(``backend``), gRPC service and OpenAI HTTP, the index publisher, metrics, drain, the Ray
+actor, and the adapter that makes a vLLM server look like an engine (``replica/vllm``).
 
-Names are imported lazily, so ``kvmesh.replica.config`` (read by the CLI, which never loads
-torch to parse flags) does not pull in torch.
+It codes against the engine's face (``kvmesh.engine.protocol``); only ``process`` builds
+kvmesh's own engine. It must not import the router.
 """
-
-from importlib import import_module
-
-_EXPORTS = {
-    "AsyncLLMEngine": "kvmesh.replica.engine.async_engine",
-    "EngineDeadError": "kvmesh.replica.engine.async_engine",
-    "EngineConfig": "kvmesh.replica.config",
-    "CompletionOutput": "kvmesh.replica.engine.llm_engine",
-    "EngineStats": "kvmesh.replica.engine.llm_engine",
-    "LLMEngine": "kvmesh.replica.engine.llm_engine",
-    "RequestOutput": "kvmesh.replica.engine.request",
-    "SamplingParams": "kvmesh.serving.sampling_params",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'kvmesh.replica' has no attribute {name!r}")

@@ -10,14 +10,15 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
-from kvmesh.protos import pb
-from kvmesh.replica.engine.async_engine import (
-    AsyncLLMEngine,
+from kvmesh.engine.protocol import (
     EngineDeadError,
     EngineOverloadedError,
+    PrefixFacts,
+    RequestOutput,
+    ServingEngine,
+    TokenLogprob,
 )
-from kvmesh.replica.engine.request import PrefixFacts, RequestOutput
-from kvmesh.replica.engine.sampler import TokenLogprob
+from kvmesh.protos import pb
 from kvmesh.replica.metrics import ReplicaMetrics
 from kvmesh.serving import tracing
 from kvmesh.serving.admission import InflightLimit, Ticket, admit
@@ -53,7 +54,7 @@ class EngineBackend:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: ServingEngine,
         replica_id: str,
         model: ModelInfo,
         tokenizer: PromptTokenizer | None,

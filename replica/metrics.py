@@ -25,8 +25,8 @@ from kvmesh.serving.metrics import (
 from kvmesh.serving.step_costs import TERMS
 
 if TYPE_CHECKING:
-    from kvmesh.replica.engine.llm_engine import EngineStats
-    from kvmesh.replica.engine.request import RequestOutput
+    from kvmesh.engine.protocol import EngineStats
+    from kvmesh.engine.request import RequestOutput
 
 
 class ReplicaMetrics(ServerMetrics):
@@ -141,7 +141,7 @@ class _EngineCollector:
         costs = GaugeMetricFamily(
             "kvmesh_replica_step_cost_seconds",
             "What one engine step costs here, fitted online: base per step, per prompt token, per decoding "
-            "sequence, per context token (replica/engine/step_costs.py)",
+            "sequence, per context token (engine/step_costs.py)",
             labels=["model_name", "term"],
         )
         for term, value in zip(TERMS, s.step_costs.terms(), strict=True):

@@ -13,14 +13,15 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.protocol import ServingEngine
 from kvmesh.protos import pb_grpc
 from kvmesh.replica.backend import EngineBackend
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.drain_socket import DrainSocket
-from kvmesh.replica.engine.async_engine import AsyncLLMEngine
-from kvmesh.replica.engine.llm_engine import LLMEngine
-from kvmesh.replica.engine.model_runner import hardware_name
 from kvmesh.replica.grpc_service import ReplicaService
+from kvmesh.replica.hardware import hardware_name
 from kvmesh.replica.pod_metrics import PodMetrics
 from kvmesh.replica.publisher import IndexPublisher
 from kvmesh.serving import tracing
@@ -65,7 +66,7 @@ class ReplicaServer:
         self.index_user = index_user
         self.drain_socket: DrainSocket | None = None
         self._stopping: asyncio.Future | None = None
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: ServingEngine | None = None
         self.backend: EngineBackend | None = None
         self.publisher: IndexPublisher | None = None
         self.pod_metrics: PodMetrics | None = None

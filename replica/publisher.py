@@ -21,10 +21,11 @@ import time
 
 from redis.exceptions import ResponseError
 
+from kvmesh.engine.protocol import ServingEngine
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
+from kvmesh.kvcache.events import DEVICE
 from kvmesh.kvcache.index.api import IndexSettingsError, PrefixIndex
 from kvmesh.kvcache.index.redis import INDEX_ERRORS
-from kvmesh.replica.engine.async_engine import AsyncLLMEngine
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class IndexPublisher:
     def __init__(
         self,
         index: PrefixIndex,
-        engine: AsyncLLMEngine,
+        engine: ServingEngine,
         replica_id: str,
         address: str,
         info: dict[str, object] | None = None,
@@ -174,7 +175,11 @@ class IndexPublisher:
             # paces resync attempts. (It was 5 ms while in sync: an idle replica's loop woke
             # 200 times a second, ~24 ms of CPU a second for nothing.)
             await self.engine.wait_kv_events(self.retry_s)
-            self._buffer.extend(self.engine.drain_kv_events())
+            # The index keeps the device tier only, for now: the host tier's events stay here
+            # (its hits are the replica's own gain, and read by the router as index lag).
+            self._buffer.extend(
+                e for e in self.engine.drain_kv_events() if getattr(e, "medium", DEVICE) == DEVICE
+            )
             if len(self._buffer) > self.max_buffered_events:
                 self._buffer.clear()
                 self._mark_dirty("event buffer overflow")

@@ -4,7 +4,7 @@
                 + context_token * (tokens of context the scheduled sequences attend to)
 
 The first two terms are compute, the last is KV reads (memory-bound attention). Each replica
-fits the four costs online from its own steps (``replica/engine/step_costs.py``) and sends them with
+fits the four costs online from its own steps (``engine/step_costs.py``) and sends them with
 its heartbeat as ``cost_<term>`` fields (with ``cost_steps``, how many steps it has fitted);
 the router prices a request's time to first token
 with them (``router/pricing.py`` bounds and smooths them, ``router/policies.py`` uses them); the simulator runs time by them

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 # Off CUDA, kvmesh's Triton kernels run in Triton's interpreter, which must be on before Triton
-# is first imported (torch's dynamo imports it when a model loads): replica/kernels/__init__.py.
+# is first imported (torch's dynamo imports it when a model loads): engine/kernels/__init__.py.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -77,7 +77,7 @@ CACHE = Path(
 
 def tiny_model_dir(arch: str = "qwen3", **kwargs) -> Path:
     """Build (once) and return a tiny model folder; the name encodes every setting."""
-    from kvmesh.replica.tiny_model import cached_tiny_model
+    from kvmesh.engine.models.tiny_model import cached_tiny_model
 
     name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(kwargs.items())]) or arch
     return cached_tiny_model(CACHE / name, arch=arch, **kwargs)

@@ -10,10 +10,11 @@ import pytest
 import torch
 from reference import prompts_of_lengths
 
-from kvmesh.replica import LLMEngine, SamplingParams
-from kvmesh.replica.engine import sampler as sampler_module
-from kvmesh.replica.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from kvmesh.replica.engine.llm_engine import BROKEN_AFTER_FAILED_STEPS
+from kvmesh.engine import LLMEngine, SamplingParams
+from kvmesh.engine import sampler as sampler_module
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.llm_engine import BROKEN_AFTER_FAILED_STEPS
+from kvmesh.engine.protocol import EngineDeadError
 from kvmesh.serving.errors import RequestFailed
 
 PROMPTS = prompts_of_lengths([40, 23, 57], salt=21)

@@ -18,10 +18,11 @@ from reference import prompts_of_lengths
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.launcher import LocalCluster
+from kvmesh.engine import LLMEngine, SamplingParams
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.protocol import EngineDeadError
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.config import ReplicaConfig
-from kvmesh.replica.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.replica_http import ReplicaHttp
 

@@ -25,10 +25,11 @@ from reference import prompts_of_lengths
 from tcp_proxy import FreezableProxy
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine import sampler as sampler_module
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica import backend as backend_module
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
-from kvmesh.replica.engine import sampler as sampler_module
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.policies import POLICIES

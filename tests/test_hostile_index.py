@@ -14,10 +14,11 @@ from reference import prompts_of_lengths
 
 from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.kvcache.index.api import IndexSettingsError
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica import process as replica_process
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.metrics import read_samples

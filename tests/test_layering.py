@@ -1,8 +1,9 @@
 """The import rules between the parts (docs/design.md#layout), read from the source and checked at run time.
 
-kvcache, protos <- serving <- router, replica <- cluster <- bench <- cli: kvcache imports nothing
-of ours; serving imports only kvcache and protos; router never imports replica, torch or ray;
-replica never imports router; cluster (launching, supervising) imports neither bench nor cli;
+kvcache, protos <- serving <- router, engine <- replica <- cluster <- bench <- cli: kvcache
+imports nothing of ours; serving imports only kvcache and protos; router never imports engine,
+replica, torch or ray; the engine never imports replica; replica never imports router, and its
+vLLM adapter sees only the engine's face (protocol, config, step-cost fit); cluster (launching, supervising) imports neither bench nor cli;
 bench (measuring) never imports cli; nothing imports cli. Inside bench, the measuring kit
 (``bench/measure``) imports nothing else of bench, and the experiments (``bench/experiments``)
 only the kit. The engine's kernels import nothing of ours, and only they import Triton.
@@ -15,9 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from parts import PARTS
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["kvcache", "protos", "serving", "router", "replica", "cluster", "bench", "cli"]
 HEAVY = {"torch", "ray", "transformers", "flash_attn"}  # transformers imports torch when present
 # ...except its chat-template renderer, which imports neither torch nor the tokenizer classes:
 # the router renders chats with it (the run-time test below proves torch stays out).
@@ -29,8 +30,9 @@ ALLOWED = {
     "protos": ({"protos"}, HEAVY),
     "serving": ({"kvcache", "protos", "serving"}, HEAVY),
     "router": ({"kvcache", "protos", "serving", "router"}, HEAVY),
-    "replica": ({"kvcache", "protos", "serving", "replica"}, set()),
-    "cluster": ({"kvcache", "protos", "serving", "router", "replica", "cluster"}, set()),
+    "engine": ({"kvcache", "protos", "serving", "engine"}, set()),
+    "replica": ({"kvcache", "protos", "serving", "engine", "replica"}, set()),
+    "cluster": ({"kvcache", "protos", "serving", "router", "engine", "replica", "cluster"}, set()),
     "bench": (set(PARTS) - {"cli"}, set()),
     "cli": (set(PARTS), set()),
 }
@@ -78,12 +80,12 @@ def test_every_part_keeps_to_its_imports():
 
 
 def kernel_violations(root: Path) -> list[str]:
-    """The engine's kernels (``replica/kernels``) import nothing of kvmesh, and only they
+    """The engine's kernels (``engine/kernels``) import nothing of kvmesh, and only they
     import Triton (absent from a plain install)."""
     out = []
     for part in PARTS:
         for path, name in imports_under(root, part):
-            inside = path.parts[:2] == ("replica", "kernels")
+            inside = path.parts[:2] == ("engine", "kernels")
             if (inside and name.startswith("kvmesh.")) or (not inside and name.split(".")[0] == "triton"):
                 out.append(f"{path} imports {name}")
     return out
@@ -91,16 +93,14 @@ def kernel_violations(root: Path) -> list[str]:
 
 def test_only_the_kernels_import_triton_and_they_import_nothing_of_ours(tmp_path):
     assert kernel_violations(ROOT) == []
-    (tmp_path / "replica" / "kernels").mkdir(parents=True)
-    (tmp_path / "replica" / "kernels" / "k.py").write_text(
-        "from kvmesh.replica.engine.llm_engine import LLMEngine\n"
-    )
-    (tmp_path / "replica" / "runner.py").write_text("def f():\n    import triton.language\n")
     for part in PARTS:
-        (tmp_path / part).mkdir(exist_ok=True)
+        (tmp_path / part).mkdir()
+    (tmp_path / "engine" / "kernels").mkdir()
+    (tmp_path / "engine" / "kernels" / "k.py").write_text("from kvmesh.engine.llm_engine import LLMEngine\n")
+    (tmp_path / "engine" / "runner.py").write_text("def f():\n    import triton.language\n")
     assert kernel_violations(tmp_path) == [
-        "replica/kernels/k.py imports kvmesh.replica.engine.llm_engine",
-        "replica/runner.py imports triton.language",
+        "engine/kernels/k.py imports kvmesh.engine.llm_engine",
+        "engine/runner.py imports triton.language",
     ]
 
 
@@ -135,32 +135,45 @@ def test_the_bench_checker_sees_a_backward_import(tmp_path):
     ]
 
 
-# a folder inside a part -> the kvmesh modules it must not import
+# a folder inside a part -> the kvmesh modules it must not import, and the exceptions among them
 INNER_FORBIDDEN = {
-    "replica/engine": (
-        "kvmesh.replica.backend",
-        "kvmesh.replica.grpc_service",
-        "kvmesh.replica.publisher",
-        "kvmesh.replica.process",
-        "kvmesh.replica.actor",
-        "kvmesh.replica.vllm",
+    "engine/models": (("kvmesh.engine",), ("kvmesh.engine.models", "kvmesh.engine.kernels")),
+    # the vLLM adapter keeps the engine's face and imports nothing else of kvmesh's engine
+    "replica/vllm": (
+        ("kvmesh.engine",),
+        ("kvmesh.engine.protocol", "kvmesh.engine.config", "kvmesh.engine.step_costs"),
     ),
-    "replica/models": ("kvmesh.replica.engine",),
-    "kvcache/index": ("kvmesh.kvcache.block_manager",),
+    "kvcache/index": (("kvmesh.kvcache.block_manager",), ()),
 }
 
 
 def inner_violations(root: Path) -> list[str]:
     return [
         f"{path} imports {name}"
-        for folder, forbidden in INNER_FORBIDDEN.items()
+        for folder, (forbidden, allowed) in INNER_FORBIDDEN.items()
         for path, name in imports_under(root, folder)
-        if name.startswith(forbidden)
+        if name.startswith(forbidden) and not (allowed and name.startswith(allowed))
     ]
 
 
 def test_the_engine_core_and_the_models_keep_to_their_side():
     assert inner_violations(ROOT) == []
+
+
+def test_the_inner_checker_sees_the_adapter_reach_past_the_face(tmp_path):
+    (tmp_path / "replica" / "vllm").mkdir(parents=True)
+    (tmp_path / "replica" / "vllm" / "a.py").write_text(
+        "from kvmesh.engine.protocol import RequestOutput\nfrom kvmesh.engine.llm_engine import EngineStats\n"
+    )
+    (tmp_path / "engine" / "models").mkdir(parents=True)
+    (tmp_path / "engine" / "models" / "m.py").write_text(
+        "from kvmesh.engine.models import layers\nfrom kvmesh.engine.scheduler import Scheduler\n"
+    )
+    (tmp_path / "kvcache" / "index").mkdir(parents=True)
+    assert inner_violations(tmp_path) == [
+        "engine/models/m.py imports kvmesh.engine.scheduler",
+        "replica/vllm/a.py imports kvmesh.engine.llm_engine",
+    ]
 
 
 def test_every_folder_says_what_it_owns():
@@ -181,13 +194,13 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     for part in PARTS:
         (tmp_path / part).mkdir()
     (tmp_path / "router" / "sneaky.py").write_text(
-        "def later():\n    from kvmesh.replica.engine.llm_engine import LLMEngine\n    import torch.nn\n"
+        "def later():\n    from kvmesh.engine.llm_engine import LLMEngine\n    import torch.nn\n"
     )
     (tmp_path / "kvcache" / "sub").mkdir()
     (tmp_path / "kvcache" / "sub" / "rel.py").write_text("from ...serving import errors\n")
     assert violations(tmp_path) == [
         "kvcache/sub/rel.py imports kvmesh.serving",
-        "router/sneaky.py imports kvmesh.replica.engine.llm_engine",
+        "router/sneaky.py imports kvmesh.engine.llm_engine",
         "router/sneaky.py imports torch",
     ]
 

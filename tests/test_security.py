@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import local_router_config, started_router
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
 from kvmesh.serving.index_connection import connect_index

@@ -6,8 +6,9 @@ import ast
 import re
 from pathlib import Path
 
+from parts import PARTS
+
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["kvcache", "protos", "serving", "router", "replica", "cluster", "bench", "cli"]
 MAX_FUNCTION_LINES = 80
 # a number with a unit of time, rate or bandwidth: a measurement, not a setting
 MEASURED = re.compile(r"\b\d[\d,.]*\s?(ms|us|µs|tok/s|tokens/s|req/s|[KMGT]B/s)(?![\w/])")

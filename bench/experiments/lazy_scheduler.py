@@ -23,9 +23,9 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
+from kvmesh.engine.request import Request, Status
+from kvmesh.engine.scheduler import Scheduler
 from kvmesh.kvcache import BlockManager
-from kvmesh.replica.engine.request import Request, Status
-from kvmesh.replica.engine.scheduler import Scheduler
 
 
 class LazyDecodeScheduler(Scheduler):

@@ -51,10 +51,10 @@ from kvmesh.bench.experiments.cost_model import CostModel, FleetHardware
 from kvmesh.bench.experiments.lazy_scheduler import LazyDecodeScheduler
 from kvmesh.bench.measure.stats import percentile
 from kvmesh.bench.measure.workloads import WorkloadRequest
+from kvmesh.engine.request import Request
+from kvmesh.engine.scheduler import Scheduler
 from kvmesh.kvcache import BlockManager, block_hashes, namespace_seed
 from kvmesh.kvcache.index.memory import MemoryPrefixIndex
-from kvmesh.replica.engine.request import Request
-from kvmesh.replica.engine.scheduler import Scheduler
 from kvmesh.router.config import BalanceConfig
 from kvmesh.router.policies import FleetTerms, Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
 from kvmesh.router.pricing import MeasuredReplica

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def demo_model(cache_dir: Path) -> Path:
-    from kvmesh.replica.tiny_model import cached_tiny_model
+    from kvmesh.engine.models.tiny_model import cached_tiny_model
 
     path = Path(cache_dir) / "demo-qwen3-h256-l4"
     if not (path / "config.json").is_file():

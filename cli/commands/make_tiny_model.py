@@ -28,7 +28,7 @@ def register(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.errors import UsageError
-    from kvmesh.replica.tiny_model import make_tiny_model
+    from kvmesh.engine.models.tiny_model import make_tiny_model
 
     for name in SIZES:
         if getattr(args, name) <= 0:

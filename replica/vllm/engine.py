@@ -1,6 +1,6 @@
-"""A real vLLM server as a replica's engine: the same face kvmesh's own engine shows the rest
-of the replica (``AsyncLLMEngine``), so its gRPC service, OpenAI front end, index publisher
-and metrics work unchanged.
+"""A real vLLM server as a replica's engine: it keeps the engine's face
+(``kvmesh.engine.protocol.ServingEngine``), so the replica's gRPC service, OpenAI front end,
+index publisher and metrics work unchanged.
 
 - ``generate``: the replica's token ids to vLLM's ``/v1/completions`` (prompt as token ids,
   streamed, token ids back), its deltas as ``RequestOutput``; vLLM's refusals as the errors
@@ -25,13 +25,18 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.protocol import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStats,
+    PrefixFacts,
+    RequestOutput,
+    RequestTimes,
+    TokenLogprob,
+)
+from kvmesh.engine.step_costs import StepCostFit
 from kvmesh.kvcache import AllBlocksCleared, KVCacheError, KVCacheStats, KVEvent, block_hashes
-from kvmesh.replica.config import EngineConfig
-from kvmesh.replica.engine.async_engine import EngineDeadError, EngineOverloadedError
-from kvmesh.replica.engine.llm_engine import EngineStats
-from kvmesh.replica.engine.request import PrefixFacts, RequestOutput, RequestTimes
-from kvmesh.replica.engine.sampler import TokenLogprob
-from kvmesh.replica.engine.step_costs import StepCostFit
 from kvmesh.replica.vllm.cache_view import CacheView
 from kvmesh.replica.vllm.server import VllmServer
 from kvmesh.replica.vllm.subscriber import EventSubscriber

@@ -89,6 +89,6 @@ def _vocab_size(model_dir: str) -> int:
 def _hardware(device: str) -> str:
     import torch
 
-    from kvmesh.replica.engine.model_runner import hardware_name
+    from kvmesh.replica.hardware import hardware_name
 
     return f"{hardware_name(torch.device(device))}/vllm"  # priced apart from kvmesh's engine there

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench.gpu import run_tests, step_roofline
-from kvmesh.replica import LLMEngine
+from kvmesh.engine import LLMEngine
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # `kvmesh bench gpu` end to end on a small load, as every bench command's smoke run
 def test_the_device_run_runs_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     argv = [KVMESH, "bench", "gpu", "--device", "cpu", "--quick", "--no-tests", "--out", str(out)]
@@ -28,6 +29,9 @@ def test_the_device_run_runs_end_to_end_on_the_cpu(tmp_path):
     assert all(r["host_stages_ms"]["land_ms"] > 0 for r in result["decode"] if r["async_scheduling"])
     assert all(0 < r["share_of_limit"] < 1 and r["roofline"]["floor_ms"] > 0 for r in result["decode"])
     assert result["ttft"]["all_but_last_block"][0]["cached_tokens"] == 128 - 16
+    host = result["ttft"]["2k_1792_from_host"]  # the prefix restored from the host tier, and how fast
+    assert host["restored_tokens"] >= 1024 and host["restore_share_of_limit"] > 0
+    assert result["limits"]["host_to_device_bytes_per_s"] > 0
     serving = result["serving"]
     assert serving["requests"] == 8 and serving["hit_rate"] >= 0.9 * serving["ideal_hit_rate"] > 0
     assert {t["target"] for t in result["targets"]} >= {"serving hit rate of its ideal"}
@@ -62,8 +66,8 @@ def test_a_steps_roofline_counts_its_weights_once_and_its_kv_per_row(qwen3_dir):
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_step_stages_add_up_and_leave_the_engine_as_it_was(qwen3_dir, overlap):
     from kvmesh.bench.step_stages import STAGES, _timed_stages, decoding, step_stages
-    from kvmesh.replica.engine import model_runner, sampler
-    from kvmesh.replica.engine.launched import LaunchedStep
+    from kvmesh.engine import model_runner, sampler
+    from kvmesh.engine.launched import LaunchedStep
 
     land = LaunchedStep.land
     engine = LLMEngine(qwen3_dir, num_kv_blocks=64, block_size=16, max_num_seqs=8, async_scheduling=overlap)

@@ -149,6 +149,8 @@ def test_bench_engine_quick_writes_json(tmp_path):
     t, f = result["throughput"], result["ttft"]
     assert t["kvmesh_tokens_per_s"] > 0 and t["transformers_tokens_per_s"] > 0 and t["output_tokens"] > 0
     assert f["cached_ttft_ms"] > 0 and f["cold_ttft_ms"] > 0
+    host = result["ttft_from_host"]  # the shared prefix came back from host memory
+    assert host["restored_tokens"] >= 1024 and host["restored_ttft_ms"] > 0 and host["restore_gb_per_s"] > 0
     # the simulator's model, from the engine's own online fit: a 2k-token prefill costs what it took
     from kvmesh.bench.experiments.cost_model import CostModel
 
@@ -162,6 +164,7 @@ def test_bench_engine_quick_writes_json(tmp_path):
     assert {x["target"] for x in result["targets"]} == {
         "throughput vs transformers generate",
         "TTFT cold / cached (1.75k of 2k cached)",
+        "TTFT cold / restored from the host tier (1.75k of 2k)",
     }
 
 

@@ -15,7 +15,8 @@ from kvmesh.cli.commands import up as up_command
 from kvmesh.cli.flags import FlagTable
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.errors import UsageError
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.serving.options import effective_config, parse_bool
 
@@ -345,3 +346,11 @@ def test_a_former_name_is_read_but_not_shown(capsys):
     assert "--tokenizer-cache-bytes" in flat and "formerly --tokenizer-cache-mb]" in flat
     assert "[--tokenizer-cache-mb" not in shown and "[--index-health-window" not in shown  # usage
     assert not re.search(r"^  --(tokenizer-cache-mb|index-health)", shown, re.M)  # an option of its own
+
+
+def test_a_host_tier_for_a_vllm_replica_is_refused_not_ignored(tmp_path):
+    """vLLM's own host tier is not wired to the flag yet: asking for one is an error."""
+    with pytest.raises(ValueError, match=r"host_kv_gib.*engine vllm"):
+        ReplicaConfig(str(tmp_path), engine_kind="vllm", engine=EngineConfig(host_kv_gib=4))
+    assert ReplicaConfig(str(tmp_path), engine_kind="vllm", engine=EngineConfig(host_kv_gib=0))
+    assert ReplicaConfig(str(tmp_path), engine=EngineConfig(host_kv_gib=4)).engine.host_kv_gib == 4

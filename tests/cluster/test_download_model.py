@@ -55,7 +55,7 @@ def test_a_model_arrives_whole_and_loads_offline(hub, tmp_path):
     names = {p.name for p in dest.iterdir()}
     assert {"config.json", "tokenizer.json", "model.safetensors", MARKER} <= names
     check = (
-        "from kvmesh.replica import LLMEngine, SamplingParams\n"
+        "from kvmesh.engine import LLMEngine, SamplingParams\n"
         f"e = LLMEngine({str(dest)!r}, num_kv_blocks=16)\n"
         "print(len(e.generate('hello', SamplingParams(temperature=0, max_tokens=3))[0].token_ids))"
     )

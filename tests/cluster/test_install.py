@@ -17,7 +17,7 @@ SERVER_MODULES = [
     "kvmesh.router.process",
     "kvmesh.replica.process",
     "kvmesh.replica.actor",
-    "kvmesh.replica.tiny_model",
+    "kvmesh.engine.models.tiny_model",
     "kvmesh.cluster.launcher",
     "kvmesh.cluster.supervisor",
     "kvmesh.cli.status",

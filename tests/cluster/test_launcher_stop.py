@@ -5,7 +5,8 @@ from pathlib import Path
 
 from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.launcher import LocalCluster
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.router.config import RouterConfig
 
 

@@ -14,8 +14,8 @@ from kvmesh.bench.experiments.cost_model import H100_LLAMA3_8B
 from kvmesh.bench.experiments.lazy_scheduler import LazyDecodeScheduler
 from kvmesh.bench.experiments.simulator import Simulation
 from kvmesh.bench.measure import workloads as wl
+from kvmesh.engine.scheduler import Scheduler
 from kvmesh.kvcache import BlockManager
-from kvmesh.replica.engine.scheduler import Scheduler
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 SMALL = dataclasses.replace(H100_LLAMA3_8B, max_num_seqs=12, max_num_batched_tokens=96)

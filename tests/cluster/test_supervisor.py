@@ -18,10 +18,11 @@ from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.supervisor import RAY_NAMESPACE, ReplicaStartError, Supervisor
+from kvmesh.engine.config import EngineConfig
 from kvmesh.kvcache import namespace_seed
 from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.router.process import RouterServer
 
 pytestmark = pytest.mark.servers

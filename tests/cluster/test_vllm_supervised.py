@@ -9,10 +9,11 @@ from conftest import tiny_model_dir
 from helpers import eventually, vllm_python
 
 from kvmesh.cluster.supervisor import Supervisor
+from kvmesh.engine.config import EngineConfig
 from kvmesh.kvcache import namespace_seed
 from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.servers, pytest.mark.slow, pytest.mark.heavy]
 

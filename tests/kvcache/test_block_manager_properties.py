@@ -24,6 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvmesh.bench.reference_ledger import ReferenceBlockManager
 from kvmesh.kvcache import BlockManager, Sequence, block_hashes, replay
+from kvmesh.kvcache.block_manager import OFFLOAD
+from kvmesh.kvcache.events import HOST
+from kvmesh.kvcache.host_pool import HostPool
 
 # Small vocabulary and a few shared chunks: lots of sharing, duplicates and equal blocks
 # at different positions, which is where ledgers go wrong.
@@ -63,11 +66,21 @@ class PrefixClosedReference(ReferenceBlockManager):
 class LedgerMachine(RuleBasedStateMachine):
     """Shared state and invariants; subclasses add the rules."""
 
-    def setup(self, num_blocks: int, block_size: int) -> None:
-        self.bm = BlockManager(num_blocks, block_size, seed=7)
+    def setup(self, num_blocks: int, block_size: int, host_blocks: int = 0) -> None:
+        host = HostPool(host_blocks, block_size) if host_blocks else None
+        self.bm = BlockManager(num_blocks, block_size, seed=7, host=host)
         self.live: list[Sequence] = []
         self.events = []
         self.written: dict[int, tuple[int, ...]] = {}  # block -> prefix its KV was computed for
+        self.host_written: dict[int, tuple[int, ...]] = {}  # host slot -> prefix of the KV copied there
+
+    def move_kv(self) -> None:
+        """Run the copies the ledger asked for, in order, as the engine does before a step."""
+        for t in self.bm.drain_transfers():
+            if t.kind == OFFLOAD:
+                self.host_written[t.slot] = self.written[t.block]
+            else:
+                self.written[t.block] = self.host_written[t.slot]
 
     def admit(self, tokens: list[int]) -> Sequence | None:
         seq = Sequence(tokens, self.bm.block_size)
@@ -75,6 +88,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if n < 0:
             return None
         self.bm.allocate(seq, n)
+        self.move_kv()
         self.check_reuse(seq, n)
         self.live.append(seq)
         return seq
@@ -86,6 +100,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.written[seq.block_table[i]] == prefix, "reused a block computed for another prefix"
 
     def compute(self, seq: Sequence, upto: int) -> None:
+        self.move_kv()  # a may_append's evictions leave before the step writes
         bs = self.bm.block_size
         seq.num_computed_tokens = upto
         for i in range(upto // bs):
@@ -142,6 +157,22 @@ class LedgerMachine(RuleBasedStateMachine):
             assert set(chain) <= cached.keys(), "a cached block whose parent was evicted"
             assert cached[h] == chain[0], "a block's root is not its chain's first hash"
 
+    @invariant()
+    def the_host_tier_holds_what_its_events_say_and_the_kv_of_its_hashes(self):
+        host = getattr(self, "bm", None) and self.bm.host
+        if host is None:
+            return
+        assert replay(self.events, medium=HOST) == host.cached_hashes()
+        assert host.num_used_blocks <= host.num_blocks
+        device = self.bm.cached_hashes()
+        for block in host._slots:  # both tiers together stay closed under parents
+            if block is not None:
+                assert block.parent == 7 or block.parent in device or host.find_any(block.parent) is not None
+        self.move_kv()
+        for h, _root in host.cached_blocks().items():
+            slot = host._table[h]
+            assert block_hashes(list(self.host_written[slot]), self.bm.block_size, 7)[-1] == h
+
 
 class ChunkedLedger(LedgerMachine):
     @initialize(num_blocks=st.integers(1, 20), block_size=st.integers(1, 4))
@@ -185,6 +216,32 @@ class ChunkedLedger(LedgerMachine):
     def reset(self):
         self.bm.reset()
         self.written.clear()
+        self.host_written.clear()
+
+
+class TieredLedger(ChunkedLedger):
+    """The same histories with a host tier: blocks leaving the device land in the host pool
+    and come back from it, and every block a prefix reuses, from either tier, holds the KV of
+    exactly that prefix."""
+
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), host_blocks=st.integers(1, 12))
+    def init(self, num_blocks, block_size, host_blocks):
+        self.setup(num_blocks, block_size, host_blocks)
+        self.seen: list[list[int]] = []
+
+    @rule(tokens=prompts)
+    def add(self, tokens):
+        self.seen.append(tokens)
+        if (seq := self.admit(tokens)) is not None:
+            self.compute(seq, len(seq))
+
+    @precondition(lambda self: self.seen)
+    @rule(pick=st.integers(0, 99))
+    def again(self, pick):
+        """A prompt seen before comes back: its prefix, evicted from the device meanwhile, is
+        in the host tier (a restore), or still on the device."""
+        if (seq := self.admit(self.seen[pick % len(self.seen)])) is not None:
+            self.compute(seq, len(seq))
 
 
 class LedgerVsArticle(LedgerMachine):
@@ -248,3 +305,5 @@ TestChunkedLedger = ChunkedLedger.TestCase
 TestChunkedLedger.settings = settings_
 TestLedgerVsArticle = LedgerVsArticle.TestCase
 TestLedgerVsArticle.settings = settings_
+TestTieredLedger = TieredLedger.TestCase
+TestTieredLedger.settings = settings_

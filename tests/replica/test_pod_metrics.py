@@ -7,7 +7,8 @@ import pytest
 from helpers import eventually
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.pod_metrics import merge_metrics
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.serving.metrics import read_samples

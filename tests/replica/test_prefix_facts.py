@@ -4,8 +4,8 @@ queued at the replica is no fault of the index (docs/operations.md, the miss cau
 
 import time
 
+from kvmesh.engine import LLMEngine, SamplingParams
 from kvmesh.protos import pb
-from kvmesh.replica import LLMEngine, SamplingParams
 from kvmesh.replica.backend import prediction_facts
 from kvmesh.router.index_trust.predictions import Prediction, miss_cause
 

@@ -8,8 +8,9 @@ from helpers import eventually
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.replica import SamplingParams
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.engine import SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes

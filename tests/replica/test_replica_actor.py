@@ -10,11 +10,12 @@ from helpers import eventually
 from reference import hf_greedy, prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.kvcache import block_hashes
 from kvmesh.kvcache.index.redis import RedisPrefixIndex
 from kvmesh.protos import pb, pb_grpc
 from kvmesh.replica.actor import replica_actor_class
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 

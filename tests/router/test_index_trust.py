@@ -23,9 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.kvcache import block_hashes
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.index_trust.predictions import LIES
 from kvmesh.router.index_trust.states import DEGRADED, EXACT, LOAD_ONLY, IndexTrustConfig

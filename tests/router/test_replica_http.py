@@ -13,8 +13,9 @@ import pytest_asyncio
 
 from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.serving.metrics import read_samples
 from kvmesh.serving.tokenizer import PromptTokenizer

@@ -15,8 +15,9 @@ from helpers import eventually, local_router_config
 
 from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import BalanceConfig
 from kvmesh.router.metrics import ReplicaGauges, RouterMetrics

@@ -20,8 +20,9 @@ from fake_http import FakeHttpServer
 from helpers import eventually, local_router_config, metric, started_router
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.flow import FlowConfig
 from kvmesh.router.process import RouterServer

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from reference import prompts_of_lengths
 
-from kvmesh.replica.engine.llm_engine import LLMEngine
-from kvmesh.replica.engine.step_costs import StepCostFit
+from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.step_costs import StepCostFit
 from kvmesh.serving.sampling_params import SamplingParams
 from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, TERMS, StepCosts, median_costs
 
@@ -128,8 +128,9 @@ async def test_a_replica_publishes_its_costs_in_heartbeats_status_and_metrics(qw
     import httpx
 
     from kvmesh.cli import status
+    from kvmesh.engine.config import EngineConfig
     from kvmesh.protos import pb, pb_grpc
-    from kvmesh.replica.config import EngineConfig, ReplicaConfig
+    from kvmesh.replica.config import ReplicaConfig
     from kvmesh.replica.process import ReplicaServer
     from kvmesh.serving.metrics import read_samples
 

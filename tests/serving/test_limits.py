@@ -13,8 +13,9 @@ from helpers import eventually, live_replicas_are, local_router_config
 from reference import prompts_of_lengths
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterLimits
 from kvmesh.router.process import RouterServer

@@ -23,8 +23,9 @@ from reference import hf_greedy, hf_log_softmax
 from transformers import AutoTokenizer
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis, free_port
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.process import RouterServer

@@ -14,8 +14,9 @@ from helpers import eventually, local_router_config
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.engine.config import EngineConfig
 from kvmesh.protos import pb, pb_grpc
-from kvmesh.replica.config import EngineConfig, ReplicaConfig
+from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.process import RouterServer
 from kvmesh.serving import tracing

@@ -6,7 +6,7 @@ computes what flash-attn's paged kernels are documented to compute (``flash_attn
 docstrings, flash-attn 2.6+), and refuses what their C++ entry points refuse, so that the
 real ``FlashPagedAttention`` (its argument building, its cache layout, its decode/prefill
 split) runs and is checked on CPU. What it cannot show: kernel numerics and speed, which only
-a GPU run (``tests/replica/test_cuda.py``, ``make gpu-check``) can.
+a GPU run (``tests/engine/test_cuda.py``, ``make gpu-check``) can.
 
 Semantics implemented:
   - paged K/V caches ``[num_blocks, page_block_size, nheads_k, headdim]`` read through an int32

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.replica.models.attention import BatchLayout
+from kvmesh.engine.models.attention import BatchLayout
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ import functools
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from kvmesh.replica import SamplingParams
+from kvmesh.engine import SamplingParams
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

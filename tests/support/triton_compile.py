@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvmesh.replica.kernels import paged_attention as pa
+from kvmesh.engine.kernels import paged_attention as pa
 
 POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 I32 = "i32"
