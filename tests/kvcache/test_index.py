@@ -297,6 +297,7 @@ async def test_speculation_expires_by_itself_and_counts_only_live_replicas(index
     assert (await index.routing_view(chain)).speculative == {}
 
 
+@pytest.mark.bench  # `kvmesh bench index`'s hot-prefix hour, compressed: make test-bench
 async def test_a_hot_prefix_stays_cheap_for_an_hour_of_buckets(valkey_server):
     """4 routers x 8 replicas on one hot 32-block chain for an hour of 2 s speculation buckets
     (compressed), in a 100k-entry index, replicas restarting now and then, sweeps at their real
