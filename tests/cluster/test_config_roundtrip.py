@@ -74,6 +74,7 @@ VALUES = {
     "torch-threads": ("1", 1),
     "num-kv-blocks": ("96", 96),
     "kv-cache-memory": ("123456789", 123456789),
+    "host-kv-gib": ("0.01", 0.01),
     "gpu-memory-utilization": ("0.5", 0.5),
     "max-num-seqs": ("7", 7),
     "max-num-batched-tokens": ("333", 333),
