@@ -112,7 +112,9 @@ class BlockManager:
         self._events: list[KVEvent] = []
         self._num_cached_free = 0
         self._mutations = 0
-        self._last_match: tuple[int, int, int, int, int] | None = None  # seq, len, mutations, hits
+        # (seq, len, mutations, device hits, host slots after them): the last match, reused by
+        # allocate while nothing changed
+        self._last_match: tuple[int, int, int, int, list[int]] | None = None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.host_hit_tokens = 0  # of prefix_hit_tokens, those restored from the host tier
@@ -191,20 +193,20 @@ class BlockManager:
         the host), or -1 if it cannot fit now."""
         if seq.block_table:
             raise KVCacheError(f"sequence {seq.seq_id} already has a block table")
-        hits, hits_free, host_hits = self._match(seq)
-        self._last_match = (seq.seq_id, len(seq), self._mutations, hits, host_hits)
+        hits, hits_free, host_slots = self._match(seq)
+        self._last_match = (seq.seq_id, len(seq), self._mutations, hits, host_slots)
         fits = seq.num_blocks - hits + hits_free <= len(self._free)
-        return hits + host_hits if fits else -1
+        return hits + len(host_slots) if fits else -1
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         """Give ``seq`` its block table: ``num_cached_blocks`` reused, the rest fresh."""
         if seq.block_table:
             raise KVCacheError(f"sequence {seq.seq_id} already has a block table")
-        hits, host_hits = self._verified_hits(seq)
-        if not 0 <= num_cached_blocks <= hits + host_hits:
+        hits, host_slots = self._verified_hits(seq)
+        if not 0 <= num_cached_blocks <= hits + len(host_slots):
             raise KVCacheError(
                 f"sequence {seq.seq_id}: {num_cached_blocks} cached blocks requested, "
-                f"only {hits + host_hits} match (call can_allocate right before allocate)"
+                f"only {hits + len(host_slots)} match (call can_allocate right before allocate)"
             )
         on_device = min(num_cached_blocks, hits)
         reused = [self._table[h] for h in seq.block_hashes[:on_device]]
@@ -219,7 +221,7 @@ class BlockManager:
                 del self._free[b]
                 self._num_cached_free -= 1
             self._ref[b] += 1
-        slots = self._host_slots(seq, on_device, num_cached_blocks)
+        slots = host_slots[: num_cached_blocks - on_device]
         if slots:
             self.host.pin(slots)
         removed: list[tuple[int, int]] = []
@@ -394,13 +396,13 @@ class BlockManager:
             )
         return seq.block_hashes
 
-    def _match(self, seq: Sequence) -> tuple[int, int, int]:
-        """(leading blocks hittable, how many of those are free, how many blocks after them
-        the host tier holds) for ``seq``."""
+    def _match(self, seq: Sequence) -> tuple[int, int, list[int]]:
+        """(leading blocks hittable, how many of those are free, the host slots of the blocks
+        after them that the host tier holds) for ``seq``."""
         bs = self.block_size
         lookable = (len(seq) - 1) // bs  # the last block is never looked up
         if lookable == 0:
-            return 0, 0, 0
+            return 0, 0, []
         buf = token_buffer(seq.token_ids[: lookable * bs])
         hashes = self._content_hashes(seq, lookable, buf, 0)
         step = bs * 4
@@ -413,8 +415,8 @@ class BlockManager:
             hits += 1
             hits_free += self._ref[b] == 0
             parent = hashes[i]
-        host_hits = len(self._host_run(hashes, hits, lookable, buf)) if self.host is not None else 0
-        return hits, hits_free, host_hits
+        host_slots = self._host_run(hashes, hits, lookable, buf) if self.host is not None else []
+        return hits, hits_free, host_slots
 
     def _host_run(self, hashes: list[int], start: int, end: int, buf: memoryview) -> list[int]:
         """The host slots holding blocks ``start``, ``start + 1``, ... of a chain, up to the
@@ -431,13 +433,6 @@ class BlockManager:
             slots.append(slot)
             parent = hashes[i]
         return slots
-
-    def _host_slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """The host slots of ``seq``'s blocks ``start:end`` (all held: checked by the match)."""
-        if end <= start:
-            return []
-        buf = token_buffer(seq.token_ids[: end * self.block_size])
-        return self._host_run(seq.block_hashes, start, end, buf)
 
     def _restore(self, seq: Sequence, start: int, slots: list[int], fresh: list[int]) -> None:
         """Blocks ``start:`` of ``seq`` come back from ``slots`` into its first fresh blocks:
@@ -459,14 +454,14 @@ class BlockManager:
     def _holds(self, b: int, parent: int, tokens: bytes | memoryview) -> bool:
         return self._parent[b] == parent and self._tokens[b] == tokens
 
-    def _verified_hits(self, seq: Sequence) -> tuple[int, int]:
-        """(device hits, host hits after them) from the last can_allocate if nothing changed
+    def _verified_hits(self, seq: Sequence) -> tuple[int, list[int]]:
+        """(device hits, host slots after them) from the last can_allocate if nothing changed
         since, else a fresh match."""
         last = self._last_match
         if last is not None and last[:3] == (seq.seq_id, len(seq), self._mutations):
             return last[3], last[4]
-        hits, _, host_hits = self._match(seq)
-        return hits, host_hits
+        hits, _, host_slots = self._match(seq)
+        return hits, host_slots
 
     def _take_free_block(self, removed: list[tuple[int, int]]) -> int:
         """Pop the least recently freed block; its hash, if any, stops being resolvable."""
