@@ -90,9 +90,11 @@ class HostPool:
         if held is not None:
             self._lru.move_to_end(held)
             return None
-        slot = self._free.pop() if self._free else self._evict()
+        # The block's parent, when only this tier holds it, must outlive the eviction that
+        # makes room: evicted, it would leave the new block unreachable.
+        slot = self._free.pop() if self._free else self._evict(keep=self._table.get(block.parent))
         if slot is None:
-            return None  # every slot is pinned: the block is not kept
+            return None  # every other slot is pinned: the block is not kept
         self._slots[slot] = block
         self._table[block.hash] = slot
         self._children.setdefault(block.parent, set()).add(block.hash)
@@ -138,8 +140,8 @@ class HostPool:
                 self._free.append(slot)
                 orphans.extend(self._children.pop(child, ()))
 
-    def _evict(self) -> int | None:
-        slot = next((s for s in self._lru if s not in self._pinned), None)
+    def _evict(self, keep: int | None) -> int | None:
+        slot = next((s for s in self._lru if s not in self._pinned and s != keep), None)
         if slot is None:
             return None
         h = self._slots[slot].hash

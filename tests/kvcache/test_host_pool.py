@@ -52,6 +52,17 @@ def test_a_block_still_on_the_device_keeps_its_host_descendants():
     assert pool.cached_hashes() == {2, 3, 9}
 
 
+def test_room_for_a_block_is_never_made_by_evicting_its_parent():
+    pool = HostPool(2, 1)
+    pool.store(block(1))  # the least recently used: LRU alone would evict it for 2
+    pool.store(block(5))
+    pool.store(block(2, parent=1))
+    assert pool.cached_hashes() == {1, 2}
+    one = HostPool(1, 1)
+    one.store(block(1))
+    assert one.store(block(2, parent=1)) is None and one.cached_hashes() == {1}  # no room but its parent's
+
+
 def test_pinned_slots_are_never_evicted():
     pool = HostPool(2, 1)
     a, b = pool.store(block(1)), pool.store(block(2))
