@@ -15,6 +15,9 @@
 - A hot prefix for an hour: 4 routers x 8 replicas speculating on one 32-block chain every 2 s
   bucket (compressed time), replicas restarting now and then, sweeps at their real rate; the
   decision's server cost at the end against the start.
+- Tiers: a decision's server cost when 64 replicas hold a 32k-token prompt at 64 different
+  device depths (the bisection's worst case), with and without host tiers continuing each
+  replica's prefix (a fourth bitmap per probed block), and its answer checked against both depths.
 - Long prompts: lookups of 2^14- and 2^17-block chains (what a prompt of 131k and 2M tokens at
   block 16 takes), server cost per lookup.
 - A Valkey Cluster (3 primaries with a replica each, on loopback) against the single server:
@@ -324,6 +327,43 @@ async def bench_hot_prefix(url: str, quick: bool) -> dict:
     return row
 
 
+async def bench_tiers(url: str, samples: int, rng: random.Random) -> list[dict]:
+    """64 replicas at 64 device depths of one 128-block chain: the routing view's cost without
+    host tiers (the baseline) and with each replica's host tier continuing its prefix."""
+    rows = []
+    chain = [rng.getrandbits(64) for _ in range(128)]
+    depths = rng.sample(range(1, 129), 64)
+    tiered = [rng.randint(d, 128) for d in depths]
+    for layout in ("device only", "device and host"):
+        index = RedisPrefixIndex.from_url(url, f"bench-tiers-{rng.getrandbits(32)}", BLOCK_SIZE, 0)
+        await index.ensure_settings()
+        for r, (d, t) in enumerate(zip(depths, tiered, strict=True)):
+            inc = await index.register(f"r{r}", f"127.0.0.1:{10000 + r}", ttl_s=3600)
+            host = dict.fromkeys(chain[d:t], chain[0]) if layout == "device and host" else {}
+            await index.publish_all(f"r{r}", inc, dict.fromkeys(chain[:d], chain[0]), host=host)
+        view = await index.routing_view(chain)
+        want = tiered if layout == "device and host" else depths
+        assert view.matched == {f"r{r}": d for r, d in enumerate(depths)}, "a device depth is wrong"
+        assert view.tiered == {f"r{r}": t for r, t in enumerate(want)}, "a tiered depth is wrong"
+        await _server_usec(url, (), reset=True)
+        took = []
+        for _ in range(samples):
+            begin = time.perf_counter()
+            await index.routing_view(chain)
+            took.append(time.perf_counter() - begin)
+        usec, calls = await _server_usec(url, ("fcall_ro", "hgetall"))
+        row = {"layout": layout, "replicas": 64, "blocks": len(chain), **latency_ms(took)}
+        row["server_usec_per_decision"] = round(usec / calls, 1)
+        rows.append(row)
+        progress(f"tiers, {layout}: p50 {row['p50_ms']} ms, server {row['server_usec_per_decision']} us")
+        await _flush(url)
+        await index.close()
+    rows[1]["over_device_only"] = round(
+        rows[1]["server_usec_per_decision"] / rows[0]["server_usec_per_decision"], 2
+    )
+    return rows
+
+
 async def bench_long_chains(url: str, samples: int) -> list[dict]:
     rows = []
     for exponent in (14, 17):
@@ -404,6 +444,7 @@ async def run(url: str, quick: bool, binary: str | None = None) -> dict:
     seconds = 3.0 if quick else 10.0
     concurrent = await bench_concurrent(url, entries, seconds, rng)
     hot = await bench_hot_prefix(url, quick)
+    tiers = await bench_tiers(url, samples, rng)
     long_chains = await bench_long_chains(url, samples // 10)
     cluster = await bench_cluster(url, entries, seconds, rng, binary)
     worst = next(r for r in lookups if r["replicas"] == 64 and r["prompt_tokens"] == 32768)
@@ -414,6 +455,7 @@ async def run(url: str, quick: bool, binary: str | None = None) -> dict:
         "memory": memory,
         "concurrent": concurrent,
         "hot_prefix": hot,
+        "tiers": tiers,
         "long_chains": long_chains,
         "cluster": cluster,
         "targets": [
@@ -429,6 +471,12 @@ async def run(url: str, quick: bool, binary: str | None = None) -> dict:
             target(
                 "hot prefix after an hour: decision server cost / at the start",
                 hot["end_over_start"],
+                "<=",
+                1.5,
+            ),
+            target(
+                "host tiers: decision server cost at 64 mixed depths / without host tiers",
+                tiers[1]["over_device_only"],
                 "<=",
                 1.5,
             ),

@@ -33,6 +33,7 @@ from kvmesh.engine.llm_engine import LLMEngine, Prompt
 from kvmesh.engine.protocol import EngineDeadError, EngineOverloadedError, EngineStats
 from kvmesh.engine.request import RequestOutput
 from kvmesh.kvcache import KVEvent
+from kvmesh.kvcache.events import CachedBlocks
 from kvmesh.serving.errors import RequestFailed
 from kvmesh.serving.sampling_params import SamplingParams
 
@@ -144,16 +145,17 @@ class AsyncLLMEngine:
         self._commands.put(_Call(fn, loop, future))
         return await future
 
-    async def snapshot_cached_blocks(self) -> dict[int, int]:
-        """The cache's hashes (each with its chain's root), consistent with the event stream:
-        events drained after this call describe changes made after the snapshot (earlier
-        ones are discarded)."""
+    async def snapshot_cached_blocks(self) -> CachedBlocks:
+        """The cache's hashes in both tiers (each with its chain's root), consistent with the
+        event stream: events drained after this call describe changes made after the snapshot
+        (earlier ones are discarded)."""
 
-        def snapshot(engine: LLMEngine) -> dict[int, int]:
+        def snapshot(engine: LLMEngine) -> CachedBlocks:
             with self._events_lock:
                 self._events.clear()
             engine.drain_kv_events()
-            return engine.block_manager.cached_blocks()
+            host = engine.block_manager.host
+            return CachedBlocks(engine.block_manager.cached_blocks(), host.cached_blocks() if host else {})
 
         return await self.call(snapshot)
 

@@ -14,6 +14,7 @@ from typing import Protocol
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.request import PrefixFacts, RequestOutput, RequestTimes
 from kvmesh.kvcache import KVCacheStats, KVEvent
+from kvmesh.kvcache.events import CachedBlocks
 from kvmesh.serving.sampling_params import SamplingParams
 from kvmesh.serving.step_costs import StepCosts
 
@@ -110,9 +111,9 @@ class ServingEngine(Protocol):
         """End every streaming request with ``EngineDeadError(reason)``."""
         ...
 
-    async def snapshot_cached_blocks(self) -> dict[int, int]:
-        """Every cached block's hash with its chain's root, consistent with the events drained
-        after it."""
+    async def snapshot_cached_blocks(self) -> CachedBlocks:
+        """Every cached block's hash with its chain's root, per tier, consistent with the
+        events drained after it."""
         ...
 
     async def cached_hashes(self) -> set[int]: ...

@@ -9,7 +9,7 @@ the host tier's its host pool's. Replicas ship these to the shared prefix index.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEVICE = "device"
 HOST = "host"
@@ -44,6 +44,18 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlocks:
+    """A cache's hittable blocks per tier, each hash with its chain's root: the state its
+    events describe, what a resync publishes."""
+
+    device: dict[int, int]
+    host: dict[int, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.device) + len(self.host)
 
 
 def replay(events: Iterable[KVEvent], into: set[int] | None = None, medium: str = DEVICE) -> set[int]:

@@ -40,10 +40,12 @@ def usage(out: RequestOutput, sent: int = 0) -> pb.Usage:
     """``sent``: the continued tokens at the prompt's end, counted as output (a migrated
     stream's usage counts each token once, as the uninterrupted stream's would)."""
     prompt = out.prompt_tokens - sent
+    cached = min(out.cached_tokens, prompt)
     return pb.Usage(
         prompt_tokens=prompt,
         completion_tokens=out.completion_tokens + sent,
-        cached_tokens=min(out.cached_tokens, prompt),
+        cached_tokens=cached,
+        host_cached_tokens=min(out.host_cached_tokens, cached),
     )
 
 

@@ -23,7 +23,6 @@ from redis.exceptions import ResponseError
 
 from kvmesh.engine.protocol import ServingEngine
 from kvmesh.kvcache import AllBlocksCleared, KVEvent
-from kvmesh.kvcache.events import DEVICE
 from kvmesh.kvcache.index.api import IndexSettingsError, PrefixIndex
 from kvmesh.kvcache.index.redis import INDEX_ERRORS
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
@@ -141,7 +140,7 @@ class IndexPublisher:
             await self.index.deregister(self.replica_id, incarnation)
             return
         self.incarnation = incarnation
-        if await self.index.publish_all(self.replica_id, incarnation, blocks):
+        if await self.index.publish_all(self.replica_id, incarnation, blocks.device, host=blocks.host):
             self.dirty = False
             self.syncs += 1
             self.synced_hashes = len(blocks)
@@ -175,11 +174,7 @@ class IndexPublisher:
             # paces resync attempts. (It was 5 ms while in sync: an idle replica's loop woke
             # 200 times a second, ~24 ms of CPU a second for nothing.)
             await self.engine.wait_kv_events(self.retry_s)
-            # The index keeps the device tier only, for now: the host tier's events stay here
-            # (its hits are the replica's own gain, and read by the router as index lag).
-            self._buffer.extend(
-                e for e in self.engine.drain_kv_events() if getattr(e, "medium", DEVICE) == DEVICE
-            )
+            self._buffer.extend(self.engine.drain_kv_events())
             if len(self._buffer) > self.max_buffered_events:
                 self._buffer.clear()
                 self._mark_dirty("event buffer overflow")

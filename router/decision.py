@@ -51,6 +51,7 @@ class Decision:
     decision_s: float
     index_matched: dict[str, int] = field(default_factory=dict)  # what the index said, trusted or not
     speculative_matched: dict[str, int] = field(default_factory=dict)  # what this router's entries said
+    tiered_matched: dict[str, int] = field(default_factory=dict)  # the index's, counting host tiers
     branch: str = ""  # why the first choice came first
     index_read: bool = True  # False: the lookup failed, so no prediction says anything of the index
     served_tokens: int | None = None  # prompt and output tokens its replica reported (its usage)
@@ -75,13 +76,21 @@ class Decision:
 
     def prediction(self, replica_id: str, incarnation: int, block_size: int) -> Prediction:
         """What ``replica_id`` should reuse, in blocks (never the prompt's last block, which a
-        replica always computes), with the fleet's best for comparison."""
+        replica always computes), with the fleet's best for comparison. A host tier's blocks
+        count where they continue what the replica holds on its device (a replica restores
+        them before its prefill)."""
         lookable = (len(self.token_ids) - 1) // block_size
         index = min(self.index_matched.get(replica_id, 0), lookable)
         speculative = min(self.speculative_matched.get(replica_id, 0), lookable)
-        best = max((*self.index_matched.values(), *self.speculative_matched.values()), default=0)
+        device = max(index, speculative)
+        tiered = min(self.tiered_matched.get(replica_id, 0), lookable)
+        host = max(0, tiered - device)
+        best = max(
+            (*self.index_matched.values(), *self.speculative_matched.values(), *self.tiered_matched.values()),
+            default=0,
+        )
         return Prediction(
-            replica_id, incarnation, min(best, lookable), index, speculative, max(index, speculative)
+            replica_id, incarnation, min(best, lookable), index, speculative, device + host, host
         )
 
 
@@ -214,6 +223,7 @@ class Decider:
         decision = Decision(
             new_request_id(), ids, hashes, sampling, [], matched, policy_name, 0.0, index_matched, speculative
         )
+        decision.tiered_matched = view.tiered if view else {}
         decision.index_read, decision.states = view is not None, states
         route = RouteRequest(ids, hashes, decision.decode_estimate, request.affinity_key)
         policy = self.policy(policy_name)

@@ -125,6 +125,14 @@ class RouterMetrics(ServerMetrics):
         self.actual_cached = self.counter(
             "kvmesh_router_actual_cached_tokens", "Prompt tokens the replicas reported cached"
         )
+        self.predicted_host_cached = self.counter(
+            "kvmesh_router_predicted_host_cached_tokens",
+            "Of the prompt tokens the router expected to be cached, those in replicas' host tiers",
+        )
+        self.actual_host_cached = self.counter(
+            "kvmesh_router_actual_host_cached_tokens",
+            "Of the prompt tokens the replicas reported cached, those restored from their host tiers",
+        )
         self.prompt_tokens = self.counter("kvmesh_router_prompt_tokens", "Prompt tokens routed")
         self.prediction_error = self.histogram(
             "kvmesh_router_prediction_error_blocks",

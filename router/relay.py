@@ -446,10 +446,13 @@ class Relay:
         predicted = prediction.predicted * self.block_size
         decision.served_tokens = complete.usage.prompt_tokens + complete.usage.completion_tokens
         complete.predicted_cached_tokens = predicted
+        complete.predicted_host_cached_tokens = prediction.host * self.block_size
         self.metrics.fleet_best_cached.inc(prediction.fleet_best * self.block_size)
         complete.router_decision_us = int(decision.decision_s * 1e6)
         self.metrics.predicted_cached.inc(predicted)
         self.metrics.actual_cached.inc(complete.usage.cached_tokens)
+        self.metrics.predicted_host_cached.inc(prediction.host * self.block_size)
+        self.metrics.actual_host_cached.inc(complete.usage.host_cached_tokens)
         self.metrics.prompt_tokens.inc(complete.usage.prompt_tokens)
         tracing.set_attributes(span, actual_cached_tokens=complete.usage.cached_tokens, miss_cause=cause)
 

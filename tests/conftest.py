@@ -2,6 +2,7 @@
 Redis servers and one local Ray per session; the ``servers`` marker that ``make test-fast``
 leaves out."""
 
+import itertools
 import os
 from pathlib import Path
 
@@ -121,6 +122,33 @@ def redis_server(request):
     server = EmbeddedRedis(binary=request.param[1]).start()
     yield server
     server.close()
+
+
+_index_models = itertools.count()
+
+
+@pytest.fixture
+async def redis_index(redis_server):
+    """A fresh index namespace per test (a new model id), on the session's server."""
+    from kvmesh.kvcache.index.redis import RedisPrefixIndex
+
+    idx = RedisPrefixIndex.from_url(redis_server.url, f"test-model-{next(_index_models)}", 16, 1234)
+    await idx.ensure_settings()
+    yield idx
+    await idx.close()
+
+
+@pytest.fixture(params=["redis", "memory"])
+async def index(request, redis_index):
+    """An index contract test on the server's index and on the in-memory one."""
+    from kvmesh.kvcache.index.memory import MemoryPrefixIndex
+
+    if request.param == "memory":
+        idx = MemoryPrefixIndex("test-model", 16, 1234)
+        await idx.ensure_settings()
+        yield idx
+    else:
+        yield redis_index
 
 
 @pytest.fixture(scope="module", params=_redis_binaries(), ids=lambda b: b[0])

@@ -23,7 +23,8 @@ Functions run with the caller's rights, so a router that calls ``register`` is r
 one that writes the keys itself: no router can pose as a replica, no replica can steer
 routing through shared load or speculation, and neither can load code or flush. The key
 patterns follow the layout in ``redis.py``/``redis.lua``: control keys ``{k:<8 hex>}<name>``,
-published blocks ``{<8 hex>.<4 hex>}<8 bytes>``, speculative ones ``{<8 hex>.<4 hex>}~<parity><8 bytes>``.
+published blocks ``{<8 hex>.<4 hex>}<8 bytes>`` (``...}h<8 bytes>`` in host tiers), speculative
+ones ``{<8 hex>.<4 hex>}~<parity><8 bytes>``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ USERS = {role: f"kvmesh-{role}" for role in ROLES}
 _CONTROL = "{k:????????}"  # alone: the control functions' declared key, never written itself
 _TAG = "{????????.????}"  # a function's declared key (a chain's hash tag); never written itself
 _BLOCK = _TAG + "????????"
+_HOST_BLOCK = _TAG + "h????????"
 _SPECULATIVE = _TAG + "~?????????"
 _ROUTER_KEYS = ("next", "ri*", "routers", "load", "w*", "resync:*")
 _REPLICA_KEYS = ("next", "slots", "dead", "replicas", "settings")
@@ -67,12 +69,16 @@ def acl_rules(role: str, replica: tuple[str, str] | None = None) -> str:
     if role == "router":
         keys = [_CONTROL + k for k in ("", *_ROUTER_KEYS)] + [_TAG, _SPECULATIVE]
     elif role == "replica" and replica is None:
-        keys = [_CONTROL + k for k in ("", *_REPLICA_KEYS, *(k + "*" for k in _OWN_KEYS))] + [_TAG, _BLOCK]
+        keys = [_CONTROL + k for k in ("", *_REPLICA_KEYS, *(k + "*" for k in _OWN_KEYS))] + [
+            _TAG,
+            _BLOCK,
+            _HOST_BLOCK,
+        ]
     elif role == "replica":
         digest, own = _check_digest(replica[0]), check_replica_id(replica[1])
         control, tag = "{k:" + digest + "}", "{" + digest + ".????}"
         keys = [control + k for k in ("", *_REPLICA_KEYS, *(k + own for k in _OWN_KEYS))]
-        keys += [tag, tag + "????????"]
+        keys += [tag, tag + "????????", tag + "h????????"]
     else:
         raise ValueError(f"unknown index role {role!r}; known: {', '.join(ROLES)}")
     return " ".join(["resetchannels", "%R~*", *(f"~{k}" for k in keys), _SERVING_COMMANDS])

@@ -8,13 +8,14 @@ tests get index answers from it without a server). Callers type against ``Prefix
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.kvcache.events import KVEvent
+from kvmesh.kvcache.events import DEVICE, KVEvent
 
 DEFAULT_DEPLOYMENT = "default"
 # A speculative entry: (replica id, root = the first hash of the chain, hashes of that chain).
@@ -58,9 +59,12 @@ class FleetWork:
 class IndexView:
     """What one ``routing_view`` call returns (blocks per replica, work per replica)."""
 
-    matched: dict[str, int]  # leading blocks each replica published
+    matched: dict[str, int]  # leading blocks each replica published in its device tier
     speculative: dict[str, int]  # leading blocks routers just sent it (not published yet)
     fleet: dict[str, FleetWork] | None  # None: not asked (this router does not share its load)
+    # leading blocks each replica holds on its device or host tier (>= matched: host blocks
+    # continue a device prefix, or start one where the device holds none)
+    tiered: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def own_settings(
@@ -109,8 +113,11 @@ class BlockIndex(Protocol):
     async def publish(self, replica_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
         """Apply Stored/Removed events in order; False: that incarnation is no longer live."""
 
-    async def publish_all(self, replica_id: str, incarnation: int, blocks: Mapping[int, int]) -> bool:
-        """Publish a whole cache (``hash -> root``, the chain's first hash), a resync."""
+    async def publish_all(
+        self, replica_id: str, incarnation: int, blocks: Mapping[int, int], host: Mapping[int, int] = {}
+    ) -> bool:
+        """Publish a whole cache (``hash -> root``, the chain's first hash; ``host``: its host
+        tier's), a resync."""
 
     async def lookup(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the chain each live replica published (holders of none left out)."""
@@ -118,8 +125,8 @@ class BlockIndex(Protocol):
     async def sweep(self) -> int:
         """One step of background cleanup of dead entries; returns how many went."""
 
-    async def snapshot(self) -> dict[str, set[int]]:
-        """Every live replica's hashes (O(index); for tests and debugging)."""
+    async def snapshot(self, medium: str = DEVICE) -> dict[str, set[int]]:
+        """Every live replica's hashes in one tier (O(index); for tests and debugging)."""
 
 
 class Membership(Protocol):

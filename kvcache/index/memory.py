@@ -16,7 +16,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvmesh.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvcache.events import DEVICE, HOST, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.kvcache.index.api import (
     DEFAULT_DEPLOYMENT,
     IndexView,
@@ -73,8 +73,9 @@ class MemoryPrefixIndex(ShareHalves):
         self._settings: dict[str, str] | None = None
         self._next = itertools.count(1)
         self._replicas: dict[Hashable, _Replica] = {}
-        self.holders: dict[int, set[Hashable]] = {}  # hash -> live replicas holding it
-        self._held: dict[Hashable, set[int]] = {}  # replica -> hashes it holds
+        # per tier: hash -> live replicas holding it, and replica -> hashes it holds
+        self.holders: dict[str, dict[int, set[Hashable]]] = {m: {} for m in MEDIA}
+        self._held: dict[str, dict[Hashable, set[int]]] = {m: {} for m in MEDIA}
         self._speculated: dict[int, dict[str, float]] = {}  # hash -> replica -> until when
         self._routers: dict[int, float] = {}  # router incarnation -> expires at
         self._load: Counter[str] = Counter()
@@ -89,36 +90,48 @@ class MemoryPrefixIndex(ShareHalves):
 
     def apply(self, replica_id: Hashable, events: Iterable[KVEvent]) -> None:
         """Apply a replica's KV events in order (the simulator calls this directly)."""
-        held = self._held.setdefault(replica_id, set())
         for event in events:
             if isinstance(event, BlockStored):
-                held.update(event.hashes)
-                for h in event.hashes:
-                    self.holders.setdefault(h, set()).add(replica_id)
+                self._add(replica_id, event.hashes, event.medium)
             elif isinstance(event, BlockRemoved):
+                held = self._held[event.medium].get(replica_id, set())
                 held.difference_update(event.hashes)
                 for h in event.hashes:
-                    self._drop(h, replica_id)
+                    self._drop(h, replica_id, event.medium)
             elif isinstance(event, AllBlocksCleared):
                 self._forget_blocks(replica_id)
-                held = self._held.setdefault(replica_id, set())
             else:
                 raise TypeError(f"not a KV event: {event!r}")
 
     def matches(self, block_hashes: Sequence[int]) -> dict[Hashable, int]:
-        """Leading blocks of the chain each replica holds (the simulator calls this directly)."""
-        return leading_matches(self.holders, block_hashes)
+        """Leading blocks of the chain each replica holds in its device tier (the simulator
+        calls this directly)."""
+        return leading_matches(self.holders[DEVICE], block_hashes)
 
-    def _drop(self, h: int, replica_id: Hashable) -> None:
-        holders = self.holders.get(h)
+    def tiered_matches(self, block_hashes: Sequence[int]) -> dict[Hashable, int]:
+        """Leading blocks of the chain each replica holds in its device or host tier."""
+        device, host = self.holders[DEVICE], self.holders[HOST]
+        either = {h: device.get(h, set()) | host.get(h, set()) for h in block_hashes}
+        return leading_matches(either, block_hashes)
+
+    def _add(self, replica_id: Hashable, hashes: Iterable[int], medium: str) -> None:
+        hashes = list(hashes)
+        self._held[medium].setdefault(replica_id, set()).update(hashes)
+        holders = self.holders[medium]
+        for h in hashes:
+            holders.setdefault(h, set()).add(replica_id)
+
+    def _drop(self, h: int, replica_id: Hashable, medium: str) -> None:
+        holders = self.holders[medium].get(h)
         if holders is not None:
             holders.discard(replica_id)
             if not holders:
-                del self.holders[h]
+                del self.holders[medium][h]
 
     def _forget_blocks(self, replica_id: Hashable) -> None:
-        for h in self._held.pop(replica_id, ()):
-            self._drop(h, replica_id)
+        for medium in MEDIA:
+            for h in self._held[medium].pop(replica_id, ()):
+                self._drop(h, replica_id, medium)
 
     async def publish(self, replica_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
         if not self._is_live(replica_id, incarnation):
@@ -126,12 +139,13 @@ class MemoryPrefixIndex(ShareHalves):
         self.apply(replica_id, events)
         return True
 
-    async def publish_all(self, replica_id: str, incarnation: int, blocks: Mapping[int, int]) -> bool:
+    async def publish_all(
+        self, replica_id: str, incarnation: int, blocks: Mapping[int, int], host: Mapping[int, int] = {}
+    ) -> bool:
         if not self._is_live(replica_id, incarnation):
             return False
-        for h in blocks:
-            self.holders.setdefault(h, set()).add(replica_id)
-        self._held.setdefault(replica_id, set()).update(blocks)
+        self._add(replica_id, blocks, DEVICE)
+        self._add(replica_id, host, HOST)
         return True
 
     async def lookup(self, block_hashes: Sequence[int]) -> dict[str, int]:
@@ -150,9 +164,9 @@ class MemoryPrefixIndex(ShareHalves):
                 del self._speculated[h]
         return removed
 
-    async def snapshot(self) -> dict[str, set[int]]:
+    async def snapshot(self, medium: str = DEVICE) -> dict[str, set[int]]:
         self._expire()
-        return {rid: set(self._held.get(rid, ())) for rid in self._replicas}
+        return {rid: set(self._held[medium].get(rid, ())) for rid in self._replicas}
 
     # ------------------------------------------------------------------ membership
 
@@ -300,4 +314,9 @@ class MemoryPrefixIndex(ShareHalves):
             for h in block_hashes
         }
         fleet = fleet_work({k: v for k, v in self._load.items() if abs(v) > 1e-6})
-        return IndexView(self.matches(block_hashes), leading_matches(speculated, block_hashes), fleet)
+        return IndexView(
+            self.matches(block_hashes),
+            leading_matches(speculated, block_hashes),
+            fleet,
+            self.tiered_matches(block_hashes),
+        )

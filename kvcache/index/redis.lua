@@ -23,6 +23,8 @@
 -- 16 bits, hex>}":
 --   prefix..<8-byte hash>           STRING bitmap: bit s set = the incarnation owning slot s
 --                                   published the block (SETBIT; bit 0 is the first byte's MSB)
+--                                   in its device tier
+--   prefix.."h"..hash               STRING bitmap: the same, for blocks in replicas' host tiers
 --   prefix.."~"..(bucket % 2)..hash STRING bitmap: routers' speculative entries made in one time
 --                                   bucket; expires by itself two buckets after that one began
 -- Every incarnation gets a slot of its own, and a slot is handed out again only after a sweep
@@ -92,14 +94,15 @@ end
 -- ---------------------------------------------------------------- block keys: KEYS[1] = prefix
 
 -- KEYS[1]: the chain's first block key; ARGV[1]: the whole chain packed (8 bytes a block).
--- Returns {depth, published, speculative, ...}: bitmaps of the slots holding exactly `depth`
--- leading blocks of the chain.
+-- Returns {depth, published, speculative, tiered, ...}: bitmaps of the slots holding exactly
+-- `depth` leading blocks of the chain on their device, by routers' speculation, and on their
+-- device or host (a host tier continues a device prefix).
 -- A replica that holds a block holds its parents (a block manager evicts a chain tail first,
--- and speculation covers whole chains), so the holders of block k only shrink as k grows and
--- the depths are found by bisection: O(log n) reads of three small strings, two reads when
--- every holder holds the whole chain, whatever the chain's length.
+-- in each tier and in both together, and speculation covers whole chains), so the holders of
+-- block k only shrink as k grows and the depths are found by bisection: O(log n) reads of four
+-- small strings, two reads when every holder holds the whole chain, whatever its length.
 -- The depths by bisection, when the last block's holders differ from the first's:
--- got_first/got_last are both blocks' three bitmaps, w the first block's widest.
+-- got_first/got_last are both blocks' four bitmaps, w the first block's widest.
 local function bisect(prefix, packed, n, w, got_first, got_last)
   -- bitmap s as w byte values (zero-padded; bits past the first block's width hold nothing
   -- that matters: every holder of the chain holds its first block)
@@ -108,27 +111,30 @@ local function bisect(prefix, packed, n, w, got_first, got_last)
     for i = #b + 1, w do b[i] = 0 end
     return b
   end
-  -- a block's holders as 2w byte values: published bytes, then speculative ones
+  -- a block's holders as 3w byte values: published bytes, speculative ones, device or host
   local function set_of(got)
-    local out, s0, s1 = bytes(got[1]), bytes(got[2]), bytes(got[3])
-    for i = 1, w do out[w + i] = bit.bor(s0[i], s1[i]) end
+    local out, s0, s1, host = bytes(got[1]), bytes(got[2]), bytes(got[3]), bytes(got[4])
+    for i = 1, w do
+      out[w + i] = bit.bor(s0[i], s1[i])
+      out[2 * w + i] = bit.bor(out[i], host[i])
+    end
     return out
   end
   local function read(k)
     local h = hash_at(packed, k)
-    return set_of(redis.call('MGET', prefix .. h, prefix .. '~0' .. h, prefix .. '~1' .. h))
+    return set_of(redis.call('MGET', prefix .. h, prefix .. '~0' .. h, prefix .. '~1' .. h, prefix .. 'h' .. h))
   end
   local function inter(a, b)
     local out = {}
-    for i = 1, 2 * w do out[i] = bit.band(a[i], b[i]) end
+    for i = 1, 3 * w do out[i] = bit.band(a[i], b[i]) end
     return out
   end
   local function same(a, b)
-    for i = 1, 2 * w do if a[i] ~= b[i] then return false end end
+    for i = 1, 3 * w do if a[i] ~= b[i] then return false end end
     return true
   end
   local function empty(a)
-    for i = 1, 2 * w do if a[i] ~= 0 then return false end end
+    for i = 1, 3 * w do if a[i] ~= 0 then return false end end
     return true
   end
 
@@ -138,6 +144,7 @@ local function bisect(prefix, packed, n, w, got_first, got_last)
       out[#out + 1] = d
       out[#out + 1] = string.char(unpack(set, 1, w))
       out[#out + 1] = string.char(unpack(set, w + 1, 2 * w))
+      out[#out + 1] = string.char(unpack(set, 2 * w + 1, 3 * w))
     end
   end
   -- s_lo holds block lo, s_hi block hi (s_hi within s_lo): emits those of s_lo not in s_hi
@@ -145,7 +152,7 @@ local function bisect(prefix, packed, n, w, got_first, got_last)
     if same(s_lo, s_hi) then return end
     if hi == lo + 1 then
       local gone = {}
-      for i = 1, 2 * w do gone[i] = bit.band(s_lo[i], bit.bnot(s_hi[i])) end
+      for i = 1, 3 * w do gone[i] = bit.band(s_lo[i], bit.bnot(s_hi[i])) end
       emit(lo, gone)
       return
     end
@@ -157,8 +164,9 @@ local function bisect(prefix, packed, n, w, got_first, got_last)
 
   local s_first = set_of(got_first)
   local s_last = inter(s_first, set_of(got_last))
-  if got_first[2] and got_first[3] and same(s_first, s_last) then -- both parities, all held
-    return {n, got_first[1] or '', string.char(unpack(s_first, w + 1, 2 * w))}
+  if same(s_first, s_last) then -- every holder holds the whole chain
+    return {n, got_first[1] or '', string.char(unpack(s_first, w + 1, 2 * w)),
+      string.char(unpack(s_first, 2 * w + 1, 3 * w))}
   end
   emit(n, s_last)
   solve(1, n, s_first, s_last)
@@ -172,25 +180,29 @@ local function lookup(keys, args)
   local prefix = string.sub(first, 1, #first - 8)
   -- the first and the last block in one call (each redis.call costs microseconds on its own)
   local h1, hn = hash_at(packed, 1), hash_at(packed, n)
-  local got = redis.call('MGET', prefix .. h1, prefix .. '~0' .. h1, prefix .. '~1' .. h1,
-    prefix .. hn, prefix .. '~0' .. hn, prefix .. '~1' .. hn)
+  local got = redis.call('MGET', prefix .. h1, prefix .. '~0' .. h1, prefix .. '~1' .. h1, prefix .. 'h' .. h1,
+    prefix .. hn, prefix .. '~0' .. hn, prefix .. '~1' .. hn, prefix .. 'h' .. hn)
   -- (a bitmap wider than MAX_SLOTS bits was not written by kvmesh: its excess is ignored)
-  local w = math.min(math.max(#(got[1] or ''), #(got[2] or ''), #(got[3] or '')), MAX_SLOTS / 8)
+  local w = math.min(math.max(#(got[1] or ''), #(got[2] or ''), #(got[3] or ''), #(got[4] or '')), MAX_SLOTS / 8)
   if w == 0 then return {} end
-  if got[4] == got[1] and got[5] == got[2] and got[6] == got[3] and not (got[2] and got[3]) then
-    -- the common case, no byte work: the last block has exactly the first one's holders
-    return {n, got[1] or '', got[2] or got[3] or ''}
+  if got[5] == got[1] and got[6] == got[2] and got[7] == got[3] and not (got[2] and got[3])
+    and not got[4] and not got[8] then
+    -- the common case, no byte work: the last block has exactly the first one's holders, and
+    -- no host tier holds either
+    return {n, got[1] or '', got[2] or got[3] or '', got[1] or ''}
   end
-  return bisect(prefix, packed, n, w, {got[1], got[2], got[3]}, {got[4], got[5], got[6]})
+  return bisect(prefix, packed, n, w, {got[1], got[2], got[3], got[4]}, {got[5], got[6], got[7], got[8]})
 end
 
 -- KEYS[1]: the first block-key prefix below; ARGV: slot, then (prefix, op, packed hashes)
--- triples, op "+" or "-", applied in order; every prefix on this server (one call carries a
--- whole batch on a single server, one root's blocks on a cluster). Returns the blocks applied.
+-- triples, op "+" or "-" (device tier), "h+" or "h-" (host tier), applied in order; every
+-- prefix on this server (one call carries a whole batch on a single server, one root's blocks
+-- on a cluster). Returns the blocks applied.
 local function publish(keys, args)
   local slot, applied = tonumber(args[1]), 0
   for j = 2, #args, 3 do
-    local prefix, add, packed = args[j], args[j + 1] == '+', args[j + 2]
+    local op, packed = args[j + 1], args[j + 2]
+    local add, prefix = string.sub(op, -1) == '+', args[j] .. string.sub(op, 1, -2)
     for i = 1, #packed / 8 do
       local key = prefix .. hash_at(packed, i)
       if add then
@@ -225,15 +237,16 @@ local function speculate(keys, args)
   return 1
 end
 
--- ARGV: the block-key pattern of one deployment, the length of its published block keys,
--- cursor, count, then dead slots. One SCAN step over this server's block keys, clearing the
--- dead slots' bits (keys left empty go). Returns {next cursor, bits cleared}.
+-- ARGV: the block-key pattern of one deployment, the length of its published device block
+-- keys (host keys are one byte longer), cursor, count, then dead slots. One SCAN step over
+-- this server's block keys, clearing the dead slots' bits (keys left empty go). Returns {next
+-- cursor, bits cleared}.
 local function sweep(keys, args)
   local pattern, key_length, cursor, count = args[1], tonumber(args[2]), args[3], args[4]
   local res = redis.call('SCAN', cursor, 'MATCH', pattern, 'COUNT', count)
   local cleared = 0
   for _, key in ipairs(res[2]) do
-    if #key == key_length then
+    if #key == key_length or #key == key_length + 1 then
       local changed = false
       for j = 5, #args do
         if redis.call('GETBIT', key, args[j]) == 1 then -- (SETBIT 0 would widen the key)

@@ -28,7 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
-from kvmesh.kvcache.events import BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvcache.events import DEVICE, HOST, BlockRemoved, BlockStored, KVEvent
 from kvmesh.kvcache.index.api import (
     DEFAULT_DEPLOYMENT,
     FleetWork,
@@ -61,6 +61,7 @@ LAYOUT = 3  # the key layout's version: data written under another layout is nev
 _SOURCE = resources.files("kvmesh.kvcache.index").joinpath("redis.lua").read_text()
 VERSION = f"v{LAYOUT}_{xxhash.xxh32_hexdigest(_SOURCE.encode())}"
 LIBRARY = _SOURCE.replace("@VERSION@", VERSION)
+_OPS = {DEVICE: "", HOST: "h"}  # a tier's publish ops' and block keys' mark
 _PUBLISH_CHUNK = 20_000  # hashes per publish call when resyncing a whole cache
 _PIPELINE_CALLS = 512  # publish calls per round trip when a resync spans many roots
 _SWEEP_COUNT = 500  # keys one sweep step scans on each server
@@ -416,9 +417,9 @@ class RedisPrefixIndex(ShareHalves):
         ops: dict[bytes, list] = {}  # tag -> [op, packed, op, packed ...], in event order
         for event in events:
             if isinstance(event, BlockStored):
-                pairs, op = [(event.root, h) for h in event.hashes], "+"
+                pairs, op = [(event.root, h) for h in event.hashes], _OPS[event.medium] + "+"
             elif isinstance(event, BlockRemoved):
-                pairs, op = list(zip(event.roots, event.hashes, strict=True)), "-"
+                pairs, op = list(zip(event.roots, event.hashes, strict=True)), _OPS[event.medium] + "-"
             else:
                 raise TypeError(f"publish takes BlockStored/BlockRemoved, got {event!r}")
             for root, h in pairs:
@@ -431,17 +432,21 @@ class RedisPrefixIndex(ShareHalves):
             return True
         return await self._publish_calls(replica_id, incarnation, list(ops.items()))
 
-    async def publish_all(self, replica_id: str, incarnation: int, blocks: Mapping[int, int]) -> bool:
-        """Publish a whole cache (``hash -> root``: a resync), a bounded call per root chunk,
-        pipelined, so no single call blocks Redis for long."""
-        by_tag: dict[bytes, list[int]] = {}
-        for h, root in blocks.items():
-            by_tag.setdefault(self.tag(root), []).append(h)
-        calls = [
-            (tag, ["+", pack_hashes(hashes[i : i + _PUBLISH_CHUNK])])
-            for tag, hashes in by_tag.items()
-            for i in range(0, len(hashes), _PUBLISH_CHUNK)
-        ]
+    async def publish_all(
+        self, replica_id: str, incarnation: int, blocks: Mapping[int, int], host: Mapping[int, int] = {}
+    ) -> bool:
+        """Publish a whole cache (``hash -> root``: a resync; ``host``: its host tier's), a
+        bounded call per root chunk, pipelined, so no single call blocks Redis for long."""
+        calls = []
+        for op, tier in (("+", blocks), ("h+", host)):
+            by_tag: dict[bytes, list[int]] = {}
+            for h, root in tier.items():
+                by_tag.setdefault(self.tag(root), []).append(h)
+            calls += [
+                (tag, [op, pack_hashes(hashes[i : i + _PUBLISH_CHUNK])])
+                for tag, hashes in by_tag.items()
+                for i in range(0, len(hashes), _PUBLISH_CHUNK)
+            ]
         return await self._publish_calls(replica_id, incarnation, calls)
 
     async def _publish_calls(
@@ -501,29 +506,29 @@ class RedisPrefixIndex(ShareHalves):
         lookup = [("fcall_ro", function("lookup"), 1, *chain)] if chain is not None else []
         replies = await self._pipeline([*lookup, ("hgetall", self._load_key)])
         flat, load = (replies[0], replies[1]) if chain is not None else ([], replies[0])
-        matched, speculative = await self._matches(flat)
-        return IndexView(matched, speculative, self._fleet(load))
+        matched, speculative, tiered = await self._matches(flat)
+        return IndexView(matched, speculative, self._fleet(load), tiered)
 
-    async def _matches(self, flat: list) -> tuple[dict[str, int], dict[str, int]]:
-        """(replicas' matches, speculative matches) from a lookup's (depth, published bitmap,
-        speculative bitmap) groups, slots mapped to the live replicas that own them. A slot this client has never
-        seen (a replica just restarted or joined) makes it read the members again first, so a
-        resync counts from its first lookup."""
+    async def _matches(self, flat: list) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(replicas' device matches, speculative matches, matches counting host tiers) from a
+        lookup's (depth, published, speculative, tiered bitmap) groups, slots mapped to the
+        live replicas that own them. A slot this client has never seen (a replica just
+        restarted or joined) makes it read the members again first, so a resync counts from
+        its first lookup."""
         groups = [
-            (int(depth), (_slots(published), _slots(speculated)))
-            for depth, published, speculated in zip(flat[::3], flat[1::3], flat[2::3], strict=True)
+            (int(depth), [_slots(bitmap) for bitmap in bitmaps])
+            for depth, *bitmaps in zip(flat[::4], flat[1::4], flat[2::4], flat[3::4], strict=True)
         ]
-        if any(slot not in self._known_slots for _, (published, _) in groups for slot in published):
+        if any(slot not in self._known_slots for _, (_, _, tiered) in groups for slot in tiered):
             await self._members()
-        matched: dict[str, int] = {}
-        speculative: dict[str, int] = {}
-        for depth, (published, speculated) in groups:
-            for into, slots in ((matched, published), (speculative, speculated)):
+        found: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
+        for depth, bitmaps in groups:
+            for into, slots in zip(found, bitmaps, strict=True):
                 for slot in slots:
                     record = self._by_slot.get(slot)
                     if record is not None:
                         into[record.replica_id] = depth
-        return matched, speculative
+        return found
 
     def _fleet(self, load: Mapping[bytes, bytes]) -> dict[str, FleetWork]:
         """The load hash (replica id -> "<requests> <prefill> <decode>") as work per replica;
@@ -624,13 +629,15 @@ class RedisPrefixIndex(ShareHalves):
         key = f"{self.ns}resync:{replica_id}"
         return bool(await self.client.set(key, b"1", nx=True, px=_ms(interval_s)))
 
-    async def snapshot(self) -> dict[str, set[int]]:
-        """Every live replica's hashes, read by SCAN (O(index); for tests and debugging)."""
+    async def snapshot(self, medium: str = DEVICE) -> dict[str, set[int]]:
+        """Every live replica's hashes in one tier, read by SCAN (O(index); for tests and
+        debugging)."""
         records = await self.live_replicas()
         out: dict[str, set[int]] = {r.replica_id: set() for r in records}
         owner = {r.slot: r.replica_id for r in records}
+        tier = _OPS[medium].encode()
         async for key in self.client.scan_iter(match=self.block_pattern, count=1000):
-            if len(key) == self.block_key_length:
+            if len(key) == self.block_key_length + len(tier) and key[:-8].endswith(tier or b"}"):
                 (h,) = np.frombuffer(key[-8:], dtype=">u8").tolist()
                 for slot in _slots(await self.client.get(key) or b""):
                     if slot in owner:

@@ -37,6 +37,7 @@ from kvmesh.engine.protocol import (
 )
 from kvmesh.engine.step_costs import StepCostFit
 from kvmesh.kvcache import AllBlocksCleared, KVCacheError, KVCacheStats, KVEvent, block_hashes
+from kvmesh.kvcache.events import CachedBlocks
 from kvmesh.replica.vllm.cache_view import CacheView
 from kvmesh.replica.vllm.server import VllmServer
 from kvmesh.replica.vllm.subscriber import EventSubscriber
@@ -221,10 +222,10 @@ class VllmEngine:
                     return  # its AllBlocksCleared event marks the view exact
             await asyncio.sleep(RESET_RETRY_S)
 
-    async def snapshot_cached_blocks(self) -> dict[int, int]:
+    async def snapshot_cached_blocks(self) -> CachedBlocks:
         self._events.clear()
         self._events_ready.clear()
-        return self.view.cached_blocks()
+        return CachedBlocks(self.view.cached_blocks())
 
     async def cached_hashes(self) -> set[int]:
         """The hashes a new request could hit now, as vLLM's events say (for checks)."""

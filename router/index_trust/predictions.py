@@ -41,10 +41,11 @@ class Prediction:
 
     replica_id: str
     incarnation: int
-    fleet_best: int  # the deepest cached prefix any replica had
-    index: int  # what the index showed for this replica
+    fleet_best: int  # the deepest cached prefix any replica had, in either tier
+    index: int  # what the index showed for this replica in its device tier
     speculative: int  # what this router's speculative entries showed for it
-    predicted: int  # max of the two, capped at the blocks a replica can reuse
+    predicted: int  # blocks it will reuse: the two's max, or its host tier's continuation of it
+    host: int = 0  # of ``predicted``, the blocks the index showed only in its host tier
 
     def error(self, complete: pb.Complete, block_size: int) -> int:
         """Predicted minus reused blocks (> 0: the index promised more than was there)."""

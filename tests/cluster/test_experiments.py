@@ -14,6 +14,7 @@ import pytest
 from kvmesh.bench.experiments.cost_model import CPU_TINY_QWEN3, H100_LLAMA3_8B, CostModel, load_cost_model
 from kvmesh.bench.experiments.simulator import Simulation
 from kvmesh.bench.measure import workloads as wl
+from kvmesh.kvcache.events import DEVICE
 from kvmesh.router.config import BalanceConfig
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -226,7 +227,7 @@ def test_index_mirrors_every_replicas_ledger_and_prefix_beats_round_robin():
         sim = Simulation(reqs, 4, policy, H100_LLAMA3_8B, block_size=64)
         results[policy] = sim.run()
         for rep in sim.replicas:
-            held = {h for h, holders in sim.index.holders.items() if rep.index in holders}
+            held = {h for h, holders in sim.index.holders[DEVICE].items() if rep.index in holders}
             assert held == rep.bm.cached_hashes()
     assert results["prefix"]["hit_rate"] > results["round_robin"]["hit_rate"] + 0.2
     assert results["prefix"]["hit_rate"] <= wl.infinite_cache_hit_rate(reqs, 64) + 1e-9

@@ -1,65 +1,20 @@
 """The shared prefix index's contract, on both implementations: a real server (valkey-server,
 and redis-server where installed) and the in-memory one the simulator uses. Tests that look at
-Redis itself (round trips, keys, the library) take ``redis_index``."""
+Redis itself (round trips, keys, the library) take ``redis_index`` (both in tests/conftest.py)."""
 
 import asyncio
-import itertools
 import random
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+from index_cases import expected_depths, removed, stored
 
-from kvmesh.kvcache import BlockRemoved, BlockStored
 from kvmesh.kvcache.index.api import IndexSettingsError
 from kvmesh.kvcache.index.memory import MemoryPrefixIndex
 from kvmesh.kvcache.index.redis import VERSION, RedisPrefixIndex
 
 pytestmark = pytest.mark.servers  # the Redis half starts a server
-
-_models = itertools.count()
-
-
-@pytest.fixture
-async def redis_index(redis_server):
-    """A fresh namespace per test (a new model id), on the session's server."""
-    idx = RedisPrefixIndex.from_url(redis_server.url, f"test-model-{next(_models)}", 16, 1234)
-    await idx.ensure_settings()
-    yield idx
-    await idx.close()
-
-
-@pytest.fixture(params=["redis", "memory"])
-async def index(request, redis_index):
-    """Each contract test on the server's index and on the in-memory one."""
-    if request.param == "memory":
-        idx = MemoryPrefixIndex("test-model", 16, 1234)
-        await idx.ensure_settings()
-        yield idx
-    else:
-        yield redis_index
-
-
-def stored(chain: list[int], n: int, start: int = 0) -> BlockStored:
-    """Blocks start..n of ``chain`` became cached (a run of one chain, as a ledger emits it)."""
-    return BlockStored(tuple(chain[start:n]), chain[start - 1] if start else None, 16, chain[0])
-
-
-def removed(chain: list[int], start: int) -> BlockRemoved:
-    """``chain``'s tail from block ``start`` was evicted (tail first, as a ledger evicts)."""
-    return BlockRemoved(tuple(chain[start:]), (chain[0],) * (len(chain) - start))
-
-
-def expected_depths(query: list[int], holdings: dict[str, set[int]]) -> dict[str, int]:
-    """The reference: leading blocks of ``query`` each live replica holds consecutively."""
-    out = {}
-    for rid, held in holdings.items():
-        depth = 0
-        while depth < len(query) and query[depth] in held:
-            depth += 1
-        if depth:
-            out[rid] = depth
-    return out
 
 
 async def test_lookup_matches_reference_on_random_chains(index):

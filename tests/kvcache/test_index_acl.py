@@ -5,6 +5,7 @@ import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 
 from kvmesh.kvcache import BlockStored
+from kvmesh.kvcache.events import HOST
 from kvmesh.kvcache.index.acl import (
     ROLES,
     USERS,
@@ -41,12 +42,16 @@ async def test_each_role_does_its_own_work(acl_server):
         assert not await router.load_functions() and not await replica.load_functions()
         await replica.ensure_settings()
         incarnation = await replica.register("r0", "10.0.0.1:5000", ttl_s=5)
-        await replica.publish("r0", incarnation, [BlockStored(tuple(CHAIN), None, 16, CHAIN[0])])
+        await replica.publish("r0", incarnation, [BlockStored(tuple(CHAIN[:2]), None, 16, CHAIN[0])])
+        await replica.publish(
+            "r0", incarnation, [BlockStored(tuple(CHAIN[2:]), CHAIN[1], 16, CHAIN[0], HOST)]
+        )
         assert await replica.heartbeat("r0", incarnation, ttl_s=5, load={"num_running": 1})
         await replica.sweep()
         rinc = await router.register_router(ttl_s=5)
         assert [r.replica_id for r in await router.live_replicas()] == ["r0"]
-        assert (await router.lookup(CHAIN)).get("r0") == 3
+        assert (await router.lookup(CHAIN)).get("r0") == 2
+        assert (await router.routing_view(CHAIN)).tiered == {"r0": 3}  # its host tier's block too
         await router.speculate(rinc, [("r0", CHAIN[0], CHAIN)], ttl_s=1)
         assert await router.claim_resync("r0", 1.0)
         assert await router.router_heartbeat(rinc, ttl_s=5)
@@ -165,6 +170,9 @@ async def test_a_replicas_own_user_serves_itself_and_cannot_pose_as_or_move_anot
             rid: await own[rid].register(rid, f"10.0.0.{i}:5000", ttl_s=5) for i, rid in enumerate(own)
         }
         await own["r0"].publish("r0", incarnations["r0"], [BlockStored(tuple(CHAIN), None, 16, CHAIN[0])])
+        await own["r0"].publish(
+            "r0", incarnations["r0"], [BlockStored(tuple(CHAIN), None, 16, CHAIN[0], HOST)]
+        )
         assert await own["r0"].heartbeat("r0", incarnations["r0"], ttl_s=5)
         await own["r0"].sweep()
         with refused():  # its address would get r1's prompts, and the replica token

@@ -1,6 +1,7 @@
 """The index publisher in-process (no Ray): cache resets and buffer overflow force a resync."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -10,14 +11,19 @@ from reference import prompts_of_lengths
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.engine import SamplingParams
 from kvmesh.engine.config import EngineConfig
+from kvmesh.kvcache import block_hashes
+from kvmesh.kvcache.events import HOST
+from kvmesh.protos import pb
+from kvmesh.replica.backend import usage
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
+from kvmesh.router.decision import Decision
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
 
-@pytest.fixture
-async def served(qwen3_dir):
+@contextlib.asynccontextmanager
+async def replica(qwen3_dir, **engine):
     redis = EmbeddedRedis().start()
     config = ReplicaConfig(
         str(qwen3_dir),
@@ -25,14 +31,22 @@ async def served(qwen3_dir):
         redis.url,
         heartbeat_s=0.1,
         ttl_s=2.0,
-        engine=EngineConfig(num_kv_blocks=128, block_size=16),
+        engine=EngineConfig(block_size=16, **engine),
     )
     server = ReplicaServer(config)
     await server.start()
     server.publisher.retry_s = 0.1
-    yield server, redis
-    await server.stop(grace=0.5)
-    redis.close()
+    try:
+        yield server, redis
+    finally:
+        await server.stop(grace=0.5)
+        redis.close()
+
+
+@pytest.fixture
+async def served(qwen3_dir):
+    async with replica(qwen3_dir, num_kv_blocks=128) as served:
+        yield served
 
 
 async def run_request(server, salt: int) -> None:
@@ -101,3 +115,47 @@ async def test_buffer_overflow_while_redis_is_down_then_resync(served):
     redis.start()
     assert await eventually(lambda: index_matches_cache(server))
     assert len(await server.engine.call(lambda e: e.block_manager.cached_hashes())) == 6
+
+
+async def test_a_host_tier_is_published_and_resynced_with_the_device_tier(qwen3_dir):
+    """Blocks pushed out of a small device pool land in the host tier and in the index's host
+    bitmaps; a router's view counts them after the device's; a resync publishes both tiers."""
+    async with replica(qwen3_dir, num_kv_blocks=8, host_kv_gib=0.002) as (server, _):
+        prompts = prompts_of_lengths([80, 96, 96], salt=21)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for prompt in prompts:
+            async for _ in server.engine.generate(prompt, params):
+                pass
+
+        async def tiers_match(server=server) -> bool:
+            device, host = await server.engine.call(
+                lambda e: (e.block_manager.cached_hashes(), e.block_manager.host.cached_hashes())
+            )
+            index = server.publisher.index
+            return (
+                not server.publisher.dirty
+                and (await index.snapshot())["pub-test"] == device
+                and (await index.snapshot(HOST))["pub-test"] == host
+                and bool(host)
+            )
+
+        assert await eventually(tiers_match)
+        first = block_hashes(prompts[0], 16, server.publisher.index.hash_seed)
+        view = await server.publisher.index.routing_view(first)
+        assert view.tiered["pub-test"] == len(first) > view.matched.get("pub-test", 0)
+        # what the router predicts from that view, by tier, is what the replica reports reusing
+        decision = Decision(
+            "q", prompts[0], first, pb.SamplingParams(), [], {}, "prefix", 0.0, view.matched, {}, view.tiered
+        )
+        predicted = decision.prediction("pub-test", server.publisher.incarnation, 16)
+        outputs = [out async for out in server.engine.generate(prompts[0], params)]
+        served = usage(outputs[-1])
+        assert served.host_cached_tokens > 0
+        assert (served.cached_tokens, served.host_cached_tokens) == (
+            predicted.predicted * 16,
+            predicted.host * 16,
+        )
+        incarnation = server.publisher.incarnation
+        await server.publisher.resync("a test asks")
+        assert server.publisher.incarnation > incarnation
+        assert await eventually(tiers_match)

@@ -4,6 +4,7 @@ state's transitions, and the policy's branch labels."""
 import pytest
 
 from kvmesh.protos import pb
+from kvmesh.router.decision import Decision
 from kvmesh.router.index_trust.predictions import Prediction, miss_cause
 from kvmesh.router.index_trust.states import (
     DEGRADED,
@@ -44,6 +45,26 @@ def predicted(index: int, speculative: int = 0, incarnation: int = 7) -> Predict
 )
 def test_each_miss_has_its_cause(prediction, answer, cause):
     assert miss_cause(prediction, answer, BS, lag_tolerance_s=2.0) == cause
+
+
+def decision(prompt_blocks: int, **matched) -> Decision:
+    """A decision for a prompt of ``prompt_blocks`` full blocks and one token more."""
+    tokens = list(range(prompt_blocks * BS + 1))
+    return Decision("q", tokens, [], pb.SamplingParams(), [], {}, "prefix", 0.0, **matched)
+
+
+def test_a_host_tiers_continuation_is_predicted_and_split_by_tier():
+    d = decision(10, index_matched={"r0": 3, "r1": 6}, tiered_matched={"r0": 8, "r1": 6, "r2": 12})
+    r0 = d.prediction("r0", 7, BS)
+    assert (r0.index, r0.predicted, r0.host) == (3, 8, 5)  # 3 on its device, 5 more restored from its host
+    assert r0.fleet_best == 10  # r2's 12 host blocks, capped at what a replica can reuse
+    assert miss_cause(r0, complete(8), BS, lag_tolerance_s=2.0) is None  # restored blocks count as reused
+    r1 = d.prediction("r1", 7, BS)
+    assert (r1.predicted, r1.host) == (6, 0)
+    r2 = d.prediction("r2", 7, BS)
+    assert (r2.index, r2.predicted, r2.host) == (0, 10, 10)
+    ahead = decision(10, index_matched={"r0": 3}, speculative_matched={"r0": 9}, tiered_matched={"r0": 5})
+    assert (ahead.prediction("r0", 7, BS).predicted, ahead.prediction("r0", 7, BS).host) == (9, 0)
 
 
 def test_prediction_error_is_signed_in_blocks():

@@ -114,14 +114,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., affinity_key: _Optional[str] = ..., predicted_cached_blocks: _Optional[int] = ..., first_block_hash: _Optional[int] = ..., model: _Optional[str] = ..., continued_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "host_cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    host_cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -160,7 +162,7 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "replica_id", "predicted_cached_tokens", "router_decision_us", "index", "incarnation", "hash_mismatch", "miss_evicted_age_ms", "unindexed_hit_age_ms")
+    __slots__ = ("finish_reason", "usage", "replica_id", "predicted_cached_tokens", "router_decision_us", "index", "incarnation", "hash_mismatch", "miss_evicted_age_ms", "unindexed_hit_age_ms", "predicted_host_cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,7 @@ class Complete(_message.Message):
     HASH_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     MISS_EVICTED_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     UNINDEXED_HIT_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     replica_id: str
@@ -181,7 +184,8 @@ class Complete(_message.Message):
     hash_mismatch: bool
     miss_evicted_age_ms: int
     unindexed_hit_age_ms: int
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., router_decision_us: _Optional[int] = ..., index: _Optional[int] = ..., incarnation: _Optional[int] = ..., hash_mismatch: _Optional[bool] = ..., miss_evicted_age_ms: _Optional[int] = ..., unindexed_hit_age_ms: _Optional[int] = ...) -> None: ...
+    predicted_host_cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., router_decision_us: _Optional[int] = ..., index: _Optional[int] = ..., incarnation: _Optional[int] = ..., hash_mismatch: _Optional[bool] = ..., miss_evicted_age_ms: _Optional[int] = ..., unindexed_hit_age_ms: _Optional[int] = ..., predicted_host_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")
