@@ -19,6 +19,31 @@ ATTENTION_BACKENDS = ("torch", "flash_attn", "triton")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "auto")
 
 
+HOST_KV_SHARE = 0.5  # of the node's available memory, split between its GPUs, by default on CUDA
+
+
+def available_memory() -> int:
+    """The node's available memory in bytes (``MemAvailable``), 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
+
+
+def host_kv_gib(configured: float | None, device_type: str, gpus: int) -> tuple[float, str]:
+    """The host tier's GiB (``--host-kv-gib``, either engine's) and why: the flag, else on CUDA
+    a share of the node's available memory split between its GPUs, off on the CPU (where both
+    tiers would be the same RAM)."""
+    if configured is not None:
+        return configured, f"host_kv_gib={configured:g}" if configured else "off (host_kv_gib=0)"
+    if device_type != "cuda":
+        return 0.0, "off (on CPU: --host-kv-gib turns it on)"
+    share = HOST_KV_SHARE / max(1, gpus)
+    return share * available_memory() / GiB, f"{share:.0%} of the node's available memory"
+
+
 @dataclass
 class EngineConfig:
     block_size: int | None = option(

@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import torch
 
-from kvmesh.engine.config import EngineConfig, GiB
+from kvmesh.engine.config import EngineConfig, GiB, host_kv_gib
 from kvmesh.engine.cuda_graphs import CaptureReport, CudaGraphReplay, DecodeGraphs, EagerReplay
 from kvmesh.engine.host_kv import HostKV
 from kvmesh.engine.launched import LaunchedStep, Pending, read_pending
@@ -27,8 +27,6 @@ from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import FailedPick, Pick, draw
 
 log = logging.getLogger(__name__)
-
-HOST_KV_SHARE = 0.5  # of the node's available memory, split between its GPUs, by default on CUDA
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -51,16 +49,6 @@ def default_block_size(device: torch.device, backend: str | None, dtype: torch.d
         backend is None and flash_attn_unusable(device, dtype, head_dim) is None
     )
     return 256 if wants_flash else 16
-
-
-def available_memory() -> int:
-    """The node's available memory in bytes (``MemAvailable``), 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
-    return int(line.split()[1]) * 1024
 
 
 def kv_pool_bytes(
@@ -181,15 +169,9 @@ class ModelRunner:
         """Host-tier blocks and why that many: the flag's GiB, else on CUDA a share of the
         node's available memory split between its GPUs (off on the CPU, where both tiers
         would be the same RAM)."""
-        gib = config.host_kv_gib
-        if gib is None and self.device.type == "cuda":
-            share = HOST_KV_SHARE / max(1, torch.cuda.device_count())
-            gib = share * available_memory() / GiB
-            why = f"{share:.0%} of the node's available memory"
-        elif gib is None:
-            return 0, "off (on CPU: --host-kv-gib turns it on)"
-        else:
-            why = f"host_kv_gib={gib:g}"
+        gib, why = host_kv_gib(config.host_kv_gib, self.device.type, torch.cuda.device_count())
+        if not gib:
+            return 0, why
         blocks = int(gib * GiB) // self.block_bytes
         return blocks, f"{blocks * self.block_bytes / GiB:.2f} GiB, {why}" if blocks else "off"
 

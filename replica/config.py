@@ -126,9 +126,6 @@ class ReplicaConfig:
             raise ValueError(f"engine_stall_s must be positive, got {self.engine_stall_s}")
         if self.engine_kind not in ENGINE_KINDS:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
-        if self.engine_kind == "vllm" and self.engine.host_kv_gib:
-            # never ignored silently: vLLM's own host tier (--kv-offloading-size) is not wired yet
-            raise ValueError("host_kv_gib is kvmesh's engine's for now; engine vllm takes no host tier yet")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
 

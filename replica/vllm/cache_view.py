@@ -9,6 +9,15 @@ One index then serves kvmesh and vLLM replicas of a model alike.
 
 vLLM may cache two copies of one block (two requests computed it at once) and evicts them
 one at a time, each with its own ``BlockRemoved``: a hash stays while any copy does.
+
+With vLLM's own host tier (its OffloadingConnector, ``--kv-offloading-size``, self-describing
+events on), events whose ``medium`` is "CPU" say what it keeps in host memory: the same
+tokens, parent and block hashes, so the same re-hashing, into the view's host tier (an
+offloaded chunk of several blocks announces each of them; a chunk that overlaps another
+announces their shared blocks again: counted like copies). A CPU block's parent may be
+held in either tier; one whose parent the view holds in neither is left out (its chain
+could not be matched from its head). "GPU" (or no medium: older releases) is the device
+tier; any other medium (disk), or a tier vLLM says is remote, is not indexed.
 Blocks whose hash depends on more than tokens (a LoRA adapter, images, a cache salt) cannot
 be matched by a token-only hash: they and their descendants are left out of the view.
 """
@@ -21,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, hash_chain, token_buffer
+from kvmesh.kvcache.events import DEVICE, HOST
 
 VllmHash = int | bytes  # vLLM's block hash (an int unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
 _EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+_MEDIA = {None: DEVICE, "GPU": DEVICE, "CPU": HOST}  # vLLM's medium -> kvmesh's tier
 
 
 class EventFormatError(ValueError):
@@ -87,7 +98,8 @@ class CacheView:
         self.block_size = block_size
         self.seed = seed
         self.clock = clock
-        self._blocks: dict[VllmHash, _Block] = {}
+        self._blocks: dict[VllmHash, _Block] = {}  # the device tier's
+        self._host: dict[VllmHash, _Block] = {}  # the host tier's
         self._foreign: set[VllmHash] = set()  # cached under keys beyond tokens: never indexed
         self._by_hash: dict[int, VllmHash] = {}  # kvmesh hash -> vLLM's
         self._evicted_at: dict[int, float] = {}  # kvmesh hash -> when it left, lately
@@ -97,8 +109,13 @@ class CacheView:
         return len(self._blocks)
 
     def cached_blocks(self) -> dict[int, int]:
-        """kvmesh hash -> its chain's root, for every block vLLM holds: what a sync publishes."""
+        """kvmesh hash -> its chain's root, for every block vLLM holds on the device: what a
+        sync publishes."""
         return {b.hash: b.root for b in self._blocks.values()}
+
+    def host_blocks(self) -> dict[int, int]:
+        """The same for its host tier."""
+        return {b.hash: b.root for b in self._host.values()}
 
     def stored_at(self, kvmesh_hash: int) -> float | None:
         """When this view learned of a block it holds (None: it does not hold it)."""
@@ -111,6 +128,7 @@ class CacheView:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._host.clear()
         self._foreign.clear()
         self._by_hash.clear()
         self._evicted_at.clear()
@@ -121,10 +139,13 @@ class CacheView:
         out: list[KVEvent] = []
         for event in events:
             kind = event["type"]
+            medium = _MEDIA.get(event.get("medium"))
+            if kind != "AllBlocksCleared" and (medium is None or event.get("locality") == "REMOTE"):
+                continue  # a tier kvmesh does not index (vLLM's disk tier, another node's)
             if kind == "BlockStored":
-                out.extend(self._stored(event))
+                out.extend(self._stored(event) if medium == DEVICE else self._host_stored(event))
             elif kind == "BlockRemoved":
-                removed = self._removed(event)
+                removed = self._removed(event, medium)
                 if removed is not None:
                     out.append(removed)
             else:
@@ -133,8 +154,29 @@ class CacheView:
         return out
 
     def _stored(self, event: dict[str, Any]) -> list[BlockStored]:
-        """One kvmesh event per run of blocks new to the view (a copy of a held block adds
-        a copy, not a hash)."""
+        """One kvmesh event per run of blocks new to the device tier (a copy of a held block
+        adds a copy, not a hash)."""
+        parent = event.get("parent_block_hash")
+        if parent is not None and parent not in self._foreign and parent not in self._blocks:
+            raise BrokenChain(f"block {parent!r} was never stored: events were lost")
+        out = self._enter(event, self._blocks, DEVICE)
+        for stored in out:
+            for h in stored.hashes:
+                self._evicted_at.pop(h, None)
+        self.blocks_stored += sum(len(e.hashes) for e in out)
+        return out
+
+    def _host_stored(self, event: dict[str, Any]) -> list[BlockStored]:
+        """The same for the host tier, whose blocks may continue a chain held in either tier.
+        A placeholder (no tokens: a block shape vLLM does not describe) is left out."""
+        if not event.get("block_size") or not event.get("token_ids"):
+            return []
+        parent = event.get("parent_block_hash")
+        if parent is not None and parent not in self._blocks and parent not in self._host:
+            return []  # its parent left both tiers (or was never kvmesh's to match)
+        return self._enter(event, self._host, HOST)
+
+    def _enter(self, event: dict[str, Any], tier: dict[VllmHash, _Block], medium: str) -> list[BlockStored]:
         keys = list(event.get("block_hashes") or ())
         parent = event.get("parent_block_hash")
         size = event.get("block_size")
@@ -147,10 +189,9 @@ class CacheView:
             return []
         if parent is None:
             previous, root = None, None
-        elif (held := self._blocks.get(parent)) is not None:
-            previous, root = held.hash, held.root
         else:
-            raise BrokenChain(f"block {parent!r} was never stored: events were lost")
+            held = self._blocks.get(parent) or self._host[parent]
+            previous, root = held.hash, held.root
         tokens = event.get("token_ids") or ()
         if len(tokens) != len(keys) * size:
             raise EventFormatError(f"{len(tokens)} token ids for {len(keys)} blocks of {size}")
@@ -161,41 +202,44 @@ class CacheView:
         run_parent = previous
         for key, h in zip(keys, hashes, strict=True):
             root = h if root is None else root
-            held = self._blocks.get(key)
+            held = tier.get(key)
             if held is not None:
-                self._blocks[key] = _Block(held.hash, held.root, held.copies + 1, held.stored_at)
+                tier[key] = _Block(held.hash, held.root, held.copies + 1, held.stored_at)
                 if run:
-                    out.append(BlockStored(tuple(run), run_parent, size, root))
+                    out.append(BlockStored(tuple(run), run_parent, size, root, medium))
                     run = []
                 run_parent = h
                 continue
-            self._blocks[key] = _Block(h, root, 1, now)
-            self._by_hash[h] = key
-            self._evicted_at.pop(h, None)
+            tier[key] = _Block(h, root, 1, now)
+            if medium == DEVICE:
+                self._by_hash[h] = key
             run.append(h)
         if run:
-            out.append(BlockStored(tuple(run), run_parent, size, root))
-        self.blocks_stored += sum(len(e.hashes) for e in out)
+            out.append(BlockStored(tuple(run), run_parent, size, root, medium))
         return out
 
-    def _removed(self, event: dict[str, Any]) -> BlockRemoved | None:
+    def _removed(self, event: dict[str, Any], medium: str) -> BlockRemoved | None:
+        """Copies of blocks gone from one tier; a block whose last copy went leaves it."""
+        tier = self._blocks if medium == DEVICE else self._host
         hashes: list[int] = []
         roots: list[int] = []
         now = self.clock()
         for key in event.get("block_hashes") or ():
-            self._foreign.discard(key)
-            held = self._blocks.get(key)
+            if medium == DEVICE:
+                self._foreign.discard(key)
+            held = tier.get(key)
             if held is None:
-                continue  # a foreign block, or a copy already gone
+                continue  # a foreign block or a placeholder's, or a copy already gone
             if held.copies > 1:
-                self._blocks[key] = _Block(held.hash, held.root, held.copies - 1, held.stored_at)
+                tier[key] = _Block(held.hash, held.root, held.copies - 1, held.stored_at)
                 continue
-            del self._blocks[key]
-            self._by_hash.pop(held.hash, None)
-            self._remember_eviction(held.hash, now)
+            del tier[key]
+            if medium == DEVICE:
+                self._by_hash.pop(held.hash, None)
+                self._remember_eviction(held.hash, now)
             hashes.append(held.hash)
             roots.append(held.root)
-        return BlockRemoved(tuple(hashes), tuple(roots)) if hashes else None
+        return BlockRemoved(tuple(hashes), tuple(roots), medium) if hashes else None
 
     def _remember_eviction(self, kvmesh_hash: int, now: float, keep: int = 4096) -> None:
         """Recent evictions (the router tells an eviction in flight from a lie by them):

@@ -225,7 +225,7 @@ class VllmEngine:
     async def snapshot_cached_blocks(self) -> CachedBlocks:
         self._events.clear()
         self._events_ready.clear()
-        return CachedBlocks(self.view.cached_blocks())
+        return CachedBlocks(self.view.cached_blocks(), self.view.host_blocks())
 
     async def cached_hashes(self) -> set[int]:
         """The hashes a new request could hit now, as vLLM's events say (for checks)."""

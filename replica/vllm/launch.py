@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from kvmesh.engine.config import host_kv_gib
 from kvmesh.kvcache import namespace_seed
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.vllm.engine import VllmEngine
@@ -27,6 +28,9 @@ def vllm_options(config: ReplicaConfig, model_id: str) -> VllmOptions:
     e = config.engine
     device = e.device or default_device()
     block_size = e.block_size or DEFAULT_BLOCK_SIZE[device]
+    host_gib, _ = host_kv_gib(e.host_kv_gib, device, _gpus(device))
+    if host_gib and device == "cpu":
+        raise ValueError("host_kv_gib: vLLM offloads KV to host memory only from a GPU (0 on a CPU replica)")
     return VllmOptions(
         model_dir=config.model_dir,
         served_name=model_id,
@@ -42,6 +46,7 @@ def vllm_options(config: ReplicaConfig, model_id: str) -> VllmOptions:
         num_kv_blocks=e.num_kv_blocks,
         tokenizer_dir=config.api.tokenizer,
         threads=config.torch_threads,
+        host_kv_gib=host_gib,
         **({"python": config.vllm_python} if config.vllm_python else {}),
         extra_args=config.vllm_args,
     )
@@ -79,6 +84,12 @@ async def start_vllm_engine(config: ReplicaConfig, token: str | None) -> tuple[V
         "engine": "vllm",
     }
     return engine, model, info
+
+
+def _gpus(device: str) -> int:
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else 0
 
 
 def _vocab_size(model_dir: str) -> int:

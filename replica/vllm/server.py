@@ -59,6 +59,7 @@ class VllmOptions:
     num_kv_blocks: int | None = None
     tokenizer_dir: str | None = None
     threads: int | None = None  # CPU threads for its forward (None: vLLM's choice)
+    host_kv_gib: float = 0.0  # its host tier (--kv-offloading-size); 0: off
     python: str = field(default_factory=lambda: sys.executable)
     extra_args: str = ""  # more ``vllm serve`` arguments, shell-quoted
 
@@ -145,6 +146,12 @@ class VllmServer:
             args += ["--dtype", _DTYPES.get(o.dtype, o.dtype)]
         if o.num_kv_blocks:
             args += ["--num-gpu-blocks-override", str(o.num_kv_blocks)]
+        if o.host_kv_gib:
+            # vLLM's own offloading (the native backend), whose KV events name each block's
+            # tokens and parent ("self-describing"), so the view can hash them as kvmesh does
+            offload = {"kv_connector_extra_config": {"self_describing_kv_events": True}}
+            args += ["--kv-offloading-size", f"{o.host_kv_gib:g}", "--kv-offloading-backend", "native"]
+            args += ["--kv-transfer-config", json.dumps(offload)]
         if o.device == "cpu":
             # compiling costs start-up time a CPU replica never wins back; a worker process of
             # its own spin-waits on shared memory, which starves replicas that share cores

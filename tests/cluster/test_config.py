@@ -7,8 +7,10 @@ import argparse
 import dataclasses
 import json
 import re
+import subprocess
 
 import pytest
+from helpers import vllm_python
 
 from kvmesh.cli.commands import router as router_command
 from kvmesh.cli.commands import up as up_command
@@ -17,6 +19,8 @@ from kvmesh.cluster.config import ClusterConfig
 from kvmesh.cluster.errors import UsageError
 from kvmesh.engine.config import EngineConfig
 from kvmesh.replica.config import ReplicaConfig
+from kvmesh.replica.vllm.launch import vllm_options
+from kvmesh.replica.vllm.server import VllmServer
 from kvmesh.router.config import RouterConfig
 from kvmesh.serving.options import effective_config, parse_bool
 
@@ -348,9 +352,39 @@ def test_a_former_name_is_read_but_not_shown(capsys):
     assert not re.search(r"^  --(tokenizer-cache-mb|index-health)", shown, re.M)  # an option of its own
 
 
-def test_a_host_tier_for_a_vllm_replica_is_refused_not_ignored(tmp_path):
-    """vLLM's own host tier is not wired to the flag yet: asking for one is an error."""
-    with pytest.raises(ValueError, match=r"host_kv_gib.*engine vllm"):
-        ReplicaConfig(str(tmp_path), engine_kind="vllm", engine=EngineConfig(host_kv_gib=4))
-    assert ReplicaConfig(str(tmp_path), engine_kind="vllm", engine=EngineConfig(host_kv_gib=0))
-    assert ReplicaConfig(str(tmp_path), engine=EngineConfig(host_kv_gib=4)).engine.host_kv_gib == 4
+def vllm_command(tmp_path, device: str, host_kv_gib: float | None) -> list[str]:
+    config = ReplicaConfig(
+        str(tmp_path), engine_kind="vllm", engine=EngineConfig(device=device, host_kv_gib=host_kv_gib)
+    )
+    return VllmServer(vllm_options(config, "m"), token=None).command()
+
+
+def test_a_vllm_replicas_host_tier_is_vllms_own_offloading(tmp_path):
+    """--host-kv-gib passes through as vLLM's --kv-offloading-size (native backend), with the
+    self-describing events its CPU tier's view needs (vLLM's own parser takes them: below)."""
+    command = vllm_command(tmp_path, "cuda", 4)
+    at = command.index("--kv-offloading-size")
+    assert command[at : at + 4] == ["--kv-offloading-size", "4", "--kv-offloading-backend", "native"]
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer == {"kv_connector_extra_config": {"self_describing_kv_events": True}}
+    assert "--kv-offloading-size" not in vllm_command(tmp_path, "cuda", 0)
+    default = vllm_command(tmp_path, "cuda", None)  # a GPU's default: a share of the node's memory
+    assert float(default[default.index("--kv-offloading-size") + 1]) > 0
+    assert "--kv-offloading-size" not in vllm_command(tmp_path, "cpu", None)
+    with pytest.raises(ValueError, match=r"host_kv_gib: vLLM offloads KV to host memory only from a GPU"):
+        vllm_command(tmp_path, "cpu", 4)
+
+
+@pytest.mark.heavy  # imports vLLM (half a minute of CPU)
+def test_vllms_own_parser_takes_the_offloading_flags(tmp_path):
+    command = vllm_command(tmp_path, "cuda", 4)
+    parse = (
+        "import sys; from vllm.entrypoints.launchers.cli_args import make_arg_parser;"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser;"
+        "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:]);"
+        "print(a.kv_offloading_size, a.kv_offloading_backend, a.kv_transfer_config.kv_connector_extra_config)"
+    )
+    args = command[command.index("--model") :]
+    out = subprocess.run([vllm_python(), "-c", parse, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "4.0 native {'self_describing_kv_events': True}"

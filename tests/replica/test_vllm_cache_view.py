@@ -2,10 +2,13 @@
 vLLM's wire format (msgpack ``[ts, events, dp_rank]``; the real stream is checked against a
 running vLLM in test_vllm_replica.py)."""
 
+from pathlib import Path
+
 import msgpack
 import pytest
 
 from kvmesh.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes, namespace_seed, replay
+from kvmesh.kvcache.events import HOST
 from kvmesh.replica.vllm.cache_view import BrokenChain, CacheView, EventFormatError, decode_batch
 
 BS = 4
@@ -98,3 +101,44 @@ def test_older_vllms_tagged_arrays_decode_by_position():
 def test_payloads_that_are_not_event_batches_are_refused(payload):
     with pytest.raises(EventFormatError):
         decode_batch(payload)
+
+
+RECORDED = Path(__file__).parents[1] / "data" / "vllm_offload_events.msgpack"
+
+
+def recorded_batches() -> list[list[dict]]:
+    """vLLM's batches with a host tier (tests/support/record_vllm_offload_events.py wrote them
+    with vLLM's own event classes and encoder)."""
+    payloads = msgpack.unpackb(RECORDED.read_bytes())
+    return [decode_batch(msgpack.unpackb(p, raw=False, strict_map_key=False)) for p in payloads]
+
+
+def test_vllms_cpu_events_land_in_the_host_tier_as_recorded():
+    view = CacheView(BS, SEED)
+    tokens = list(range(100, 116))  # the recording's prompt: vLLM hashes 1-4
+    h = block_hashes(tokens, BS, SEED)
+    steps = [
+        (view.apply(batch), set(view.cached_blocks()), set(view.host_blocks()))
+        for batch in recorded_batches()
+    ]
+    both = set(h)
+    # stored on the GPU, offloaded in two chunks: the host tier holds the same kvmesh hashes
+    assert steps[0][1:] == (both, set())
+    assert steps[1][0] == [
+        BlockStored(tuple(h[:2]), None, BS, h[0], HOST),
+        BlockStored(tuple(h[2:]), h[1], BS, h[0], HOST),
+    ]
+    assert steps[1][1:] == (both, both)
+    assert steps[2][0] == []  # a chunk announced again: one more copy, nothing new
+    assert steps[3][0] == [BlockRemoved((h[3], h[2]), (h[0], h[0]))]  # evicted from the GPU...
+    assert steps[3][1:] == (set(h[:2]), both)  # ...kept on the host
+    assert steps[4][0] == [] and steps[5][0] == []  # placeholder, disk, remote, orphan: left out
+    assert steps[6][0] == [BlockRemoved((h[2], h[3]), (h[0], h[0]), HOST)]
+    assert steps[7][0] == [] and steps[7][2] == set(h[:2])  # one copy of two gone
+    assert steps[8][0] == [BlockRemoved((h[0], h[1]), (h[0], h[0]), HOST)] and steps[8][2] == set()
+    assert steps[9][0] == [BlockStored(tuple(h[:2]), None, BS, h[0], HOST)]  # a GPU copy, a new host block
+    assert steps[9][1:] == (set(h[:2]), set(h[:2]))
+    assert steps[10] == ([AllBlocksCleared()], set(), set())  # a reset clears both tiers
+    for i in range(len(steps)):  # the events say, tier by tier, exactly what the view holds
+        upto = [e for out, _, _ in steps[: i + 1] for e in out]
+        assert (replay(upto), replay(upto, medium=HOST)) == steps[i][1:]
