@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from kvmesh.engine.step_costs import RestoreCostFit
 from kvmesh.kvcache.block_manager import OFFLOAD, Transfer
 
 
@@ -32,7 +33,8 @@ class HostKV:
         self.offloaded = 0  # blocks copied to the host
         self.restored = 0  # blocks copied back
         self.restore_seconds = 0.0  # the restores' copy time, measured (what a restored block costs)
-        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA restores in flight
+        self.restore_cost = RestoreCostFit()  # the same, per block, recent restores weighing more
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []  # CUDA restores in flight
 
     @property
     def nbytes(self) -> int:
@@ -81,12 +83,16 @@ class HostKV:
         self.restored += len(run)
         if cuda:
             timing[1].record()
-            self._timing.append(timing)
+            self._timing.append((*timing, len(run)))
         else:
-            self.restore_seconds += time.perf_counter() - started
+            self._restored(len(run), time.perf_counter() - started)
+
+    def _restored(self, blocks: int, seconds: float) -> None:
+        self.restore_seconds += seconds
+        self.restore_cost.observe(blocks, seconds)
 
     def _harvest(self) -> None:
         """Add the finished CUDA restores' times (read when done, never waited for)."""
         while self._timing and self._timing[0][1].query():
-            start, end = self._timing.pop(0)
-            self.restore_seconds += start.elapsed_time(end) / 1000
+            start, end, blocks = self._timing.pop(0)
+            self._restored(blocks, start.elapsed_time(end) / 1000)

@@ -447,6 +447,7 @@ class LLMEngine:
             restored_blocks=host.restored,
             restore_seconds=host.restore_seconds,
             hit_tokens=self.block_manager.host_hit_tokens,
+            restore_block_s=host.restore_cost.block_seconds(),
         )
 
     def reset_prefix_cache(self) -> None:

@@ -53,6 +53,7 @@ class HostTierStats:
     restored_blocks: int  # copied back
     restore_seconds: float  # the restores' measured copy time
     hit_tokens: int  # prompt tokens served from it (counted as cached)
+    restore_block_s: float | None = None  # a block's restore lately, measured (None: none yet)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,28 @@ class StepCostFit:
         return float(x @ self._theta)
 
 
+class RestoreCostFit:
+    """Seconds to restore one block from the host tier, measured online: copy time over blocks
+    copied, both decayed by ``half_life`` restores (a link that slows down shows within a few
+    dozen), so the router prices a host hit by what it costs now."""
+
+    def __init__(self, half_life: float = 64.0):
+        self.decay = 0.5 ** (1.0 / half_life)
+        self._seconds = self._blocks = 0.0
+        self.blocks = 0  # blocks measured, all time
+
+    def observe(self, blocks: int, seconds: float) -> None:
+        if blocks <= 0 or not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        self._seconds = self.decay * self._seconds + seconds
+        self._blocks = self.decay * self._blocks + blocks
+        self.blocks += blocks
+
+    def block_seconds(self) -> float | None:
+        """The measured seconds per block (None before the first restore)."""
+        return self._seconds / self._blocks if self._blocks else None
+
+
 def step_features(scheduled) -> tuple[int, int, int]:
     """(prompt tokens computed, sequences decoding, context tokens attended) of one scheduled
     batch (sequences with their ``num_scheduled_tokens`` set for this step)."""

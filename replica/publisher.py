@@ -225,7 +225,10 @@ class IndexPublisher:
         return {**self.info, **self._load()}
 
     def _load(self) -> dict[str, object]:
+        """What its heartbeat says of its load and costs (with a host tier: what restoring
+        a block from it costs, once measured)."""
         stats = self.engine.stats()
+        restore = stats.host.restore_block_s if stats.host else None
         now = time.monotonic()
         then, tokens = self._tokens_at
         rate = (stats.generation_tokens - tokens) / (now - then) if now > then else 0.0
@@ -240,4 +243,6 @@ class IndexPublisher:
             "prefix_hit_rate": round(stats.kv.prefix_hit_rate, 4),
             **stats.step_costs.as_fields(),
             "cost_steps": stats.step_cost_samples,
+            **({} if restore is None else {"cost_restore_block_s": f"{restore:.4g}"}),
+            "cost_restore_blocks": stats.host.restored_blocks if stats.host else 0,
         }

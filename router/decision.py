@@ -217,7 +217,8 @@ class Decider:
         matched = {rid: depth for rid, depth in index_matched.items() if rid not in untrusted}
         for rid, depth in speculative.items():
             matched[rid] = max(matched.get(rid, 0), depth)
-        states = self.registry.states(matched, fleet)
+        tiered = {rid: depth for rid, depth in (view.tiered if view else {}).items() if rid not in untrusted}
+        states = self.registry.states(matched, fleet, tiered)
         if not states:
             raise Unavailable("no live replica")
         decision = Decision(

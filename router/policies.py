@@ -19,7 +19,7 @@ import xxhash
 
 from kvmesh.kvcache.hashing import token_buffer
 from kvmesh.serving.errors import shown
-from kvmesh.serving.step_costs import PRIOR, StepCosts
+from kvmesh.serving.step_costs import PRIOR, PRIOR_RESTORE_BLOCK_S, StepCosts
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class ReplicaState:
 
     replica_id: str
     matched_blocks: int = 0  # leading prompt blocks it holds (index + speculative)
+    tiered_blocks: int = 0  # leading prompt blocks it holds counting its host tier (index)
     inflight_requests: int = 0  # routed by this router and not finished
     inflight_prefill_blocks: float = 0.0  # their uncached prefill not yet done (no first token yet)
     inflight_decode_blocks: float = 0.0  # their decode work (max_tokens), until they end
@@ -51,12 +52,21 @@ class ReplicaState:
     num_waiting: int = 0
     recent_blocks: float = 0.0  # blocks of new prefixes placed on it lately (decaying), for tie-breaks
     costs: StepCosts = PRIOR  # what a step costs there, measured (its heartbeat)
+    restore_block_s: float = PRIOR_RESTORE_BLOCK_S  # restoring one block from its host tier there
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens one of its steps computes at most (chunked prefill)
     share_alarm: bool = False  # it took far over its fair share lately (``router/share_alarm.py``)
 
     @property
     def load(self) -> int:
         return self.inflight_requests + self.num_waiting
+
+    def held_blocks(self, prompt_blocks: int) -> int:
+        """Leading prompt blocks it holds in either tier."""
+        return min(max(self.matched_blocks, self.tiered_blocks), prompt_blocks)
+
+    def restored_blocks(self, prompt_blocks: int) -> int:
+        """Of those, the blocks it would restore from its host tier."""
+        return self.held_blocks(prompt_blocks) - min(self.matched_blocks, prompt_blocks)
 
     @property
     def inflight_blocks(self) -> float:
@@ -170,7 +180,7 @@ class PrefixAware(Policy):
     On each replica, priced by its step costs as ``router/pricing.py`` bounds them (like
     hardware alike)::
 
-        ttft  = wait + step + uncached * prefill_token
+        ttft  = wait + step + restored * restore_block + uncached * prefill_token
         wait  = queued * prefill_token + queued / step_tokens * step
         step  = base + decode_seq * requests in flight there
         score = ttft + recompute_weight * billed * fleet_prefill_token
@@ -179,7 +189,11 @@ class PrefixAware(Policy):
     shared load), which its scheduler serves first; ``uncached``: the prompt tokens it does
     not hold. So a prompt nobody holds goes to the replica with the least uncached work in
     flight, this prompt's included (llm-d's lookahead), in seconds at its own price: a replica
-    twice as slow gets half the cold work under saturation.
+    twice as slow gets half the cold work under saturation. ``restored``: the blocks its host
+    tier holds past its device's, which its engine copies back before the prefill, at the
+    restore time per block it measured (so a slow host link makes a host hit worth less than
+    a device hit, and a fast one nearly as much), where llm-d and Dynamo weigh a host hit by
+    a fixed factor.
 
     ``recompute_weight``: a prompt computed where it is not cached costs more than this
     request's wait: its prefill delays every request queued behind it there, and its copy
@@ -235,7 +249,11 @@ class PrefixAware(Policy):
         return r.inflight_prefill_blocks * self.block_size > self.saturation_steps * r.step_tokens
 
     def uncached_tokens(self, request: RouteRequest, r: ReplicaState) -> int:
-        return (request.num_blocks - min(r.matched_blocks, request.num_blocks)) * self.block_size
+        return (request.num_blocks - r.held_blocks(request.num_blocks)) * self.block_size
+
+    def restore_seconds(self, request: RouteRequest, r: ReplicaState) -> float:
+        """Copying back the blocks of ``request`` that only ``r``'s host tier holds."""
+        return r.restored_blocks(request.num_blocks) * r.restore_block_s
 
     def load_seconds(self, r: ReplicaState) -> float:
         """What any prompt waits for on ``r`` before its own prefill: the queue and one step."""
@@ -244,7 +262,11 @@ class PrefixAware(Policy):
 
     def ttft(self, request: RouteRequest, r: ReplicaState) -> float:
         """Predicted seconds to ``request``'s first token on ``r``."""
-        return self.load_seconds(r) + self.uncached_tokens(request, r) * r.costs.prefill_token_s
+        return (
+            self.load_seconds(r)
+            + self.restore_seconds(request, r)
+            + self.uncached_tokens(request, r) * r.costs.prefill_token_s
+        )
 
     def billed_tokens(self, request: RouteRequest, r: ReplicaState) -> int:
         """The prompt tokens the recompute term charges on ``r``: all of them where it is
@@ -255,7 +277,7 @@ class PrefixAware(Policy):
         """What sending ``request`` to ``r`` costs, in seconds: lower is better.
         ``fleet_prefill_s``: what the recompute term charges a prompt token (``FleetTerms``)."""
         return self.priced(
-            self.load_seconds(r),
+            self.load_seconds(r) + self.restore_seconds(request, r),
             self.uncached_tokens(request, r),
             r.costs.prefill_token_s,
             self.billed_tokens(request, r),
@@ -313,7 +335,7 @@ class PrefixAware(Policy):
     def held_back(self, request: RouteRequest, r: ReplicaState) -> bool:
         """Whether ``r``'s share alarm keeps ``request`` away: it would compute it from scratch
         (holds none of it, or is saturated)."""
-        return r.share_alarm and (r.matched_blocks == 0 or self.saturated(r))
+        return r.share_alarm and (r.held_blocks(request.num_blocks) == 0 or self.saturated(r))
 
     @staticmethod
     def over_cap(inflight_requests: int, cap: float) -> bool:
@@ -329,7 +351,7 @@ class PrefixAware(Policy):
         """``fleet``: the fleet's terms, when ``replicas`` is a subset of it (the simulator
         passes only the replicas that can come first); by default, from ``replicas``."""
         fleet = self.fleet(replicas) if fleet is None else fleet
-        if any(r.matched_blocks for r in replicas):
+        if any(r.held_blocks(request.num_blocks) for r in replicas):
             fleet = replace(fleet, tick_s=0.0)  # a holder's edge is exact; ticks spread cold prompts
         if request.affinity_key:
             key = request.affinity_key.encode()
@@ -346,7 +368,7 @@ class PrefixAware(Policy):
         hot_spot_guard: every deepest holder was over the guard's cap; spill: every deepest
         holder was saturated or over the cap, one at least saturated; load_over_prefix: a
         deeper holder scored worse (its queue outweighed the prefill saved)."""
-        depth = {r.replica_id: min(r.matched_blocks, request.num_blocks) for r in replicas}
+        depth = {r.replica_id: r.held_blocks(request.num_blocks) for r in replicas}
         best = max(depth.values())
         if best == 0:
             return "load_fallback"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,13 @@ from kvmesh.router.shared_load import FleetLoad
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.background import BackgroundLoops, sleep_to_next_tick
 from kvmesh.serving.grpc_server import MAX_MESSAGE_BYTES
-from kvmesh.serving.step_costs import PRIOR, StepCosts, measured_costs
+from kvmesh.serving.step_costs import (
+    PRIOR,
+    PRIOR_RESTORE_BLOCK_S,
+    StepCosts,
+    measured_costs,
+    measured_restore,
+)
 from kvmesh.serving.tls import TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,7 @@ class ReplicaEntry:
     failed_until: float = 0.0
     costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
     priced: StepCosts = PRIOR  # what the policy prices it at (``router/pricing.py``)
+    restore_block_s: float | None = None  # its measured restore of a host block (None: not yet)
     step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
     http: ReplicaHttp | None = None  # its OpenAI port, where the router can reach it (SSE relay)
     closed_because: str = ""  # why it was closed under its calls: what their errors say
@@ -186,6 +194,7 @@ class ReplicaRegistry:
                 self.entries[rec.replica_id] = entry
             entry.record = rec
             entry.costs = measured_costs(rec.load)
+            entry.restore_block_s = measured_restore(rec.load)
             entry.step_tokens = _step_tokens(rec)
             entry.live_until = now + rec.heartbeat_ttl_ms / 1000
         for gone in set(self.entries) - seen:
@@ -269,15 +278,26 @@ class ReplicaRegistry:
         return min(now, self._read_at + 2 * self.refresh_s)
 
     def states(
-        self, matched: dict[str, int], fleet: dict[str, FleetWork] | None = None
+        self,
+        matched: dict[str, int],
+        fleet: dict[str, FleetWork] | None = None,
+        tiered: dict[str, int] | None = None,
     ) -> list[ReplicaState]:
         """The live replicas as the policy sees them. ``fleet``: every router's in-flight
-        work from the index (None: this router's own counts)."""
+        work from the index (None: this router's own counts); ``tiered``: the blocks each
+        holds counting its host tier. A replica that has not measured a restore yet is priced
+        at the median of those that have (the prior before any has)."""
         now = time.monotonic()
+        live = self.live()
+        measured = [e.restore_block_s for e in live if e.restore_block_s is not None]
+        restore_s = statistics.median(measured) if measured else PRIOR_RESTORE_BLOCK_S
+        tiered = tiered or {}
         return [
             ReplicaState(
                 replica_id=e.record.replica_id,
                 matched_blocks=matched.get(e.record.replica_id, 0),
+                tiered_blocks=tiered.get(e.record.replica_id, 0),
+                restore_block_s=restore_s if e.restore_block_s is None else e.restore_block_s,
                 **self._inflight(e, fleet),
                 recent_blocks=e.load.recent.value(now),
                 num_running=int(e.record.load("num_running")),
@@ -286,7 +306,7 @@ class ReplicaRegistry:
                 step_tokens=e.step_tokens,
                 share_alarm=e.record.replica_id in self.alarm.on,
             )
-            for e in self.live()
+            for e in live
         ]
 
     def _inflight(self, e: ReplicaEntry, fleet: dict[str, FleetWork] | None) -> dict[str, float]:

@@ -56,6 +56,15 @@ TERMS = tuple(f.name for f in fields(StepCosts))
 MEASURED_AFTER_STEPS = 32
 
 
+def measured_restore(load: Callable[[str, float], float]) -> float | None:
+    """A record's measured seconds per restored block once it has restored
+    ``MEASURED_AFTER_STEPS`` blocks, bounded to ``MAX_RESTORE_BLOCK_S``; None before."""
+    if load("cost_restore_blocks", 0.0) < MEASURED_AFTER_STEPS:
+        return None
+    value = load("cost_restore_block_s", -1.0)
+    return min(value, MAX_RESTORE_BLOCK_S) if value >= 0 else None
+
+
 def measured_costs(load: Callable[[str, float], float]) -> StepCosts | None:
     """A record's step costs once its replica has measured them (``cost_steps`` >=
     ``MEASURED_AFTER_STEPS``), else None."""
@@ -71,6 +80,12 @@ def median_costs(measured: Sequence[StepCosts]) -> StepCosts:
         *(statistics.median(values) for values in zip(*(c.terms() for c in measured), strict=True))
     )
 
+
+# A host hit before its replica has measured a restore: a block of that same 8B Llama at block
+# size 16 (2 MiB of KV) over a pinned PCIe Gen5 link at ~50 GB/s. No record prices one slower
+# than a second a block.
+PRIOR_RESTORE_BLOCK_S = 2 * 1024 * 1024 / 50e9
+MAX_RESTORE_BLOCK_S = 1.0
 
 # Before a replica has measured anything: an H100-SXM-class replica serving an 8B Llama-3 in
 # bf16, from public numbers (not measured here): ~30k prompt tokens/s of prefill (about 45% MFU

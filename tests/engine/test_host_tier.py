@@ -49,6 +49,7 @@ def test_a_prefix_computed_found_on_the_device_and_restored_from_the_host_gives_
     host = engine.stats().host
     assert host.restored_blocks == restored.num_host_cached_tokens // BLOCK
     assert host.hit_tokens == restored.num_host_cached_tokens and host.restore_seconds > 0
+    assert host.restore_block_s == pytest.approx(host.restore_seconds / host.restored_blocks)
 
 
 def test_a_block_is_copied_to_the_host_once_and_the_events_say_what_it_holds(qwen3_dir, prompts):

@@ -155,6 +155,13 @@ async def test_a_host_tier_is_published_and_resynced_with_the_device_tier(qwen3_
             predicted.predicted * 16,
             predicted.host * 16,
         )
+
+        async def restores_priced(server=server) -> bool:  # its heartbeat says what a restore cost
+            [record] = await server.publisher.index.live_replicas()
+            measured = record.load("cost_restore_blocks") >= served.host_cached_tokens // 16
+            return measured and record.load("cost_restore_block_s") > 0
+
+        assert await eventually(restores_priced)
         incarnation = server.publisher.incarnation
         await server.publisher.resync("a test asks")
         assert server.publisher.incarnation > incarnation

@@ -360,3 +360,21 @@ def test_prefix_session_key_places_a_first_turn_and_breaks_ties_only():
     other = next(r for r in held if r.replica_id != home)
     other.matched_blocks = 9
     assert p.rank(request(prompt(3), affinity="conv-7"), held)[0] == other.replica_id  # the cache decides
+
+
+def test_prefix_prices_a_host_hit_by_the_restore_time_its_replica_measured():
+    """Blocks only a host tier holds cost their restore, not their recompute: on a fast link a
+    host holder is nearly as good as a device holder; on a link slower than recomputing, worse
+    than recomputing on an idle replica."""
+    p = PrefixAware(block_size=BS, tie_steps=0)
+    req = request(prompt(4, n=9 * BS))  # 9 blocks: 16 ms each to recompute at SIMPLE's prices
+    device = ReplicaState("device", costs=SIMPLE, matched_blocks=8)
+    host = ReplicaState("host", costs=SIMPLE, matched_blocks=2, tiered_blocks=8, restore_block_s=0.001)
+    cold = ReplicaState("cold", costs=dataclasses.replace(SIMPLE, base_s=0.009))
+    assert p.ttft(req, host) == pytest.approx(p.ttft(req, device) + 6 * 0.001)  # 6 blocks restored
+    assert p.rank(req, [host, cold]) == ["host", "cold"]
+    assert p.rank(req, [device, host, cold])[0] == "device"
+    assert p.branch(req, [host, cold], "host") == "prefix_hit"  # a host hit is a hit
+    slow = dataclasses.replace(host, restore_block_s=1.0)  # a second a block: recompute wins
+    assert p.rank(req, [slow, cold])[0] == "cold"
+    assert p.uncached_tokens(req, host) == BS and p.restore_seconds(req, device) == 0

@@ -11,9 +11,17 @@ import pytest
 from reference import prompts_of_lengths
 
 from kvmesh.engine.llm_engine import LLMEngine
-from kvmesh.engine.step_costs import StepCostFit
+from kvmesh.engine.step_costs import RestoreCostFit, StepCostFit
 from kvmesh.serving.sampling_params import SamplingParams
-from kvmesh.serving.step_costs import MEASURED_AFTER_STEPS, PRIOR, TERMS, StepCosts, median_costs
+from kvmesh.serving.step_costs import (
+    MAX_RESTORE_BLOCK_S,
+    MEASURED_AFTER_STEPS,
+    PRIOR,
+    TERMS,
+    StepCosts,
+    measured_restore,
+    median_costs,
+)
 
 TRUE = (0.004, 2e-5, 1e-4, 2e-7)
 
@@ -220,3 +228,26 @@ async def test_the_router_prices_like_hardware_alike_and_other_hardware_by_its_o
         assert gpu == pytest.approx(1 / 9, rel=0.01)
     finally:
         await registry.stop()
+
+
+def test_a_restores_cost_per_block_follows_the_recent_restores():
+    fit = RestoreCostFit(half_life=4)
+    assert fit.block_seconds() is None
+    fit.observe(10, 0.010)  # 1 ms a block
+    assert fit.block_seconds() == pytest.approx(0.001)
+    for _ in range(40):  # the link slows to 5 ms a block: the fit follows within a few dozen
+        fit.observe(2, 0.010)
+    assert fit.block_seconds() == pytest.approx(0.005, rel=0.01) and fit.blocks == 90
+    fit.observe(0, 1.0)
+    fit.observe(3, float("nan"))
+    assert fit.block_seconds() == pytest.approx(0.005, rel=0.01)  # nothing measured: nothing moves
+
+
+def test_a_record_prices_restores_once_measured_and_bounded():
+    def record(**fields):
+        return lambda name, default: float(fields.get(name, default))
+
+    assert measured_restore(record(cost_restore_block_s=0.002, cost_restore_blocks=8)) is None  # too few
+    assert measured_restore(record(cost_restore_block_s=0.002, cost_restore_blocks=64)) == 0.002
+    assert measured_restore(record(cost_restore_block_s=1e9, cost_restore_blocks=64)) == MAX_RESTORE_BLOCK_S
+    assert measured_restore(record(cost_restore_blocks=64)) is None
