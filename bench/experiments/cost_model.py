@@ -32,6 +32,8 @@ class CostModel:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     source: str = ""
+    # copying one token's KV between the host tier and the device (0: free)
+    restore_token_s: float = 0.0
 
     @cached_property
     def step_costs(self) -> StepCosts:
@@ -54,6 +56,7 @@ H100_LLAMA3_8B = CostModel(
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     source="public H100 / Llama-3-8B figures, see serving/step_costs.py",
+    restore_token_s=128 * 1024 / 50e9,  # 128 KiB of KV a token over a ~50 GB/s pinned PCIe Gen5 link
 )
 # One CPU replica of the demo's tiny Qwen3 on a 2-core machine, as the peers bench's replicas
 # fit it: small batches, a pool that holds a few shared prefixes.

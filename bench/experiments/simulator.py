@@ -44,7 +44,7 @@ import statistics
 from array import array
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvmesh.bench.experiments.cost_model import CostModel, FleetHardware
@@ -54,6 +54,7 @@ from kvmesh.bench.measure.workloads import WorkloadRequest
 from kvmesh.engine.request import Request
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.kvcache import BlockManager, block_hashes, namespace_seed
+from kvmesh.kvcache.host_pool import HostPool
 from kvmesh.kvcache.index.memory import MemoryPrefixIndex
 from kvmesh.router.config import BalanceConfig
 from kvmesh.router.policies import FleetTerms, Policy, PrefixAware, ReplicaState, RouteRequest, make_policy
@@ -91,7 +92,14 @@ class Results:
     """One row of numbers per finished request, in typed columns (1M requests: ~60 MB)."""
 
     FLOATS = ("arrival_s", "first_token_s", "done_s")
-    INTS = ("replica", "prompt_tokens", "cached_tokens", "predicted_tokens", "completion_tokens")
+    INTS = (
+        "replica",
+        "prompt_tokens",
+        "cached_tokens",
+        "host_cached_tokens",
+        "predicted_tokens",
+        "completion_tokens",
+    )
 
     def __init__(self) -> None:
         self.columns = {name: array("d") for name in self.FLOATS} | {name: array("q") for name in self.INTS}
@@ -104,6 +112,7 @@ class Results:
         c["replica"].append(record.replica)
         c["prompt_tokens"].append(r.num_prompt_tokens)
         c["cached_tokens"].append(r.cached_prompt_tokens or 0)
+        c["host_cached_tokens"].append(r.host_cached_prompt_tokens)
         c["predicted_tokens"].append(record.predicted_tokens)
         c["completion_tokens"].append(r.num_completion_tokens)
 
@@ -220,6 +229,7 @@ class Simulation:
         cost: CostModel,
         block_size: int = 256,
         blocks_per_replica: int | None = None,
+        host_blocks_per_replica: int = 0,  # a host tier of this many blocks in every replica (0: none)
         speculative_ttl_s: float = 2.0,
         seed: int = 0,
         progress: Callable[[int], object] | None = None,  # called with 1 per arrival
@@ -259,6 +269,10 @@ class Simulation:
         self.block_size = block_size
         self.seed_hash = namespace_seed("simulated-model", block_size)
         self._num_blocks = blocks_per_replica or max(1, cost.kv_tokens_per_replica // block_size)
+        if host_blocks_per_replica < 0:
+            raise ValueError(f"host_blocks_per_replica must not be negative, got {host_blocks_per_replica}")
+        self._host_blocks = host_blocks_per_replica
+        self.restore_block_s = cost.restore_token_s * block_size  # a block's copy either way
         self.replicas = [self._replica(i, lazy_decode) for i in range(replicas)]
         self._ids = [str(i) for i in range(replicas)]
         self.index = MemoryPrefixIndex()  # fed by every replica's events, read by every router
@@ -289,7 +303,8 @@ class Simulation:
 
     def _replica(self, i: int, lazy_decode: bool) -> SimReplica:
         cost = self.cost
-        bm = BlockManager(self._num_blocks, self.block_size, seed=self.seed_hash)
+        host = HostPool(self._host_blocks, self.block_size) if self._host_blocks else None
+        bm = BlockManager(self._num_blocks, self.block_size, seed=self.seed_hash, host=host)
         limits = (bm, cost.max_num_seqs, cost.max_num_batched_tokens)
         lazy = lazy_decode and cost.max_num_seqs < cost.max_num_batched_tokens
         scheduler = LazyDecodeScheduler(*limits, self._sampled) if lazy else Scheduler(*limits)
@@ -393,12 +408,13 @@ class Simulation:
     def _seen(self, router: RouterView, r: int) -> ReplicaLoad:
         return self.fleet[r] if self.fleet is not None else router.own[r]
 
-    def _state(self, router: RouterView, r: int, matched: int, now: float) -> ReplicaState:
+    def _state(self, router: RouterView, r: int, matched: int, now: float, tiered: int = 0) -> ReplicaState:
         load = self._seen(router, r)
         running, waiting = self._queues[r]
         return ReplicaState(
             self._ids[r],
             matched,
+            tiered,
             load.requests,
             load.prefill_blocks,
             load.decode_blocks,
@@ -408,6 +424,7 @@ class Simulation:
             costs=self.priced[r],
             step_tokens=self.cost.max_num_batched_tokens,
             share_alarm=self._ids[r] in router.alarm.on,
+            restore_block_s=self.restore_block_s,
         )
 
     def _reorder(self, r: int, routers: Iterable[RouterView]) -> None:
@@ -440,23 +457,33 @@ class Simulation:
 
     # ------------------------------------------------------------------ routing
 
-    def _decide(self, router: RouterView, route: RouteRequest, matched: dict[int, int], now: float) -> int:
+    def _decide(
+        self,
+        router: RouterView,
+        route: RouteRequest,
+        matched: dict[int, int],
+        tiered: dict[int, int],
+        now: float,
+    ) -> int:
+        """``matched``: device (and speculative) depths; ``tiered``: depths counting host tiers
+        (replicas in either hold some of the prompt)."""
         n = len(self.replicas)
         if router.order is None:
-            states = [self._state(router, r, matched.get(r, 0), now) for r in range(n)]
+            states = [self._state(router, r, matched.get(r, 0), now, tiered.get(r, 0)) for r in range(n)]
             return int(router.policy.rank(route, states)[0])
         total = self.fleet_inflight if self.fleet is not None else router.inflight
         policy = router.policy
         # every replica's costs are the one model's: the fleet's medians are its own, and
         # replicas priced alike are scored exactly (``PrefixAware.fleet``)
         fleet = FleetTerms(policy.cap_of(total, n), self.cost.prefill_token_s, 0.0)
-        candidates = [self._state(router, r, depth, now) for r, depth in matched.items()]
-        for r in self._cheapest_others(router, route, matched, fleet, now):
+        held = matched.keys() | tiered.keys()
+        candidates = [self._state(router, r, matched.get(r, 0), now, tiered.get(r, 0)) for r in held]
+        for r in self._cheapest_others(router, route, held, fleet, now):
             candidates.append(self._state(router, r, 0, now))
         return int(policy.rank(route, candidates, fleet=fleet)[0])
 
     def _cheapest_others(
-        self, router: RouterView, route: RouteRequest, matched: dict[int, int], fleet: FleetTerms, now: float
+        self, router: RouterView, route: RouteRequest, matched: Collection[int], fleet: FleetTerms, now: float
     ) -> list[int]:
         """The replicas holding none of the prompt that the full ranking could put first: the
         cheapest of the first non-empty class of (over the guard's cap, held back by the share
@@ -498,16 +525,17 @@ class Simulation:
         router = self.routers[i % len(self.routers)]
         hashes = block_hashes(tokens, self.block_size, self.seed_hash)
         matched = self.index.matches(hashes)
+        tiered = self.index.tiered_matches(hashes) if self._host_blocks else {}
         for rid, depth in router.overlay.matched(hashes, now).items():
             if depth > matched.get(rid, 0):
                 matched[rid] = depth
         route = RouteRequest(tokens, hashes, spec.max_tokens, spec.session)
-        chosen = self._decide(router, route, matched, now)
-        if not matched:
+        chosen = self._decide(router, route, matched, tiered, now)
+        if not matched and not tiered:
             self.cold.add(chosen, now)
         replica = self.replicas[chosen]
         router.overlay.record(chosen, hashes, now)
-        depth = matched.get(chosen, 0)
+        depth = max(matched.get(chosen, 0), tiered.get(chosen, 0))
         work = RequestWork.estimate(len(hashes), depth, spec.max_tokens, self.block_size)
         record = SimRequest(
             Request(
@@ -592,7 +620,9 @@ class Simulation:
             context = sum(r.num_computed_tokens + r.num_scheduled_tokens for r in scheduled)
             if lazy:
                 decode, context = decode + scheduler.parked, context + scheduler.parked_context()
-            replica.step_end = now + replica.cost.step_seconds(prefill, decode, context)
+            # the copies between the tiers this step's scheduling asked for run before it
+            copies = len(replica.bm.drain_transfers()) * self.restore_block_s
+            replica.step_end = now + copies + replica.cost.step_seconds(prefill, decode, context)
         self._wake(replica, replica.step_end)
 
     def _split_window(self, replica: SimReplica, now: float) -> None:
@@ -672,6 +702,7 @@ def request_stats(runs: Sequence[Results]) -> dict:
     ttft = [f - a for f, a in zip(first, arrival, strict=True)]
     prompt = sum(sum(c["prompt_tokens"]) for c in runs)
     cached = sum(sum(c["cached_tokens"]) for c in runs)
+    host = sum(sum(c["host_cached_tokens"]) for c in runs)
     predicted = sum(sum(c["predicted_tokens"]) for c in runs)
     span = max(done, default=0.0) - min(arrival, default=0.0)
     tpot = [(d - f) / (n - 1) for d, f, n in zip(done, first, completion, strict=True) if n > 1]
@@ -679,6 +710,7 @@ def request_stats(runs: Sequence[Results]) -> dict:
         "num_requests": len(done),
         "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "predicted_hit_rate": round(predicted / prompt, 4) if prompt else 0.0,
+        "host_hit_rate": round(host / prompt, 4) if prompt else 0.0,  # of hit_rate, restored from host tiers
         "ttft_p50": round(percentile(ttft, 0.5), 4),
         "ttft_p90": round(percentile(ttft, 0.9), 4),
         "ttft_p99": round(percentile(ttft, 0.99), 4),

@@ -9,6 +9,7 @@ tiny model) on a shared-prefix workload. Targets are checked against the same ru
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -47,6 +48,42 @@ def _simulate(requests, replicas: int, cost: CostModel, policies=ALL_POLICIES, l
         log(
             f"    {policy:<16} {time.monotonic() - start:5.1f}s  hit {out['policies'][policy]['hit_rate']:.3f}"
         )
+    return out
+
+
+# W1 1x on 8 replicas with a host tier 3x each replica's device pool, copies over a 25 GB/s link
+# (a PCIe Gen4 x16 link's practical rate), against free copies and against no host tier.
+HOST_TIER_FACTOR = 3
+HOST_LINK_BYTES_PER_S = 25e9
+KV_BYTES_PER_TOKEN = 128 * 1024  # the cost model's 8B Llama-3 in bf16
+
+
+def host_tiers(requests: list, cost: CostModel, log=print) -> dict:
+    """The prefix policy on W1 1x/8 with and without host tiers, restores priced and free."""
+    device_blocks = cost.kv_tokens_per_replica // BLOCK
+    priced = dataclasses.replace(cost, restore_token_s=KV_BYTES_PER_TOKEN / HOST_LINK_BYTES_PER_S)
+    cells = {
+        "device only": (cost, 0),
+        f"host {HOST_TIER_FACTOR}x, {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s": (
+            priced,
+            HOST_TIER_FACTOR * device_blocks,
+        ),
+        f"host {HOST_TIER_FACTOR}x, free copies": (
+            dataclasses.replace(cost, restore_token_s=0.0),
+            HOST_TIER_FACTOR * device_blocks,
+        ),
+    }
+    out = {"device_blocks": device_blocks, "cells": {}}
+    for name, (model, host_blocks) in cells.items():
+        log(f"W1 1x/8 prefix, {name}")
+        run = Simulation(
+            requests, 8, "prefix", model, block_size=BLOCK, host_blocks_per_replica=host_blocks
+        ).run()
+        out["cells"][name] = {
+            "host_blocks_per_replica": host_blocks,
+            "restore_token_s": model.restore_token_s,
+            **run,
+        }
     return out
 
 
@@ -106,6 +143,7 @@ def run_simulations(scale: Scale, cost: CostModel = H100_LLAMA3_8B, log=print) -
     w5 = wl.shared_prefix(num_groups=scale.n(64, 16), prompts_per_group=16, zipf=1.1)
     pricing_cells["W5"] = (wl.poisson_arrivals(w5, w5_rate, seed=5), 8)
     results["W5"] = {"rate": w5_rate, **_simulate(pricing_cells["W5"][0], 8, cost, log=log)}
+    results["tiers"] = host_tiers(wl.mooncake(limit=len(trace)), cost, log)
     keep = ("W1 2x/8", "W2", "W3@40", "W5")
     results["pricing"] = pricing_sweep({k: v for k, v in pricing_cells.items() if k in keep}, cost, log)
     return results
@@ -249,9 +287,38 @@ def targets(results: dict) -> list[dict]:
                 f"{pol['prefix']['hit_rate']:.3f} vs {best_other:.3f}",
             )
         )
+    if results.get("tiers"):
+        out += tier_targets(results["tiers"]["cells"])
     if results.get("real"):
         out += real_targets(results["real"])
     return out
+
+
+def tier_targets(cells: dict) -> list[dict]:
+    none, priced, free = cells.values()
+    return [
+        rounded_target(
+            "W1 1x/8 host tier 3x, 25 GB/s: prefix hit rate",
+            priced["hit_rate"],
+            ">=",
+            0.58,
+            f"device only {none['hit_rate']:.3f}",
+        ),
+        rounded_target(
+            "W1 1x/8 host tier 3x, 25 GB/s: prefix TTFT p90 (s)",
+            priced["ttft_p90"],
+            "<=",
+            0.85,
+            f"device only {none['ttft_p90']:.3f}s, free copies {free['ttft_p90']:.3f}s",
+        ),
+        rounded_target(
+            "W1 1x/8 host tier 3x: hit rate, free copies - 25 GB/s",
+            free["hit_rate"] - priced["hit_rate"],
+            "<=",
+            0.03,
+            f"{free['hit_rate']:.3f} vs {priced['hit_rate']:.3f}",
+        ),
+    ]
 
 
 def real_targets(real: dict) -> list[dict]:
@@ -446,6 +513,27 @@ def real_cluster_section(real: dict) -> list[str]:
     ]
 
 
+def tiers_section(tiers: dict) -> list[str]:
+    rows = [
+        f"| {name} | {c['host_blocks_per_replica']} | {c['hit_rate']:.3f} | {c['host_hit_rate']:.3f} "
+        f"| {c['ttft_p50']:.3f} | {c['ttft_p90']:.3f} | {c['ttft_p99']:.3f} |"
+        for name, c in tiers["cells"].items()
+    ]
+    return [
+        "## Host tiers: W1 1x on 8 replicas, `prefix`",
+        "",
+        f"Each replica's device pool holds {tiers['device_blocks']} blocks; a host tier {HOST_TIER_FACTOR}x that,",
+        "blocks leaving the pool copied there and back (each copy at the link's rate, before the",
+        "step that needs it), the router pricing a host hit by that restore time (`kvmesh simulate",
+        "--host-blocks-per-replica N --restore-token-s S`).",
+        "",
+        "| cell | host blocks | hit rate | of it from host | TTFT p50 (s) | p90 (s) | p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
+
+
 def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
     img = out_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -482,6 +570,8 @@ def write_docs(results: dict, out_dir: Path, elapsed_s: float) -> Path:
             _table(data),
             "",
         ]
+    if results.get("tiers"):
+        lines += tiers_section(results["tiers"])
     lines += workload_sections(results)
     if results.get("pricing"):
         lines += pricing_section(results["pricing"])

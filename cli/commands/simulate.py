@@ -32,6 +32,17 @@ def register(commands) -> None:
     sim.add_argument(
         "--blocks-per-replica", type=int, help="KV blocks per replica (default: from the cost model)"
     )
+    sim.add_argument(
+        "--host-blocks-per-replica",
+        type=int,
+        default=0,
+        help="blocks of a host KV tier in every replica: blocks leaving the pool move there and come back (0: none)",
+    )
+    sim.add_argument(
+        "--restore-token-s",
+        type=float,
+        help="seconds to copy one token's KV between the host tier and the device (default: the cost model's)",
+    )
     sim.add_argument("--block-size", type=int, default=256)
     sim.add_argument(
         "--cost-model", default="h100-llama3-8b", help=f"preset ({', '.join(PRESETS)}) or a JSON file"
@@ -129,6 +140,10 @@ def simulate(args: argparse.Namespace) -> int:
         raise ValueError("--replicas, --routers, --block-size and --blocks-per-replica must be positive")
     if args.event_lag_ms < 0 or args.heartbeat_ms < 0:
         raise ValueError("--event-lag-ms and --heartbeat-ms must not be negative")
+    if args.host_blocks_per_replica < 0:
+        raise ValueError("--host-blocks-per-replica must not be negative")
+    if args.restore_token_s is not None and not 0 <= args.restore_token_s < math.inf:
+        raise ValueError("--restore-token-s must be a number >= 0")
     if not 0 <= args.fit_noise < 1 or not 0 <= args.drift < math.inf:
         raise ValueError("--fit-noise must be in [0, 1) and --drift must not be negative")
     args.speeds = _speeds(args.speeds)
@@ -138,6 +153,8 @@ def simulate(args: argparse.Namespace) -> int:
         return simulate_mix(args, policies)
     name, stream, total = stream_workload(args)
     cost = load_cost_model(args.cost_model)
+    if args.restore_token_s is not None:
+        cost = dataclasses.replace(cost, restore_token_s=args.restore_token_s)
     capacity = None
     if args.load is not None:  # the stream has no arrival times yet: the probe plays it at once
         capacity = measure_capacity(
@@ -160,6 +177,7 @@ def simulate(args: argparse.Namespace) -> int:
             "heartbeat_ms": args.heartbeat_ms,
             "block_size": args.block_size,
             "blocks_per_replica": args.blocks_per_replica,
+            "host_blocks_per_replica": args.host_blocks_per_replica,
             "cost_model": cost.as_dict(),
             "rate": args.rate,
             "load": args.load,
@@ -198,6 +216,7 @@ def _simulation(args: argparse.Namespace, workload, replicas: int, policy: str, 
         cost,
         block_size=args.block_size,
         blocks_per_replica=args.blocks_per_replica,
+        host_blocks_per_replica=args.host_blocks_per_replica,
         seed=args.seed,
         progress=progress,
         routers=args.routers,

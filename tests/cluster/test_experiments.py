@@ -1,6 +1,7 @@
 """Workloads and the simulator: sharing structure, timing model, fidelity shortcuts."""
 
 import collections
+import dataclasses
 import gzip
 import itertools
 import json
@@ -14,7 +15,7 @@ import pytest
 from kvmesh.bench.experiments.cost_model import CPU_TINY_QWEN3, H100_LLAMA3_8B, CostModel, load_cost_model
 from kvmesh.bench.experiments.simulator import Simulation
 from kvmesh.bench.measure import workloads as wl
-from kvmesh.kvcache.events import DEVICE
+from kvmesh.kvcache.events import DEVICE, HOST
 from kvmesh.router.config import BalanceConfig
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -690,3 +691,31 @@ def test_requests_of_several_models_merge_in_arrival_order():
     merged = list(merge_by_arrival({"a": a, "b": b}))
     assert [r.arrival_s for _, r in merged] == sorted(r.arrival_s for r in a + b)
     assert [r for name, r in merged if name == "a"] == a and len(merged) == 40
+
+
+def test_a_host_tier_in_the_simulator_keeps_what_the_pool_cannot_and_the_index_sees_both_tiers():
+    """Prefixes that overflow each replica's pool come back from its host tier: the hit rate
+    rises, copies cost time at the link's rate, and the index mirrors both tiers exactly."""
+    reqs = wl.poisson_arrivals(
+        wl.shared_prefix(
+            num_groups=24, prompts_per_group=6, system_prompt_len=512, question_len=32, output_len=8
+        ),
+        20,
+        seed=4,
+    )
+    cost = dataclasses.replace(H100_LLAMA3_8B, restore_token_s=1e-6)
+    runs = {}
+    for host in (0, 64):
+        sim = Simulation(
+            reqs, 2, "prefix", cost, block_size=64, blocks_per_replica=40, host_blocks_per_replica=host
+        )
+        runs[host] = sim.run()
+        for rep in sim.replicas:
+            for medium, tier in ((DEVICE, rep.bm), (HOST, rep.bm.host)):
+                if tier is None:
+                    continue
+                held = {h for h, holders in sim.index.holders[medium].items() if rep.index in holders}
+                assert held == tier.cached_hashes(), medium
+    assert runs[0]["host_hit_rate"] == 0 and runs[64]["host_hit_rate"] > 0.1
+    assert runs[64]["hit_rate"] > runs[0]["hit_rate"] + 0.1
+    assert runs[64]["predicted_hit_rate"] == pytest.approx(runs[64]["hit_rate"], abs=0.05)

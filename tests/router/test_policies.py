@@ -378,3 +378,11 @@ def test_prefix_prices_a_host_hit_by_the_restore_time_its_replica_measured():
     slow = dataclasses.replace(host, restore_block_s=1.0)  # a second a block: recompute wins
     assert p.rank(req, [slow, cold])[0] == "cold"
     assert p.uncached_tokens(req, host) == BS and p.restore_seconds(req, device) == 0
+    # equal load: device hit, then host hit, then recompute
+    whole = dataclasses.replace(host, matched_blocks=0)
+    assert p.rank(req, [cold, whole, device]) == ["device", "host", "cold"]
+    # a device holder with a deep queue loses to an idle host holder whose restores are cheap...
+    busy = dataclasses.replace(device, inflight_prefill_blocks=40, inflight_requests=4)
+    assert p.rank(req, [busy, whole])[0] == "host"
+    # ...and keeps the request where that replica's measured restores cost more than the queue
+    assert p.rank(req, [busy, dataclasses.replace(whole, restore_block_s=0.2)])[0] == "device"
