@@ -52,6 +52,7 @@ class Flag:
     targets: list[Path] = field(default_factory=list)
     former: str | None = None  # its earlier name, still read
     former_unit: int = 1  # one of the former name's units, in this flag's
+    zero_unset: bool = True  # optional numbers: 0 means unset (False: 0 is a value of its own)
 
     @property
     def env(self) -> str:
@@ -79,7 +80,7 @@ class Flag:
             except ValueError:
                 what = "an integer" if self.kind is int else "a number"
                 raise ValueError(f"--{self.name} expects {what}, got {text!r}") from None
-            return None if self.optional and value == 0 else value
+            return None if self.optional and self.zero_unset and value == 0 else value
         if self.choices and text not in self.choices:
             raise ValueError(f"--{self.name} must be one of {', '.join(self.choices)}, got {text!r}")
         return text
@@ -140,6 +141,7 @@ class FlagTable:
                     meta["choices"],
                     former=meta["former"],
                     former_unit=meta["former_unit"],
+                    zero_unset=meta["zero_unset"],
                 )
                 self.flags[name] = flag
             elif flag.kind != kind:

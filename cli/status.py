@@ -16,7 +16,7 @@ from kvmesh.protos import pb, pb_grpc
 from kvmesh.serving.auth import bearer_metadata
 from kvmesh.serving.deployment import DEFAULT_DEPLOYMENT
 from kvmesh.serving.index_connection import connect_redis
-from kvmesh.serving.step_costs import StepCosts
+from kvmesh.serving.step_costs import StepCosts, measured_restore
 
 COLUMNS = (
     "replica_id",
@@ -32,6 +32,9 @@ COLUMNS = (
     "index_state_cause",
     "share_alarm",
     "engine",
+    "num_host_blocks",
+    "num_host_used_blocks",
+    "restore_block_s",
 )
 SHARE_ALARM = "SHARE ALARM: over its fair share, no new prefixes"
 
@@ -105,6 +108,9 @@ async def from_index(redis_url: str) -> list[dict]:
                     "tokens_per_s": r.load("tokens_per_s"),
                     "heartbeat_age_s": round(now - r.load("heartbeat_at", now), 1),
                     "step_costs": asdict(StepCosts.from_fields(r.load)) if "cost_base_s" in r.fields else {},
+                    "num_host_blocks": int(r.load("num_host_blocks")),
+                    "num_host_used_blocks": int(r.load("num_host_used_blocks")),
+                    "restore_block_s": measured_restore(r.load) or 0.0,
                 }
                 for r in sorted(await index.live_replicas(), key=lambda r: r.replica_id)
             ]
@@ -137,6 +143,7 @@ def render(models: list[dict]) -> str:
             f"  {'replica':<14}{'engine':<8}{'grpc':<22}{'http':<30}{'inc':>5}{'run':>5}{'wait':>5}{'free/total blocks':>19}"
             f"{'tok/s':>8}{'hb age':>8}"
             + ("  step cost: base ms, us/prompt tok, us/decode seq" if _costs(m) else "")
+            + ("  host tier: used/total blocks, us/restored block" if _host(m) else "")
         )
         for r in m["replicas"]:
             blocks = f"{r['num_free_blocks']}/{r['num_blocks']}"
@@ -145,6 +152,7 @@ def render(models: list[dict]) -> str:
                 f"{r['num_running']:>5}{r['num_waiting']:>5}{blocks:>19}{r['tokens_per_s']:>8.1f}{r['heartbeat_age_s']:>7.1f}s"
                 + (f"  index {_state(r)}" if r.get("index_state") else "")
                 + (_cost_columns(r["step_costs"]) if r.get("step_costs") else "")
+                + (_host_columns(r) if r.get("num_host_blocks") else "")
                 + (f"  {SHARE_ALARM}" if r.get("share_alarm") else "")
             )
         for replica_id, slot in sorted(m["controller"].items()):
@@ -160,6 +168,17 @@ def render(models: list[dict]) -> str:
 
 def _costs(model: dict) -> bool:
     return any(r.get("step_costs") for r in model["replicas"])
+
+
+def _host(model: dict) -> bool:
+    return any(r.get("num_host_blocks") for r in model["replicas"])
+
+
+def _host_columns(row: dict) -> str:
+    """Its host tier: blocks in use of its size, and a restore's measured cost (- : not yet)."""
+    blocks = f"{row['num_host_used_blocks']}/{row['num_host_blocks']}"
+    restore = f"{row['restore_block_s'] * 1e6:.1f}" if row.get("restore_block_s") else "-"
+    return f"  host {blocks:>13} {restore:>8}"
 
 
 def _cost_columns(costs: dict[str, float]) -> str:

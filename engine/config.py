@@ -22,14 +22,32 @@ DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half",
 HOST_KV_SHARE = 0.5  # of the node's available memory, split between its GPUs, by default on CUDA
 
 
-def available_memory() -> int:
-    """The node's available memory in bytes (``MemAvailable``), 0 where it cannot be read."""
+# cgroup v2's and v1's memory limit and usage: a pod's, where /proc/meminfo shows its node's
+CGROUP_MEMORY = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def available_memory(meminfo: str = "/proc/meminfo", cgroups=CGROUP_MEMORY) -> int:
+    """The memory this process may still take, in bytes: the node's ``MemAvailable``, or
+    less where its cgroup (a Kubernetes pod's limit) leaves less; 0 where none can be read."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
+        with open(meminfo) as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        available = int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
         return 0
-    return int(line.split()[1]) * 1024
+    for limit_path, usage_path in cgroups:
+        try:
+            with open(limit_path) as f, open(usage_path) as g:
+                limit, usage = f.read().strip(), int(g.read())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # "max" (v2) or a huge number (v1): no limit of its own
+            available = min(available, max(0, int(limit) - usage))
+        break
+    return available
 
 
 def host_kv_gib(configured: float | None, device_type: str, gpus: int) -> tuple[float, str]:
@@ -54,6 +72,7 @@ class EngineConfig:
     host_kv_gib: float | None = option(
         None,
         per_model=True,
+        zero_unset=False,
         help="GiB of host memory for a second KV tier that blocks leaving the pool move to and come "
         "back from (0: off; default: a share of the node's free memory on CUDA, off on CPU)",
     )

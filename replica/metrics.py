@@ -25,7 +25,7 @@ from kvmesh.serving.metrics import (
 from kvmesh.serving.step_costs import TERMS
 
 if TYPE_CHECKING:
-    from kvmesh.engine.protocol import EngineStats
+    from kvmesh.engine.protocol import EngineStats, HostTierStats
     from kvmesh.engine.request import RequestOutput
 
 
@@ -94,6 +94,63 @@ class _EngineCollector:
         self.model_name = model_name
         self.stats = stats
 
+    def _host(self, host: HostTierStats):
+        """The host tier: its size and use, the copies in and out, what it served."""
+        families = (
+            (
+                GaugeMetricFamily,
+                "kvmesh_replica_host_kv_blocks",
+                "Blocks of the host KV tier",
+                host.num_blocks,
+            ),
+            (
+                GaugeMetricFamily,
+                "kvmesh_replica_host_kv_used_blocks",
+                "Host tier blocks holding KV",
+                host.num_used_blocks,
+            ),
+            (
+                GaugeMetricFamily,
+                "kvmesh_replica_host_kv_bytes",
+                "Host memory the host tier holds",
+                host.bytes,
+            ),
+            (
+                GaugeMetricFamily,
+                "kvmesh_replica_host_restore_block_seconds",
+                "A block's restore from the host tier lately, measured (0: none yet)",
+                host.restore_block_s or 0.0,
+            ),
+            (
+                CounterMetricFamily,
+                "kvmesh_replica_host_offloaded_blocks",
+                "Blocks copied to the host tier",
+                host.offloaded_blocks,
+            ),
+            (
+                CounterMetricFamily,
+                "kvmesh_replica_host_restored_blocks",
+                "Blocks copied back from the host tier",
+                host.restored_blocks,
+            ),
+            (
+                CounterMetricFamily,
+                "kvmesh_replica_host_restore_seconds",
+                "Time the restores took",
+                host.restore_seconds,
+            ),
+            (
+                CounterMetricFamily,
+                "kvmesh_replica_host_cached_prompt_tokens",
+                "Prompt tokens served from the host tier (of the prefix cache hits)",
+                host.hit_tokens,
+            ),
+        )
+        for kind, name, doc, value in families:
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
     def collect(self):
         s = self.stats()
         kv = s.kv
@@ -134,6 +191,8 @@ class _EngineCollector:
             "kvmesh_replica_kv_evictions": ("Cached blocks reused for new data", kv.evictions),
             "kvmesh_replica_cuda_graph_replays": ("Decode steps replayed from a CUDA graph", s.graph_replays),
         }
+        if s.host is not None:
+            yield from self._host(s.host)
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

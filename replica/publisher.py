@@ -245,4 +245,6 @@ class IndexPublisher:
             "cost_steps": stats.step_cost_samples,
             **({} if restore is None else {"cost_restore_block_s": f"{restore:.4g}"}),
             "cost_restore_blocks": stats.host.restored_blocks if stats.host else 0,
+            "num_host_blocks": stats.host.num_blocks if stats.host else 0,
+            "num_host_used_blocks": stats.host.num_used_blocks if stats.host else 0,
         }

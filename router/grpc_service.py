@@ -161,6 +161,9 @@ def _replica_infos(route: ModelRoute) -> list[pb.ReplicaInfo]:
                 model=route.api_name,
                 share_alarm=rec.replica_id in core.registry.alarm.on,
                 engine=rec.fields.get("engine", "kvmesh")[:16],  # a replica's own words: bounded
+                num_host_blocks=max(0, int(rec.load("num_host_blocks"))),
+                num_host_used_blocks=max(0, int(rec.load("num_host_used_blocks"))),
+                restore_block_s=e.restore_block_s or 0.0,
             )
         )
     return infos

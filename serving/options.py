@@ -9,7 +9,9 @@ Environment values follow one rule everywhere (flags included):
   - empty means unset (the field keeps its default);
   - booleans are ``1/true/yes/on`` or ``0/false/no/off`` (any case), anything else is an error;
   - for an optional number (``int | None``), ``0`` and ``auto`` mean unset too: the chart
-    writes ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own", ``KVMESH_BLOCK_SIZE=auto``.
+    writes ``KVMESH_MAX_MODEL_LEN=0`` for "the model's own", ``KVMESH_BLOCK_SIZE=auto``;
+    except where 0 is a setting of its own (``zero_unset=False``: ``--host-kv-gib 0`` is off,
+    unset is a default that may be on).
 No field holds a secret: tokens and passwords are files, and a field names the file.
 """
 
@@ -36,6 +38,7 @@ def option(
     factory: Any = dataclasses.MISSING,
     former: str | None = None,
     former_unit: int = 1,
+    zero_unset: bool = True,
 ) -> Any:
     """A config field: ``flag`` overrides the flag name derived from the field name (and so
     its ``KVMESH_<FLAG>`` variable); ``cli=False`` keeps it off the command line (set by the
@@ -52,6 +55,7 @@ def option(
         "per_model": per_model,
         "former": former,
         "former_unit": former_unit,
+        "zero_unset": zero_unset,
     }
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)

@@ -388,3 +388,11 @@ def test_vllms_own_parser_takes_the_offloading_flags(tmp_path):
     out = subprocess.run([vllm_python(), "-c", parse, *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "4.0 native {'self_describing_kv_events': True}"
+
+
+def test_host_kv_gib_zero_is_off_not_the_default():
+    """An optional number's 0 means unset (the chart's convention), except where 0 is a
+    setting of its own: --host-kv-gib 0 turns the tier off, where unset may turn it on."""
+    flag = TABLES["up"].flags["host-kv-gib"]
+    assert (flag.parse("0"), flag.parse("2.5"), flag.parse(""), flag.parse("auto")) == (0, 2.5, None, None)
+    assert TABLES["up"].flags["max-model-len"].parse("0") is None

@@ -5,6 +5,7 @@ import argparse
 import json
 
 import jsonschema
+import pytest
 from helm_chart import (
     CHART,
     SCHEMA,
@@ -266,3 +267,19 @@ def test_a_models_false_or_zero_wins_over_the_shared_setting(chart):
         (0, 0, 2),
         (1, 1, 1),
     ]
+
+
+def test_a_host_tier_reaches_the_replicas_for_all_models_or_one_and_null_keeps_the_default(chart):
+    def host(values: dict) -> list:
+        jsonschema.validate(chart.merge_values(values), SCHEMA)
+        return [c.replica.engine.host_kv_gib for c in controller_configs(render(chart, values))]
+
+    assert host({}) == [None]  # the engine's default (on a GPU: a share of the pod's memory)
+    assert host({"controller": {"engine": {"hostKvGib": 32}}}) == [32]
+    assert host({"controller": {"engine": {"hostKvGib": 0}}}) == [0]
+    values = values_of(CHART / "ci" / "multi-model-values.yaml")
+    values["controller"]["engine"]["hostKvGib"] = 16
+    values["models"][1]["engine"] = {"hostKvGib": 0}  # a model's 0 wins over the shared 16
+    assert host(values) == [16, 0]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(chart.merge_values({"controller": {"engine": {"hostKvGib": -1}}}), SCHEMA)

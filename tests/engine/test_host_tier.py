@@ -5,7 +5,7 @@ import pytest
 from reference import prompts_of_lengths
 
 from kvmesh.engine import LLMEngine, SamplingParams
-from kvmesh.engine.config import GiB
+from kvmesh.engine.config import GiB, available_memory, host_kv_gib
 from kvmesh.kvcache import replay
 from kvmesh.kvcache.events import HOST
 
@@ -89,3 +89,19 @@ def engine_hashes(engine: LLMEngine, prompt: list[int]) -> list[int]:
     from kvmesh.kvcache import block_hashes
 
     return block_hashes(prompt[: (len(prompt) - 1) // BLOCK * BLOCK], BLOCK, engine.hash_seed)
+
+
+def test_the_default_host_tier_fits_in_a_pods_memory_limit_not_its_nodes(tmp_path):
+    """On a GPU the default is a share of the memory the process may still take: in a pod
+    that is its cgroup's limit less its usage, not the node's MemAvailable."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 2097152000 kB\nMemAvailable: 1048576000 kB\n")  # a 1000 GiB node
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(f"{64 * GiB}\n")
+    usage.write_text(f"{16 * GiB}\n")
+    assert available_memory(str(meminfo), [(str(limit), str(usage))]) == 48 * GiB
+    limit.write_text("max\n")  # no limit of its own: the node's
+    assert available_memory(str(meminfo), [(str(limit), str(usage))]) == 1000 * GiB
+    assert available_memory(str(meminfo), [(str(tmp_path / "none"), str(usage))]) == 1000 * GiB
+    assert available_memory(str(tmp_path / "none")) == 0
+    assert host_kv_gib(None, "cpu", 0)[0] == 0 and host_kv_gib(2.5, "cuda", 8) == (2.5, "host_kv_gib=2.5")

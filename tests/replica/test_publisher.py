@@ -8,9 +8,10 @@ import pytest
 from helpers import eventually
 from reference import prompts_of_lengths
 
+from kvmesh.cli import status
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
 from kvmesh.engine import SamplingParams
-from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.config import EngineConfig, GiB
 from kvmesh.kvcache import block_hashes
 from kvmesh.kvcache.events import HOST
 from kvmesh.protos import pb
@@ -18,6 +19,7 @@ from kvmesh.replica.backend import usage
 from kvmesh.replica.config import ReplicaConfig
 from kvmesh.replica.process import ReplicaServer
 from kvmesh.router.decision import Decision
+from kvmesh.serving.metrics import read_samples
 
 pytestmark = pytest.mark.servers  # starts Redis, Ray, servers or kvmesh processes
 
@@ -117,29 +119,59 @@ async def test_buffer_overflow_while_redis_is_down_then_resync(served):
     assert len(await server.engine.call(lambda e: e.block_manager.cached_hashes())) == 6
 
 
+async def index_matches_tiers(server) -> bool:
+    """The index holds exactly the replica's device and host tiers (a host tier in use)."""
+    device, host = await server.engine.call(
+        lambda e: (e.block_manager.cached_hashes(), e.block_manager.host.cached_hashes())
+    )
+    index = server.publisher.index
+    return (
+        not server.publisher.dirty
+        and (await index.snapshot())["pub-test"] == device
+        and (await index.snapshot(HOST))["pub-test"] == host
+        and bool(host)
+    )
+
+
+async def test_a_block_that_leaves_both_tiers_leaves_the_index(qwen3_dir):
+    block_bytes = 8192  # the tiny model's (checked below): a host tier of 6 blocks
+    async with replica(qwen3_dir, num_kv_blocks=8, host_kv_gib=6 * block_bytes / GiB) as (server, _):
+        assert await server.engine.call(
+            lambda e: (e.runner.block_bytes, e.block_manager.host.num_blocks)
+        ) == (
+            block_bytes,
+            6,
+        )
+        prompts = prompts_of_lengths([80, 96, 96, 96, 96], salt=31)
+        for prompt in prompts:
+            await run_prompt(server, prompt)
+        assert await eventually(lambda: index_matches_tiers(server))
+        first = set(block_hashes(prompts[0], 16, server.publisher.index.hash_seed))
+        held = await server.engine.call(
+            lambda e: e.block_manager.cached_hashes() | e.block_manager.host.cached_hashes()
+        )
+        assert not first & held  # pushed out of the device, then out of the host
+        index = server.publisher.index
+        assert not first & ((await index.snapshot())["pub-test"] | (await index.snapshot(HOST))["pub-test"])
+
+
+async def run_prompt(server, prompt: list[int]) -> None:
+    async for _ in server.engine.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ):
+        pass
+
+
 async def test_a_host_tier_is_published_and_resynced_with_the_device_tier(qwen3_dir):
     """Blocks pushed out of a small device pool land in the host tier and in the index's host
     bitmaps; a router's view counts them after the device's; a resync publishes both tiers."""
-    async with replica(qwen3_dir, num_kv_blocks=8, host_kv_gib=0.002) as (server, _):
+    async with replica(qwen3_dir, num_kv_blocks=8, host_kv_gib=0.002) as (server, redis):
         prompts = prompts_of_lengths([80, 96, 96], salt=21)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         for prompt in prompts:
-            async for _ in server.engine.generate(prompt, params):
-                pass
+            await run_prompt(server, prompt)
 
-        async def tiers_match(server=server) -> bool:
-            device, host = await server.engine.call(
-                lambda e: (e.block_manager.cached_hashes(), e.block_manager.host.cached_hashes())
-            )
-            index = server.publisher.index
-            return (
-                not server.publisher.dirty
-                and (await index.snapshot())["pub-test"] == device
-                and (await index.snapshot(HOST))["pub-test"] == host
-                and bool(host)
-            )
-
-        assert await eventually(tiers_match)
+        assert await eventually(lambda: index_matches_tiers(server))
         first = block_hashes(prompts[0], 16, server.publisher.index.hash_seed)
         view = await server.publisher.index.routing_view(first)
         assert view.tiered["pub-test"] == len(first) > view.matched.get("pub-test", 0)
@@ -162,7 +194,21 @@ async def test_a_host_tier_is_published_and_resynced_with_the_device_tier(qwen3_
             return measured and record.load("cost_restore_block_s") > 0
 
         assert await eventually(restores_priced)
+        stats = server.engine.stats().host
+        samples = read_samples(server.backend.render_metrics().decode())
+        assert samples[("kvmesh_replica_host_kv_blocks", ())] == stats.num_blocks > 0
+        assert samples[("kvmesh_replica_host_kv_used_blocks", ())] == stats.num_used_blocks > 0
+        assert samples[("kvmesh_replica_host_restored_blocks_total", ())] == stats.restored_blocks > 0
+        assert samples[("kvmesh_replica_host_cached_prompt_tokens_total", ())] == stats.hit_tokens > 0
+        assert samples[("kvmesh_replica_host_restore_block_seconds", ())] > 0
+        (model,) = await status.from_index(redis.url)  # kvmesh status, read from the index
+        (row,) = model["replicas"]
+        assert (row["num_host_blocks"], row["num_host_used_blocks"]) == (
+            stats.num_blocks,
+            stats.num_used_blocks,
+        )
+        assert f"{stats.num_used_blocks}/{stats.num_blocks}" in status.render([model]).split("host")[-1]
         incarnation = server.publisher.incarnation
         await server.publisher.resync("a test asks")
         assert server.publisher.incarnation > incarnation
-        assert await eventually(tiers_match)
+        assert await eventually(lambda: index_matches_tiers(server))

@@ -385,6 +385,7 @@ env:
 {{- if eq (index . 1) "controller" -}}
 {{- $e := $m.engine -}}
 {{- $parts = concat $parts (list (printf "replicas=%v" $m.replicas) (printf "max-num-seqs=%v" $e.maxNumSeqs) (printf "max-num-batched-tokens=%v" $e.maxNumBatchedTokens) (printf "gpu-memory-utilization=%v" $e.gpuMemoryUtilization) (printf "num-kv-blocks=%v" $e.numKvBlocks)) -}}
+{{- if not (kindIs "invalid" $e.hostKvGib) }}{{ $parts = append $parts (printf "host-kv-gib=%v" $e.hostKvGib) }}{{ end -}}
 {{- with $e.dtype }}{{ $parts = append $parts (printf "dtype=%s" .) }}{{ end -}}
 {{- with $e.attentionBackend }}{{ $parts = append $parts (printf "attention-backend=%s" .) }}{{ end -}}
 {{- if $e.enforceEager }}{{ $parts = append $parts "enforce-eager=true" }}{{ end -}}

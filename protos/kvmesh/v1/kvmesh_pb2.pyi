@@ -238,7 +238,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause", "model", "share_alarm", "engine")
+    __slots__ = ("replica_id", "address", "incarnation", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "tokens_per_s", "heartbeat_age_s", "index_state", "index_state_cause", "model", "share_alarm", "engine", "num_host_blocks", "num_host_used_blocks", "restore_block_s")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,9 @@ class ReplicaInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARE_ALARM_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_BLOCK_S_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     incarnation: int
@@ -267,7 +270,10 @@ class ReplicaInfo(_message.Message):
     model: str
     share_alarm: bool
     engine: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., model: _Optional[str] = ..., share_alarm: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
+    num_host_blocks: int
+    num_host_used_blocks: int
+    restore_block_s: float
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., index_state: _Optional[str] = ..., index_state_cause: _Optional[str] = ..., model: _Optional[str] = ..., share_alarm: _Optional[bool] = ..., engine: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., num_host_used_blocks: _Optional[int] = ..., restore_block_s: _Optional[float] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas", "controller_state", "index_state", "index_state_cause", "failing_loops")
