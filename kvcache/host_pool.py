@@ -95,6 +95,9 @@ class HostPool:
         slot = self._free.pop() if self._free else self._evict(keep=self._table.get(block.parent))
         if slot is None:
             return None  # every other slot is pinned: the block is not kept
+        if block.hash != block.root and block.parent not in self._table and not self.on_device(block.parent):
+            self._free.append(slot)  # the room was made by evicting an ancestor, and its parent with it
+            return None
         self._slots[slot] = block
         self._table[block.hash] = slot
         self._children.setdefault(block.parent, set()).add(block.hash)

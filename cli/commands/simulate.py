@@ -120,17 +120,8 @@ def _speeds(text: str | None) -> list[float] | None:
 CEILING_MAX_REQUESTS = 200_000  # the infinite-cache ceiling keeps every hash: skipped past this
 
 
-def simulate(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    from kvmesh.router.policies import POLICIES
-
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not policies:
-        raise ValueError(
-            f"unknown policy {unknown[0] if unknown else ''!r}; known: {', '.join(sorted(POLICIES))}"
-        )
+def _check_fleet(args: argparse.Namespace) -> None:
+    """ValueError (a usage error) naming the first fleet flag out of its range."""
     if (
         args.replicas <= 0
         or args.block_size <= 0
@@ -146,6 +137,20 @@ def simulate(args: argparse.Namespace) -> int:
         raise ValueError("--restore-token-s must be a number >= 0")
     if not 0 <= args.fit_noise < 1 or not 0 <= args.drift < math.inf:
         raise ValueError("--fit-noise must be in [0, 1) and --drift must not be negative")
+
+
+def simulate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from kvmesh.router.policies import POLICIES
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(
+            f"unknown policy {unknown[0] if unknown else ''!r}; known: {', '.join(sorted(POLICIES))}"
+        )
+    _check_fleet(args)
     args.speeds = _speeds(args.speeds)
     if args.load is not None and (args.load <= 0 or args.rate is not None or not args.workload or args.trace):
         raise ValueError("--load needs a generated --workload, no --rate or --trace, and a positive fraction")

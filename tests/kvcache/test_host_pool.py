@@ -61,6 +61,10 @@ def test_room_for_a_block_is_never_made_by_evicting_its_parent():
     one = HostPool(1, 1)
     one.store(block(1))
     assert one.store(block(2, parent=1)) is None and one.cached_hashes() == {1}  # no room but its parent's
+    two = HostPool(2, 1)  # a chain 1 <- 2 whose head is the least recently used: making room for 3
+    two.store(block(1))  # evicts 1, which takes 2 with it, and 3 could never be reached
+    two.store(block(2, parent=1))
+    assert two.store(block(3, parent=2)) is None and two.cached_hashes() == set()
 
 
 def test_pinned_slots_are_never_evicted():
