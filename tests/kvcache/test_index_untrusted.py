@@ -3,8 +3,6 @@ request fail). Every role's functions can write only what the role may write raw
 defect here is one a router or replica user could cause; each test failed on the code before
 the index read entries one at a time and its functions stopped trusting shared keys."""
 
-import itertools
-
 import pytest
 
 from kvmesh.kvcache import BlockStored
@@ -13,15 +11,12 @@ from kvmesh.kvcache.index.redis import RedisPrefixIndex
 pytestmark = pytest.mark.servers
 
 CHAIN = [101, 102, 103]
-_models = itertools.count()
 
 
 @pytest.fixture
-async def index(redis_server):
-    idx = RedisPrefixIndex.from_url(redis_server.url, f"untrusted-{next(_models)}", 16, 1234)
-    await idx.ensure_settings()
-    yield idx
-    await idx.close()
+def index(redis_index):
+    """The server's index only: what these tests write is raw Redis."""
+    return redis_index
 
 
 async def two_replicas(index: RedisPrefixIndex) -> dict[str, int]:
