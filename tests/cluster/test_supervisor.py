@@ -40,6 +40,7 @@ def index_for(redis_url: str, model_id: str) -> RedisPrefixIndex:
     return RedisPrefixIndex.from_url(redis_url, model_id, 16, namespace_seed(model_id, 16))
 
 
+@pytest.mark.heavy  # the supervisor over real Ray actors: a deployment's worth of set-up
 async def test_a_new_supervisor_reattaches_and_replaces_only_what_changed(
     ray_cluster, qwen3_dir, valkey_server
 ):
@@ -64,6 +65,7 @@ async def test_a_new_supervisor_reattaches_and_replaces_only_what_changed(
     await index.close()
 
 
+@pytest.mark.heavy  # the supervisor over real Ray actors: a deployment's worth of set-up
 async def test_a_models_replicas_run_only_where_its_ray_resource_is(ray_cluster, qwen3_dir, valkey_server):
     """Each model's worker group offers a Ray resource of its own (the chart): its replicas
     take one each, so they land on its nodes (the only ones with its model folder) or wait."""
@@ -93,6 +95,7 @@ async def test_a_models_replicas_run_only_where_its_ray_resource_is(ray_cluster,
     await index.close()
 
 
+@pytest.mark.heavy  # the supervisor over real Ray actors: a deployment's worth of set-up
 async def test_a_failed_restart_is_retried_with_backoff_and_reported(ray_cluster, qwen3_dir, valkey_server):
     index = index_for(valkey_server.url, "backoff")
     sup = Supervisor(
@@ -124,6 +127,7 @@ async def test_a_failed_restart_is_retried_with_backoff_and_reported(ray_cluster
     await index.close()
 
 
+@pytest.mark.heavy  # the supervisor over real Ray actors: a deployment's worth of set-up
 async def test_a_broken_engine_is_replaced_in_parallel_and_the_watch_survives_errors(
     ray_cluster, qwen3_dir, valkey_server
 ):
@@ -174,6 +178,7 @@ async def test_a_broken_engine_is_replaced_in_parallel_and_the_watch_survives_er
     await index.close()
 
 
+@pytest.mark.heavy  # the supervisor over real Ray actors: a deployment's worth of set-up
 async def test_controller_killed_and_restarted_under_load_loses_no_request(
     ray_cluster, qwen3_dir, valkey_server, tmp_path
 ):
