@@ -62,6 +62,7 @@ class ReplicaEntry:
     costs: StepCosts | None = None  # its measured step costs, as of its last heartbeat (None: not yet)
     priced: StepCosts = PRIOR  # what the policy prices it at (``router/pricing.py``)
     restore_block_s: float | None = None  # its measured restore of a host block (None: not yet)
+    restore_priced: float = PRIOR_RESTORE_BLOCK_S  # what the policy prices that restore at
     step_tokens: int = DEFAULT_STEP_TOKENS  # its chunked-prefill budget, from its record
     http: ReplicaHttp | None = None  # its OpenAI port, where the router can reach it (SSE relay)
     closed_because: str = ""  # why it was closed under its calls: what their errors say
@@ -207,8 +208,12 @@ class ReplicaRegistry:
                 entry.probing = True
                 self._probes.add(asyncio.create_task(self._end_if_silent(entry), name=f"kvmesh-probe-{gone}"))
         prices = self.prices.update((_measured(e) for e in self.entries.values()), now)
+        # a replica that has not measured a restore yet: the median of those that have
+        measured = [e.restore_block_s for e in self.entries.values() if e.restore_block_s is not None]
+        restore_s = statistics.median(measured) if measured else PRIOR_RESTORE_BLOCK_S
         for rid, entry in self.entries.items():
             entry.priced = prices[rid]
+            entry.restore_priced = restore_s if entry.restore_block_s is None else entry.restore_block_s
         await self._close_idle_retired()
 
     async def _end_if_silent(self, entry: ReplicaEntry) -> None:
@@ -285,19 +290,15 @@ class ReplicaRegistry:
     ) -> list[ReplicaState]:
         """The live replicas as the policy sees them. ``fleet``: every router's in-flight
         work from the index (None: this router's own counts); ``tiered``: the blocks each
-        holds counting its host tier. A replica that has not measured a restore yet is priced
-        at the median of those that have (the prior before any has)."""
+        holds counting its host tier."""
         now = time.monotonic()
-        live = self.live()
-        measured = [e.restore_block_s for e in live if e.restore_block_s is not None]
-        restore_s = statistics.median(measured) if measured else PRIOR_RESTORE_BLOCK_S
         tiered = tiered or {}
         return [
             ReplicaState(
                 replica_id=e.record.replica_id,
                 matched_blocks=matched.get(e.record.replica_id, 0),
                 tiered_blocks=tiered.get(e.record.replica_id, 0),
-                restore_block_s=restore_s if e.restore_block_s is None else e.restore_block_s,
+                restore_block_s=e.restore_priced,
                 **self._inflight(e, fleet),
                 recent_blocks=e.load.recent.value(now),
                 num_running=int(e.record.load("num_running")),
@@ -306,7 +307,7 @@ class ReplicaRegistry:
                 step_tokens=e.step_tokens,
                 share_alarm=e.record.replica_id in self.alarm.on,
             )
-            for e in live
+            for e in self.live()
         ]
 
     def _inflight(self, e: ReplicaEntry, fleet: dict[str, FleetWork] | None) -> dict[str, float]:
