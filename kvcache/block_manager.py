@@ -486,13 +486,11 @@ class BlockManager:
         """Block ``b``'s hash leaves the device: keep it in the host tier (copied once)."""
         if self.host is None:
             return
-        h, parent = self._hash[b], self._parent[b]
-        if parent != self.seed and parent not in self._table and self.host.find_any(parent) is None:
-            return  # its parent left both tiers: no match could reach it
-        slot = self.host.store(HostBlock(h, parent, self._root[b], self._tokens[b]))
+        h = self._hash[b]
+        slot = self.host.store(HostBlock(h, self._parent[b], self._root[b], self._tokens[b]))
         if slot is not None:
             self._transfers.append(Transfer(OFFLOAD, b, slot))
-        elif self.host.find_any(h) is None:  # not kept (every slot pinned): it leaves both tiers
+        elif self.host.find_any(h) is None:  # not kept: it leaves both tiers, with its host descendants
             self.host.left_both(h)
 
     def _unhash(self, b: int, removed: list[tuple[int, int]]) -> None:

@@ -85,17 +85,21 @@ class HostPool:
 
     def store(self, block: HostBlock) -> int | None:
         """A slot for ``block`` leaving the device (the caller copies its KV there), or None
-        when the pool has it already (then it only becomes the most recently used)."""
+        when the pool has it already (then it only becomes the most recently used) or does
+        not keep it: every other slot is pinned, or its parent is in neither tier (no match
+        could reach it)."""
         held = self._table.get(block.hash)
         if held is not None:
             self._lru.move_to_end(held)
+            return None
+        if not self._reachable(block):
             return None
         # The block's parent, when only this tier holds it, must outlive the eviction that
         # makes room: evicted, it would leave the new block unreachable.
         slot = self._free.pop() if self._free else self._evict(keep=self._table.get(block.parent))
         if slot is None:
-            return None  # every other slot is pinned: the block is not kept
-        if block.hash != block.root and block.parent not in self._table and not self.on_device(block.parent):
+            return None
+        if not self._reachable(block):
             self._free.append(slot)  # the room was made by evicting an ancestor, and its parent with it
             return None
         self._slots[slot] = block
@@ -106,6 +110,10 @@ class HostPool:
         if self.enable_events:
             self._events.append(BlockStored((block.hash,), block.parent, self.block_size, block.root, HOST))
         return slot
+
+    def _reachable(self, block: HostBlock) -> bool:
+        """Whether a match could reach ``block``: it starts a chain, or a tier holds its parent."""
+        return block.hash == block.root or block.parent in self._table or self.on_device(block.parent)
 
     def pin(self, slots: list[int]) -> None:
         """Keep ``slots`` from eviction until ``unpin``: blocks leaving the device while a
