@@ -46,6 +46,8 @@ class CostModel:
         return asdict(self)
 
 
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 128 * 1024  # 32 layers x 8 KV heads x 128 dims x K and V x 2 bytes
+
 # An H100-SXM-class replica serving an 8B Llama-3 in bf16: the step costs are the prior every
 # replica starts from (serving/step_costs.py, public figures); ~55 GB left for KV after
 # weights and activations = ~420k tokens.
@@ -56,7 +58,7 @@ H100_LLAMA3_8B = CostModel(
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     source="public H100 / Llama-3-8B figures, see serving/step_costs.py",
-    restore_token_s=128 * 1024 / 50e9,  # 128 KiB of KV a token over a ~50 GB/s pinned PCIe Gen5 link
+    restore_token_s=LLAMA3_8B_KV_BYTES_PER_TOKEN / 50e9,  # over a ~50 GB/s pinned PCIe Gen5 link
 )
 # One CPU replica of the demo's tiny Qwen3 on a 2-core machine, as the peers bench's replicas
 # fit it: small batches, a pool that holds a few shared prefixes.

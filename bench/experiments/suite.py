@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.bench.experiments.cost_model import H100_LLAMA3_8B, CostModel
+from kvmesh.bench.experiments.cost_model import H100_LLAMA3_8B, LLAMA3_8B_KV_BYTES_PER_TOKEN, CostModel
 from kvmesh.bench.experiments.fidelity import SECTION as FIDELITY_SECTION
 from kvmesh.bench.experiments.sim_many_routers import SECTION as ROUTERS_SECTION
 from kvmesh.bench.experiments.simulator import Simulation
@@ -55,13 +55,12 @@ def _simulate(requests, replicas: int, cost: CostModel, policies=ALL_POLICIES, l
 # (a PCIe Gen4 x16 link's practical rate), against free copies and against no host tier.
 HOST_TIER_FACTOR = 3
 HOST_LINK_BYTES_PER_S = 25e9
-KV_BYTES_PER_TOKEN = 128 * 1024  # the cost model's 8B Llama-3 in bf16
 
 
 def host_tiers(requests: list, cost: CostModel, log=print) -> dict:
     """The prefix policy on W1 1x/8 with and without host tiers, restores priced and free."""
     device_blocks = cost.kv_tokens_per_replica // BLOCK
-    priced = dataclasses.replace(cost, restore_token_s=KV_BYTES_PER_TOKEN / HOST_LINK_BYTES_PER_S)
+    priced = dataclasses.replace(cost, restore_token_s=LLAMA3_8B_KV_BYTES_PER_TOKEN / HOST_LINK_BYTES_PER_S)
     cells = {
         "device only": (cost, 0),
         f"host {HOST_TIER_FACTOR}x, {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s": (
